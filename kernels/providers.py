@@ -1,0 +1,178 @@
+"""GEMM providers: every kernel loka can call for a site, behind one registry.
+
+A provider computes `a @ b (+ bias)` from FP8 operands already quantized with scales
+along K (see `quantize.py` for the scale convention). It declares what it supports, and
+`select` returns the providers that can run a given request. The high-precision path is
+not a provider here: a site that does not go FP8 keeps its original ATen op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from .quantize import Fp8Format, Scaling, dequantize, expand_block_scale
+
+GemmFn = Callable[..., torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRequest:
+    """What a site asks of a provider."""
+
+    device: torch.device
+    scaling: Scaling
+    a_format: Fp8Format
+    b_format: Fp8Format
+    out_dtype: torch.dtype
+    batched: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmProvider:
+    """One FP8 GEMM implementation.
+
+    `gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype)` takes a_q [.., M, K], b_q [.., K, N]
+    and returns [.., M, N] in out_dtype. `available(device)` says whether the hardware
+    and libraries are there; `supports(request)` whether this kind of call is.
+    """
+
+    name: str
+    scalings: frozenset
+    batched: bool
+    emulated: bool
+    available: Callable[[torch.device], bool]
+    gemm: GemmFn
+    # (a_format, b_format) pairs the kernel accepts; None means any.
+    format_pairs: Optional[frozenset] = None
+    description: str = ""
+
+    def __post_init__(self):
+        if not self.name or not self.name.replace("_", "").isalnum():
+            raise ValueError(f"provider name must be a non-empty identifier, got {self.name!r}")
+        bad = [s for s in self.scalings if not isinstance(s, Scaling)]
+        if not self.scalings or bad:
+            raise ValueError(f"provider {self.name}: scalings must be a non-empty set of Scaling, got {self.scalings!r}")
+        if not callable(self.available) or not callable(self.gemm):
+            raise ValueError(f"provider {self.name}: available and gemm must be callable")
+
+    def supports(self, request: GemmRequest) -> bool:
+        if request.scaling not in self.scalings:
+            return False
+        if request.batched and not self.batched:
+            return False
+        if self.format_pairs is not None and (request.a_format, request.b_format) not in self.format_pairs:
+            return False
+        return self.available(request.device)
+
+
+_REGISTRY: dict[str, GemmProvider] = {}
+
+
+def register(provider: GemmProvider, *, replace: bool = False) -> GemmProvider:
+    if provider.name in _REGISTRY and not replace:
+        raise ValueError(f"a GEMM provider named {provider.name!r} is already registered")
+    _REGISTRY[provider.name] = provider
+    return provider
+
+
+def get(name: str) -> GemmProvider:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown GEMM provider {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def select(request: GemmRequest) -> list[GemmProvider]:
+    """Providers able to run the request, real FP8 kernels before emulation."""
+    found = [p for p in _REGISTRY.values() if p.supports(request)]
+    return sorted(found, key=lambda p: (p.emulated, p.name))
+
+
+# ---- emulation: same quantized operands, fp32 matmul --------------------------------
+
+def _emulated_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
+    if a_scale.dim() == 2 and a_q.dim() == 2 and a_scale.shape[-1] > 1 and a_scale.shape != a_q.shape:
+        # blockwise: 1x128 tiles on A, 128x128 tiles on B
+        a = a_q.float() * expand_block_scale(a_scale, tuple(a_q.shape), (1, 128))
+        b = b_q.float() * expand_block_scale(b_scale, tuple(b_q.shape), (128, 128))
+    else:
+        a = dequantize(a_q, a_scale)
+        b = dequantize(b_q, b_scale)
+    out = torch.matmul(a, b)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+register(GemmProvider(
+    name="emulated",
+    scalings=frozenset(Scaling),
+    batched=True,
+    emulated=True,
+    available=lambda device: True,
+    gemm=_emulated_gemm,
+    description="FP8 emulation: the reference quantization, then an fp32 matmul",
+))
+
+
+# ---- cuBLASLt through torch._scaled_mm ------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _cuda_fp8_capable(index: int) -> bool:
+    major, minor = torch.cuda.get_device_capability(index)
+    return (major, minor) >= (8, 9)
+
+
+def has_fp8_hardware(device: torch.device) -> bool:
+    """True on CUDA devices with FP8 tensor cores (sm89 and newer)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _cuda_fp8_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _scaled_mm_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
+    # cuBLASLt wants A row-major and B column-major.
+    a_q = a_q.contiguous()
+    b_q = b_q.t().contiguous().t()
+    # Rowwise scaling on sm90 produces bf16 only; other outputs are cast from it.
+    mm_dtype = torch.bfloat16 if a_scale.numel() > 1 else out_dtype
+    out = torch._scaled_mm(a_q, b_q, scale_a=a_scale.float().contiguous(), scale_b=b_scale.float().contiguous(),
+                           out_dtype=mm_dtype)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.to(out_dtype)
+
+
+_E4M3, _E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
+
+register(GemmProvider(
+    name="scaled_mm_tensorwise",
+    scalings=frozenset({Scaling.TENSORWISE}),
+    batched=False,
+    emulated=False,
+    available=has_fp8_hardware,
+    gemm=_scaled_mm_gemm,
+    # cuBLASLt rejects e5m2 x e5m2.
+    format_pairs=frozenset({(_E4M3, _E4M3), (_E4M3, _E5M2), (_E5M2, _E4M3)}),
+    description="cuBLASLt FP8 GEMM via torch._scaled_mm, one scale per tensor",
+))
+
+register(GemmProvider(
+    name="scaled_mm_rowwise",
+    scalings=frozenset({Scaling.ROWWISE}),
+    batched=False,
+    emulated=False,
+    available=has_fp8_hardware,
+    gemm=_scaled_mm_gemm,
+    format_pairs=frozenset({(_E4M3, _E4M3)}),
+    description="FP8 GEMM via torch._scaled_mm, one scale per row of A and per column of B",
+))

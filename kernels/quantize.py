@@ -1,0 +1,140 @@
+"""FP8 quantization: formats, scales, and the pure-PyTorch reference casts.
+
+Scale convention (the one `torch._scaled_mm` uses): a quantized tensor `q` with scale
+`s` stands for `q.float() * s`, so `s = amax / fp8_max`.
+
+Non-finite amax policy: an inf or NaN anywhere in a scaling group makes that group's
+scale NaN, so the whole group dequantizes to NaN. Such an input would already make the
+high-precision GEMM non-finite; NaN keeps the failure loud instead of producing finite
+garbage (an inf amax would otherwise give scale inf and quantized zeros). An all-zero
+group gets scale 1 (its quantized values are exact zeros).
+
+Every quantizer here is the reference that emulation uses and that loka's Triton kernels
+must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class Fp8Format(str, enum.Enum):
+    """FP8 element formats. e4m3 keeps precision, e5m2 keeps range (gradients)."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is Fp8Format.E4M3 else torch.float8_e5m2
+
+    @property
+    def max(self) -> float:
+        return float(torch.finfo(self.dtype).max)
+
+
+class Scaling(str, enum.Enum):
+    """How one scale is shared: one per tensor, one per row of A / column of B, or per
+    block (1x128 on activations, 128x128 on weights)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    BLOCKWISE = "blockwise"
+
+
+# Floor on amax so that tiny groups do not produce a denormal or infinite reciprocal.
+AMAX_EPS = 1e-12
+
+
+def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> torch.Tensor:
+    """fp32 dequantization scale from an fp32 amax, with the non-finite policy above."""
+    amax = amax.float()
+    scale = torch.clamp(amax, min=AMAX_EPS) / fmt.max
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    if power_of_two:
+        # Round the scale up to a power of two so that scaling is exact in any format.
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Saturating cast of x / scale to fmt (scale broadcasts against x)."""
+    y = x.float() / scale
+    y = torch.clamp(y, -fmt.max, fmt.max)
+    return y.to(fmt.dtype)
+
+
+def quantize_tensorwise(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False):
+    """One scale for the whole tensor; amax stays on the device (no host sync).
+    Returns (q, scale) with scale a 0-d fp32 tensor."""
+    amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    amax = torch.where(torch.isnan(x).any(), torch.full_like(amax, float("nan")), amax) if x.numel() else amax
+    scale = scale_from_amax(amax, fmt, power_of_two)
+    return cast_with_scale(x, scale, fmt), scale
+
+
+def quantize_along(x: torch.Tensor, dim: int, fmt: Fp8Format, power_of_two: bool = False):
+    """One scale per slice reduced along `dim` (the GEMM's K axis for that operand).
+
+    For A [M, K] use dim=-1 (one scale per row, shape [M, 1]); for B [K, N] use dim=-2
+    (one scale per column, shape [1, N]). Returns (q, scale) with keepdim scales."""
+    xf = x.detach().float()
+    amax = xf.abs().amax(dim=dim, keepdim=True)
+    # amax ignores NaN on some backends; the policy needs NaN to win.
+    amax = torch.where(torch.isnan(xf).any(dim=dim, keepdim=True), torch.full_like(amax, float("nan")), amax)
+    scale = scale_from_amax(amax, fmt, power_of_two)
+    return cast_with_scale(x, scale, fmt), scale
+
+
+def quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int, fmt: Fp8Format,
+                       power_of_two: bool = False):
+    """One scale per [block_rows, block_cols] tile of a 2-D tensor (ragged edge tiles
+    allowed). Returns (q, scale) with scale of shape [ceil(R/br), ceil(C/bc)]."""
+    if x.dim() != 2:
+        raise ValueError(f"blockwise quantization takes a 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    n_rb, n_cb = -(-rows // block_rows), -(-cols // block_cols)
+    xf = x.detach().float()
+    padded = torch.zeros(n_rb * block_rows, n_cb * block_cols, dtype=torch.float32, device=x.device)
+    padded[:rows, :cols] = xf
+    tiles = padded.view(n_rb, block_rows, n_cb, block_cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    has_nan = torch.isnan(tiles).any(dim=3).any(dim=1)
+    amax = torch.where(has_nan, torch.full_like(amax, float("nan")), amax)
+    scale = scale_from_amax(amax, fmt, power_of_two)
+    full_scale = scale.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[:rows, :cols]
+    return cast_with_scale(x, full_scale, fmt), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 value of a quantized tensor with a broadcastable scale."""
+    return q.float() * scale
+
+
+def quantize_operands(a: torch.Tensor, b: torch.Tensor, scaling: Scaling,
+                      a_format: Fp8Format, b_format: Fp8Format, power_of_two: bool = False):
+    """Quantize the two operands of a @ b ([..., M, K] @ [..., K, N]) with scales along K.
+
+    Returns (a_q, a_scale, b_q, b_scale). Tensorwise scales are 0-d; rowwise scales are
+    [..., M, 1] and [..., 1, N]; blockwise uses 1x128 tiles on A and 128x128 tiles on B
+    (2-D operands only)."""
+    if scaling is Scaling.TENSORWISE:
+        a_q, a_s = quantize_tensorwise(a, a_format, power_of_two)
+        b_q, b_s = quantize_tensorwise(b, b_format, power_of_two)
+    elif scaling is Scaling.ROWWISE:
+        a_q, a_s = quantize_along(a, -1, a_format, power_of_two)
+        b_q, b_s = quantize_along(b, -2, b_format, power_of_two)
+    elif scaling is Scaling.BLOCKWISE:
+        a_q, a_s = quantize_blockwise(a, 1, 128, a_format, power_of_two)
+        b_q, b_s = quantize_blockwise(b, 128, 128, b_format, power_of_two)
+    else:
+        raise ValueError(f"unknown scaling {scaling!r}; valid: {[s.value for s in Scaling]}")
+    return a_q, a_s, b_q, b_s
+
+
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """Per-element scale of a blockwise-quantized 2-D tensor."""
+    rows, cols = shape
+    return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]

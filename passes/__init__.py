@@ -1,0 +1,41 @@
+"""loka's graph passes, in the one order they run.
+
+Each pass is `fn(graph, ctx) -> int` (how many things it found or changed), lives in a
+file named after it, and runs under its name: the `loka.passes` logger at DEBUG prints
+the graph before and after each pass.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .context import Decision, GraphKind, PassContext, Reason, Role, Site
+from .dispatch_sites import dispatch_sites
+from .find_sites import find_sites, graph_kind
+from .lower import lower
+from .probe import probe
+
+log = logging.getLogger("loka.passes")
+
+PIPELINE = (
+    ("find_sites", find_sites),
+    ("dispatch_sites", dispatch_sites),
+    ("probe", probe),
+    ("lower", lower),
+)
+
+
+def run_passes(graph: torch.fx.Graph, ctx: PassContext) -> PassContext:
+    for name, fn in PIPELINE:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s/%s before %s:\n%s", ctx.graph, ctx.kind.value, name, graph)
+        ctx.changes[name] = fn(graph, ctx)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s/%s after %s (%d):\n%s", ctx.graph, ctx.kind.value, name, ctx.changes[name], graph)
+    graph.lint()
+    return ctx
+
+
+__all__ = ["PIPELINE", "run_passes", "graph_kind", "Decision", "GraphKind", "PassContext", "Reason", "Role", "Site"]

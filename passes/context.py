@@ -1,0 +1,98 @@
+"""What passes share: the site record, the Dispatch decision, the fallback reasons, and the
+per-graph context a pass reads and writes. Passes never import the backend; the backend
+fills `PassContext.decide` with Dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable, Optional, Union
+
+import torch
+
+Dim = Union[int, str]  # a concrete size, or a symbolic one such as "s0" or "8*s0"
+
+
+class Role(str, enum.Enum):
+    """What a GEMM computes in training: the forward product, the gradient of its
+    activation input (dgrad), or the gradient of its weight (wgrad)."""
+
+    FWD = "fwd"
+    DGRAD = "dgrad"
+    WGRAD = "wgrad"
+
+
+class GraphKind(str, enum.Enum):
+    FORWARD = "forward"      # training forward (AOT "primals")
+    BACKWARD = "backward"    # training backward (AOT "tangents")
+    INFERENCE = "inference"  # no_grad / eval forward
+
+
+class Reason(str, enum.Enum):
+    """Why a site runs where it runs. FP8 is the only reason that means FP8."""
+
+    FP8 = "fp8"
+    UNSUPPORTED_DTYPE = "unsupported_dtype"
+    K_NOT_MULTIPLE_OF_16 = "k_not_multiple_of_16"
+    N_NOT_MULTIPLE_OF_16 = "n_not_multiple_of_16"
+    DYNAMIC_K_OR_N = "dynamic_k_or_n"
+    TOO_SMALL = "too_small"
+    UNSUPPORTED_VARIANT = "unsupported_variant"
+    EXCLUDED_BY_CONFIG = "excluded_by_config"
+    RECIPE_HIGH_PRECISION = "recipe_high_precision"
+    NO_FP8_HARDWARE = "no_fp8_hardware"
+    NO_PROVIDER = "no_provider"
+    PROBING = "probing"
+    PROBE_UNSAFE = "probe_unsafe"
+    GRAPH_FALLBACK = "graph_fallback"
+
+
+@dataclasses.dataclass
+class Site:
+    """One GEMM in one ATen graph, as found by `find_sites`."""
+
+    key: str                 # unique across graphs: "<graph>/<kind>/<node name>"
+    name: str                # readable: "<module>:<role>:<node name>"
+    graph: str
+    kind: GraphKind
+    node: torch.fx.Node
+    op: str                  # mm | addmm | bmm | baddbmm
+    role: Role
+    module: str
+    shape: tuple             # (M, K, N), Dim each
+    batch: Optional[Dim]     # bmm batch size, None for 2-D
+    dtype: torch.dtype
+    device: torch.device
+    a_is_grad: bool          # operand depends on the incoming gradient
+    b_is_grad: bool
+    producers: tuple         # producing op of A and of B
+    consumers: tuple         # ops that read the result
+    seq_nr: Optional[int]    # autograd sequence number: forward and backward share it
+    unit_scalars: bool = True  # addmm/baddbmm with beta == alpha == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Dispatch's verdict for one site."""
+
+    fp8: bool
+    reason: Reason
+    provider: str = "aten"
+    scaling: str = ""
+    a_format: str = ""
+    b_format: str = ""
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class PassContext:
+    """Per ATen graph: inputs the passes read, and what they record."""
+
+    graph: str
+    kind: GraphKind
+    phase: str                                   # "probe" or "fp8"
+    param_input_indices: frozenset               # forward inputs that are parameters
+    decide: Callable[[Site], Decision]
+    sites: list = dataclasses.field(default_factory=list)
+    decisions: dict = dataclasses.field(default_factory=dict)   # site key -> Decision
+    changes: dict = dataclasses.field(default_factory=dict)     # pass name -> count

@@ -1,0 +1,199 @@
+"""find_sites: record every GEMM of an ATen graph as a Site. Changes nothing.
+
+Matches:
+    aten.mm(A, B)            aten.addmm(bias, A, B, beta, alpha)
+    aten.bmm(A, B)           aten.baddbmm(bias, A, B, beta, alpha)
+(`linear`, `matmul` and `x @ w` with 2-D or 3-D inputs, transposed or not, reach the
+post-grad graph as these after AOTAutograd's decompositions.)
+
+Records for each: role (fwd in forward/inference graphs; in the backward graph, wgrad
+when the result flows, through views, casts, sums and adds only, into the gradient of a
+parameter, else dgrad), module path (from `nn_module_stack`, or `fwd_nn_module_stack` in
+the backward graph), M x K x N (symbolic where dynamic), which operands carry the
+incoming gradient, producers and consumers, and the autograd sequence number that links
+a backward GEMM to its forward one.
+
+Declines: nothing to decline; every GEMM is recorded (Dispatch decides what goes FP8).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+from .context import GraphKind, PassContext, Role, Site
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+GEMM_OPS = {
+    aten.mm.default: "mm",
+    aten.addmm.default: "addmm",
+    aten.bmm.default: "bmm",
+    aten.baddbmm.default: "baddbmm",
+}
+
+# Ops that move or relabel data without changing what it is.
+VIEW_LIKE = {
+    aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
+    aten._unsafe_view.default, aten.reshape.default, aten.expand.default, aten.clone.default,
+    aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default, aten.alias.default,
+    aten.contiguous.default, aten._to_copy.default, prims.convert_element_type.default,
+}
+# Ops through which a GEMM result may still be (part of) a parameter's gradient.
+GRAD_ACCUMULATE = VIEW_LIKE | {aten.sum.dim_IntList, aten.sum.default, aten.add.Tensor}
+
+
+def graph_kind(graph: torch.fx.Graph) -> GraphKind:
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if any(n.startswith("tangents") for n in names):
+        return GraphKind.BACKWARD
+    if any(n.startswith("primals") for n in names):
+        return GraphKind.FORWARD
+    return GraphKind.INFERENCE
+
+
+def clean_module_path(path: str) -> str:
+    """Dynamo's "L['self'].layers[0].fc" -> "layers.0.fc" (root -> "")."""
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"_modules\.|_parameters\.", "", path)
+    return path.strip(".")
+
+
+def module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, cls = list(stack.values())[-1]
+    cleaned = clean_module_path(path)
+    if cleaned:
+        return cleaned
+    return getattr(cls, "__name__", str(cls)).rsplit(".", 1)[-1]
+
+
+def as_dim(value) -> object:
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        return int(expr) if not free_symbols(expr) else str(expr)
+    return int(value)
+
+
+def short_target(node: torch.fx.Node) -> str:
+    if node.op == "placeholder":
+        return f"input:{node.name}"
+    if node.op == "get_attr":
+        return f"constant:{node.name}"
+    if node.op != "call_function":
+        return node.op
+    if node.target is operator.getitem:
+        return short_target(node.args[0])
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.split(".")[0]
+
+
+def skip_views_up(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and node.target in VIEW_LIKE and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def consumers_of(node: torch.fx.Node) -> list:
+    found, stack, seen = [], list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.op == "call_function" and user.target in VIEW_LIKE:
+            stack.extend(user.users)
+        else:
+            found.append("output" if user.op == "output" else short_target(user))
+    return sorted(set(found))
+
+
+def gradient_nodes(graph: torch.fx.Graph) -> set:
+    """Nodes whose value depends on an incoming gradient (a `tangents_*` input)."""
+    marked = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            marked.add(node)
+        elif any(inp in marked for inp in node.all_input_nodes):
+            marked.add(node)
+    return marked
+
+
+def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset) -> set:
+    """GEMM nodes whose result becomes (part of) a parameter's gradient."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = output.args[0]
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    stack = [results[i] for i in param_input_indices if i < len(results) and isinstance(results[i], torch.fx.Node)]
+    found, seen = set(), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op != "call_function":
+            continue
+        if node.target in GEMM_OPS:
+            found.add(node)
+        elif node.target in GRAD_ACCUMULATE:
+            stack.extend(node.all_input_nodes)
+    return found
+
+
+def operands(node: torch.fx.Node):
+    """(A, B, bias, unit_scalars) of a GEMM node."""
+    if node.target in (aten.addmm.default, aten.baddbmm.default):
+        bias, a, b = node.args[:3]
+        beta = node.kwargs.get("beta", node.args[3] if len(node.args) > 3 else 1)
+        alpha = node.kwargs.get("alpha", node.args[4] if len(node.args) > 4 else 1)
+        return a, b, bias, beta == 1 and alpha == 1
+    return node.args[0], node.args[1], None, True
+
+
+def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
+    grads = gradient_nodes(graph) if ctx.kind is GraphKind.BACKWARD else set()
+    wgrads = weight_gradient_gemms(graph, ctx.param_input_indices) if ctx.kind is GraphKind.BACKWARD else set()
+    names_seen: dict = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in GEMM_OPS:
+            continue
+        a, b, _, unit = operands(node)
+        a_val, b_val = a.meta["val"], b.meta["val"]
+        if ctx.kind is not GraphKind.BACKWARD:
+            role = Role.FWD
+        else:
+            role = Role.WGRAD if node in wgrads else Role.DGRAD
+        module = module_path(node)
+        base = f"{module or '<root>'}:{role.value}"
+        names_seen[base] = names_seen.get(base, 0) + 1
+        name = base if names_seen[base] == 1 else f"{base}#{names_seen[base]}"
+        ctx.sites.append(Site(
+            key=f"{ctx.graph}/{ctx.kind.value}/{node.name}",
+            name=name,
+            graph=ctx.graph,
+            kind=ctx.kind,
+            node=node,
+            op=GEMM_OPS[node.target],
+            role=role,
+            module=module,
+            shape=(as_dim(a_val.shape[-2]), as_dim(a_val.shape[-1]), as_dim(b_val.shape[-1])),
+            batch=as_dim(a_val.shape[0]) if a_val.dim() == 3 else None,
+            dtype=a_val.dtype,
+            device=a_val.device,
+            a_is_grad=a in grads,
+            b_is_grad=b in grads,
+            producers=(short_target(skip_views_up(a)), short_target(skip_views_up(b))),
+            consumers=tuple(consumers_of(node)),
+            seq_nr=node.meta.get("seq_nr"),
+            unit_scalars=unit,
+        ))
+    return len(ctx.sites)

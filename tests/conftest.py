@@ -1,0 +1,28 @@
+import os
+
+import pytest
+import torch
+
+
+def _has_fp8_cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_fp8_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with FP8 tensor cores (sm89+)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def interpret_triton() -> bool:
+    """Triton kernels run on CPU only under the interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
