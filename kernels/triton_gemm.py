@@ -1,0 +1,690 @@
+"""FP8 GEMM in Triton: scaled FP8 operands, fp32 accumulation, fused epilogue.
+
+    out[M, N] = act(dequant(A) @ dequant(B) + bias) + residual, cast to out_dtype
+
+A is [M, K], B is [K, N], both float8 (e4m3 or e5m2, in any pairing: e5m2 is for gradient
+operands). Scales follow `quantize.py` (`x ~= q.float() * scale`) and `scaling`:
+
+- tensorwise: one fp32 scale per operand (0-d, or any single-element tensor);
+- rowwise: A scale [M, 1] (one per row), B scale [1, N] (one per column);
+- blockwise: A scale [M, ceil(K/128)] (1x128 tiles), B scale [ceil(K/128), ceil(N/128)]
+  (128x128 tiles).
+
+Layouts: each operand may be row-major or column-major (a transposed view); the kernels
+take strides, so the forward (A row-major, B = W^T column-major), grad-input and
+grad-weight GEMMs run without transposed copies.
+
+Epilogue (in this order, in fp32): scales, + bias [N], activation, + residual [M, N],
+cast. Activations: none, relu, silu, gelu (exact, erf), gelu_tanh (tanh approximation,
+as `F.gelu(approximate="tanh")`), hardswish.
+
+Two kernels share the epilogue:
+- `_fp8_gemm_tma_kernel` (Hopper, sm90+): operand tiles through TMA descriptors made on
+  the host (`triton.tools.tensor_descriptor.TensorDescriptor`), tiles walked by a grid of
+  at most CTAS_PER_SM programs per SM (persistent when 1). Needs 16-byte aligned operand
+  strides and base pointers.
+- `_fp8_gemm_ptr_kernel`: pointer loads with masks; any strides, any K and N. Used on
+  sm89, for misaligned operands, and by default under the interpreter.
+
+Accumulation: by default each BLOCK_K step's tensor-core product is added into the fp32
+accumulator by a separate fp32 add (what cuBLAS does without fast accumulation); with
+`fast_accum=True` the tensor cores accumulate across K in their own reduced precision
+(Hopper's FP8 "fast accumulation", cuBLAS `use_fast_accum=True`). Blockwise scaling
+always promotes per step, since each K block has its own scales.
+
+On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1 set before triton
+is first imported); without it, on CPU, the op computes `reference_fp8_gemm` so it works
+everywhere. Autotuning is bypassed under the interpreter (a fixed small config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .providers import GemmProvider, has_fp8_hardware, names as provider_names, register
+from .quantize import Scaling
+
+SCALE_BLOCK = 128  # blockwise scaling tile: 1x128 on A, 128x128 on B (along K and N)
+
+_SCALING_CODES = {Scaling.TENSORWISE: 0, Scaling.ROWWISE: 1, Scaling.BLOCKWISE: 2}
+ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4, "hardswish": 5}
+IMPLS = ("auto", "tma", "pointer")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_EPILOGUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row tiles in a row reuse the same B column tiles from L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _accumulate(acc, a, b, k_start, offs_m, offs_n, M, N,
+                a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
+                SCALING: tl.constexpr, FAST_ACCUM: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """acc[BM, BN] (fp32) += a[BM, BK] @ b[BK, BN]; blockwise applies this K block's scales."""
+    if SCALING == 2:
+        kb = k_start // SCALE_BLOCK
+        a_s = tl.load(a_scale_ptr + offs_m * stride_asm + kb * stride_ask, mask=offs_m < M, other=0.0)
+        b_s = tl.load(b_scale_ptr + kb * stride_bsk + (offs_n // SCALE_BLOCK) * stride_bsn,
+                      mask=offs_n < N, other=0.0)
+        acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+    elif FAST_ACCUM:
+        acc = tl.dot(a, b, acc)
+    else:
+        acc += tl.dot(a, b)
+    return acc
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1:  # relu
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == 2:  # silu
+        x = x * tl.sigmoid(x)
+    elif ACTIVATION == 3:  # gelu, exact
+        x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 4:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = x * tl.sigmoid(2.0 * inner)
+    elif ACTIVATION == 5:  # hardswish
+        x = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) * (1.0 / 6.0)
+    return x
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N,
+              a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
+              bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
+              out_ptr, stride_om, stride_on,
+              SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              ACTIVATION: tl.constexpr):
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if SCALING == 0:
+        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr))
+    elif SCALING == 1:
+        a_s = tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)
+        b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    acc = _activation(acc, ACTIVATION)
+    mask = mask_m[:, None] & mask_n[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    cols = offs_n.to(tl.int64)[None, :]
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + rows * stride_rm + cols * stride_rn, mask=mask, other=0.0)
+        acc = acc + residual.to(tl.float32)
+    tl.store(out_ptr + rows * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    a_desc,                    # A [M, K] fp8; tiles [BM, BK] if A_K_MAJOR else A^T [K, M], tiles [BK, BM]
+    b_desc,                    # B [K, N] fp8; tiles of B^T [N, K], [BN, BK], if B_K_MAJOR else [BK, BN]
+    out_ptr,                   # [M, N] out dtype
+    a_scale_ptr, b_scale_ptr,  # fp32; shapes per SCALING (module docstring)
+    bias_ptr,                  # [N] or unused
+    residual_ptr,              # [M, N] or unused
+    M, N, K,
+    M_BUCKET,                  # autotune key only: next power of two of M, capped
+    stride_om, stride_on,
+    stride_asm, stride_ask, stride_bsk, stride_bsn,
+    stride_bias, stride_rm, stride_rn,
+    SCALING: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+):
+    # CTAS_PER_SM only sizes the grid (see `_tma_grid`); the tile loop strides by the grid.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in tl.range(0, k_tiles):
+            off_k = ki * BLOCK_K
+            # Out-of-bounds parts of a tile (M, N, K edges) arrive as zeros.
+            if A_K_MAJOR:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = a_desc.load([off_k, off_m]).T
+            if B_K_MAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = _accumulate(acc, a, b, off_k, offs_m, offs_n, M, N,
+                              a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
+                              SCALING, FAST_ACCUM, SCALE_BLOCK)
+        _epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
+                  bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn, out_ptr, stride_om, stride_on,
+                  SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+
+
+@triton.jit
+def _fp8_gemm_ptr_kernel(
+    a_ptr,                     # A [M, K] fp8, strides (stride_am, stride_ak)
+    b_ptr,                     # B [K, N] fp8, strides (stride_bk, stride_bn)
+    out_ptr,                   # [M, N] out dtype
+    a_scale_ptr, b_scale_ptr,  # fp32; shapes per SCALING (module docstring)
+    bias_ptr,                  # [N] or unused
+    residual_ptr,              # [M, N] or unused
+    M, N, K,
+    M_BUCKET,                  # autotune key only: next power of two of M, capped
+    stride_am, stride_ak, stride_bk, stride_bn,
+    stride_om, stride_on,
+    stride_asm, stride_ask, stride_bsk, stride_bsn,
+    stride_bias, stride_rm, stride_rn,
+    SCALING: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows and columns past the edge wrap onto valid ones, so loads need no M/N mask;
+    # the epilogue does not store them.
+    rows_a = (offs_m % M).to(tl.int64)
+    cols_b = (offs_n % N).to(tl.int64)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - ki * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _accumulate(acc, a, b, ki * BLOCK_K, offs_m, offs_n, M, N,
+                          a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
+                          SCALING, FAST_ACCUM, SCALE_BLOCK)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    _epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
+              bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn, out_ptr, stride_om, stride_on,
+              SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+
+
+# ---------------------------------------------------------------------------------------
+# configs and autotuning
+# ---------------------------------------------------------------------------------------
+
+M_BUCKET_MAX = 16384  # batches above this share one tuning (LRM batches go to 32768)
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for M: next power of two, at least 16, capped, so that a changing
+    batch size retunes only when it crosses a power of two."""
+    return min(max(triton.next_power_of_2(max(m, 1)), 16), M_BUCKET_MAX)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One tile configuration; `ctas_per_sm` applies to the TMA kernel only (0: one
+    program per tile; 1: persistent, one program per SM)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    ctas_per_sm: int = 0
+    flatten: bool = False
+
+    def kwargs(self, tma: bool) -> dict:
+        kw = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m)
+        if tma:
+            kw.update(CTAS_PER_SM=self.ctas_per_sm, FLATTEN=self.flatten)
+        return kw
+
+    def triton_config(self, tma: bool) -> triton.Config:
+        return triton.Config(self.kwargs(tma), num_warps=self.num_warps, num_stages=self.num_stages,
+                             pre_hook=_set_descriptor_blocks if tma else None)
+
+
+# Candidates for the H100 (132 SMs, 228 KB shared memory per SM). FP8 tiles take
+# BLOCK_K = 128 (128-byte rows: the widest TMA swizzle, and one blockwise scale per step).
+# Measured on H100 80GB, 2026-11-22 (benchmarks/results/2026-11-22_H100_kernels_gemm.md):
+# see the note at each entry.
+TMA_CONFIGS = [
+    # Large M, N: 128x256 tiles amortise the A tile over 256 columns; 3 stages of
+    # (16 + 32) KB fit one CTA per SM, so persistent.
+    GemmConfig(128, 256, 128, num_warps=8, num_stages=3, ctas_per_sm=1),
+    GemmConfig(256, 128, 128, num_warps=8, num_stages=3, ctas_per_sm=1),
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1),
+    GemmConfig(128, 128, 128, num_warps=4, num_stages=4),
+    # Small N (256, 512): narrower tiles give more CTAs to fill 132 SMs.
+    GemmConfig(128, 64, 128, num_warps=4, num_stages=4),
+    GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
+    GemmConfig(64, 64, 128, num_warps=4, num_stages=4),
+]
+
+PTR_CONFIGS = [
+    GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
+    GemmConfig(128, 64, 128, num_warps=4, num_stages=4),
+    GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
+    GemmConfig(64, 64, 128, num_warps=4, num_stages=4),
+]
+
+# Under the interpreter every program runs in Python: small tiles, no tuning. BLOCK_K 32
+# divides the 128-wide scale blocks; 4 "SMs" make the TMA kernel loop over several tiles.
+INTERPRETER_CONFIG = GemmConfig(32, 32, 32, num_warps=4, num_stages=1, group_m=2, ctas_per_sm=1)
+INTERPRETER_SM_COUNT = 4
+
+_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "A_K_MAJOR", "B_K_MAJOR", "HAS_BIAS", "HAS_RESIDUAL"]
+
+
+def _autotune_bench(kernel_call, quantiles):
+    # Short runs per candidate: tuning a new (M bucket, N, K) costs well under a second.
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    # Blockwise scaling reads one scale per 128 of K: BLOCK_K must divide 128.
+    if named_args.get("SCALING", kwargs.get("SCALING")) == 2:
+        configs = [c for c in configs if SCALE_BLOCK % c.kwargs["BLOCK_K"] == 0]
+    return configs
+
+
+def _set_descriptor_blocks(nargs):
+    """Give the host-made TMA descriptors the tile shape of the config being run."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk] if nargs["A_K_MAJOR"] else [bk, bm]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_K_MAJOR"] else [bk, bn]
+
+
+_ptr_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_fp8_gemm_ptr_kernel)
+_ptr_kernel_tuned = triton.autotune(
+    configs=[c.triton_config(tma=False) for c in PTR_CONFIGS], key=_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_autotune_bench,
+)(_ptr_kernel)
+_tma_kernel_tuned = triton.autotune(
+    configs=[c.triton_config(tma=True) for c in TMA_CONFIGS], key=_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_autotune_bench,
+)(_fp8_gemm_tma_kernel)
+
+
+def tuned_config(impl: str) -> Optional[triton.Config]:
+    """The config the autotuner chose in its latest run of `impl` ("tma" or "pointer")."""
+    tuner = _tma_kernel_tuned if impl == "tma" else _ptr_kernel_tuned
+    return getattr(tuner, "best_config", None)
+
+
+# ---------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def parse_scaling(scaling) -> Scaling:
+    try:
+        return Scaling(scaling)
+    except ValueError:
+        raise ValueError(f"unknown scaling {scaling!r}; valid: {[s.value for s in Scaling]}") from None
+
+
+def infer_scaling(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> Scaling:
+    """Scaling implied by the scale shapes (the provider interface passes no scaling).
+
+    Rowwise is checked before blockwise: the two coincide only when K <= 128 and N == 1,
+    where they compute the same product."""
+    m, k = a.shape
+    n = b.shape[1]
+    if a_scale.numel() == 1 and b_scale.numel() == 1 and (m, n) != (1, 1):
+        return Scaling.TENSORWISE
+    if tuple(a_scale.shape) == (m, 1) and tuple(b_scale.shape) == (1, n):
+        return Scaling.ROWWISE
+    kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
+    if tuple(a_scale.shape) == (m, kb) and tuple(b_scale.shape) == (kb, nb):
+        return Scaling.BLOCKWISE
+    if a_scale.numel() == 1 and b_scale.numel() == 1:
+        return Scaling.TENSORWISE
+    raise ValueError(
+        f"cannot tell the scaling from scale shapes {tuple(a_scale.shape)} and {tuple(b_scale.shape)} "
+        f"for A {tuple(a.shape)} @ B {tuple(b.shape)}: expected single-element scales (tensorwise), "
+        f"[{m}, 1] and [1, {n}] (rowwise), or [{m}, {kb}] and [{kb}, {nb}] (blockwise)")
+
+
+def _is_row_or_col_major(t: torch.Tensor) -> tuple:
+    """(row_major, col_major) for a 2-D tensor; any leading stride is allowed (views of
+    wider buffers), only the unit stride is required."""
+    rows, cols = t.shape
+    row_major = t.stride(1) == 1 or cols == 1
+    col_major = t.stride(0) == 1 or rows == 1
+    return row_major, col_major
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    m: int
+    n: int
+    k: int
+    scaling: Scaling
+    activation: int
+    a_k_major: bool  # A row-major: K is its contiguous dim
+    b_k_major: bool  # B column-major (B = W^T): K is its contiguous dim
+
+
+def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl) -> _Plan:
+    """Every check that needs no data (shared by the op and its fake)."""
+    scaling = parse_scaling(scaling)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; valid: {sorted(ACTIVATIONS)}")
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; valid: {list(IMPLS)}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in FP8_DTYPES:
+            raise ValueError(f"operand {name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"operand {name} must be 2-D, got shape {tuple(t.shape)}")
+    m, k = a.shape
+    k_b, n = b.shape
+    if k != k_b:
+        raise ValueError(f"inner dimensions differ: A {tuple(a.shape)} @ B {tuple(b.shape)}")
+    if k == 0:
+        raise ValueError("K must be positive")
+    for name, t in (("a_scale", a_scale), ("b_scale", b_scale), ("bias", bias), ("residual", residual)):
+        if t is not None and t.device != a.device:
+            raise ValueError(f"{name} is on {t.device}, operand a on {a.device}")
+    if b.device != a.device:
+        raise ValueError(f"operand b is on {b.device}, operand a on {a.device}")
+    for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+    kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
+    expected = {
+        Scaling.TENSORWISE: ("one element", "one element"),
+        Scaling.ROWWISE: ((m, 1), (1, n)),
+        Scaling.BLOCKWISE: ((m, kb), (kb, nb)),
+    }[scaling]
+    if scaling is Scaling.TENSORWISE:
+        ok = a_scale.numel() == 1 and b_scale.numel() == 1
+    else:
+        ok = tuple(a_scale.shape) == expected[0] and tuple(b_scale.shape) == expected[1]
+    if not ok:
+        raise ValueError(f"{scaling.value} scaling of A {tuple(a.shape)} @ B {tuple(b.shape)} needs scales "
+                         f"{expected[0]} and {expected[1]}, got {tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != n:
+            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        if bias.dtype not in _EPILOGUE_DTYPES:
+            raise ValueError(f"bias must be one of {_EPILOGUE_DTYPES}, got {bias.dtype}")
+    if residual is not None:
+        if tuple(residual.shape) != (m, n):
+            raise ValueError(f"residual must have shape ({m}, {n}), got {tuple(residual.shape)}")
+        if residual.dtype not in _EPILOGUE_DTYPES:
+            raise ValueError(f"residual must be one of {_EPILOGUE_DTYPES}, got {residual.dtype}")
+    a_row, a_col = _is_row_or_col_major(a)
+    b_row, b_col = _is_row_or_col_major(b)
+    if not (a_row or a_col):
+        raise ValueError(f"operand a must be row-major or column-major (a transposed view), got strides "
+                         f"{tuple(a.stride())} for shape {tuple(a.shape)}; call .contiguous() first")
+    if not (b_row or b_col):
+        raise ValueError(f"operand b must be row-major or column-major (a transposed view), got strides "
+                         f"{tuple(b.stride())} for shape {tuple(b.shape)}; call .contiguous() first")
+    # Prefer K-contiguous operands where both hold (degenerate shapes): FP8 tensor cores read K-major.
+    return _Plan(m=m, n=n, k=k, scaling=scaling, activation=ACTIVATIONS[activation],
+                 a_k_major=a_row, b_k_major=b_col)
+
+
+def tma_unsupported_reason(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> Optional[str]:
+    """Why the TMA kernel cannot take these operands, or None. TMA needs a 16-byte aligned
+    base and 16-byte aligned strides outside the contiguous dimension."""
+    if not interpreting():
+        if a.device.type != "cuda":
+            return "the TMA kernel needs a CUDA device (or the interpreter)"
+        if _capability(_device_index(a.device)) < (9, 0):
+            return f"TMA needs sm90+, this GPU is sm{''.join(map(str, _capability(_device_index(a.device))))}"
+    for name, t, contiguous_dim in (("a", a, 1 if plan.a_k_major else 0), ("b", b, 0 if plan.b_k_major else 1)):
+        outer = t.stride(1 - contiguous_dim)
+        if t.data_ptr() % 16:
+            return f"operand {name}'s data pointer is not 16-byte aligned"
+        if (outer * t.element_size()) % 16:
+            return (f"operand {name}'s stride {outer} is not a multiple of 16 bytes "
+                    f"(K, and M or N for transposed operands, must be multiples of 16)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# launcher
+# ---------------------------------------------------------------------------------------
+
+def _tensorwise_scale(s: torch.Tensor) -> torch.Tensor:
+    return s.reshape(())  # one element, any shape
+
+
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+             scaling=None, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+             activation: str = "none", out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False,
+             impl: str = "auto", config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """act(dequant(a) @ dequant(b) + bias) + residual in out_dtype (module docstring).
+
+    impl: "auto" takes the TMA kernel on sm90+ when the operands allow it, else the
+    pointer kernel; "tma" / "pointer" force one (ValueError if "tma" cannot run).
+    scaling: a Scaling or its name; None infers it from the scale shapes.
+    config: a fixed tile config instead of autotuning (the interpreter always uses one)."""
+    if scaling is None:
+        scaling = infer_scaling(a, a_scale, b, b_scale)
+    plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl)
+    on_triton = interpreting() or a.device.type == "cuda"
+    if not on_triton:
+        return reference_fp8_gemm(a, a_scale, b, b_scale, plan.scaling, bias, residual, activation, out_dtype)
+    if a.device.type == "cuda" and not interpreting() and _capability(_device_index(a.device)) < (8, 9):
+        raise ValueError(f"FP8 GEMM needs sm89+, {a.device} is sm{''.join(map(str, _capability(_device_index(a.device))))}")
+
+    tma_reason = tma_unsupported_reason(a, b, plan)
+    if impl == "tma" and tma_reason is not None:
+        raise ValueError(f"impl='tma' cannot run: {tma_reason}")
+    use_tma = impl == "tma" or (impl == "auto" and tma_reason is None and not interpreting())
+    if config is None and interpreting():
+        config = INTERPRETER_CONFIG
+    if config is not None and plan.scaling is Scaling.BLOCKWISE and SCALE_BLOCK % config.block_k:
+        raise ValueError(f"blockwise scaling needs block_k dividing {SCALE_BLOCK}, got {config.block_k}")
+
+    m, n, k = plan.m, plan.n, plan.k
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+
+    if plan.scaling is Scaling.TENSORWISE:
+        a_scale, b_scale = _tensorwise_scale(a_scale), _tensorwise_scale(b_scale)
+        scale_strides = (0, 0, 0, 0)
+    else:
+        scale_strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
+    common = dict(
+        SCALING=_SCALING_CODES[plan.scaling], FAST_ACCUM=bool(fast_accum),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACTIVATION=plan.activation,
+        SCALE_BLOCK=SCALE_BLOCK,
+    )
+    tail = (m, n, k, m_bucket(m), out.stride(0), out.stride(1), *scale_strides,
+            bias.stride(0) if bias is not None else 0,
+            residual.stride(0) if residual is not None else 0,
+            residual.stride(1) if residual is not None else 0)
+    # Unused pointer arguments get `out` (never read: HAS_BIAS / HAS_RESIDUAL are off).
+    ptrs = (out, a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out)
+
+    if use_tma:
+        # Descriptors over the K-contiguous (or M/N-contiguous) storage; the block shape
+        # is a placeholder until the config's pre-hook sets it.
+        a_view = a if plan.a_k_major else a.t()
+        b_view = b.t() if plan.b_k_major else b
+        a_desc = TensorDescriptor.from_tensor(a_view, [16, 16])
+        b_desc = TensorDescriptor.from_tensor(b_view, [16, 16])
+        sms = INTERPRETER_SM_COUNT if interpreting() else _sm_count(_device_index(a.device))
+
+        def grid(meta):
+            tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+            return (min(tiles, sms * meta["CTAS_PER_SM"]) if meta["CTAS_PER_SM"] else tiles,)
+
+        args = (a_desc, b_desc, *ptrs, *tail)
+        layout = dict(A_K_MAJOR=plan.a_k_major, B_K_MAJOR=plan.b_k_major)
+        if config is None:
+            _tma_kernel_tuned[grid](*args, **common, **layout)
+        else:
+            meta = dict(**config.kwargs(tma=True), **layout, a_desc=a_desc, b_desc=b_desc)
+            _set_descriptor_blocks(meta)
+            _fp8_gemm_tma_kernel[grid](*args, **common, **layout, **config.kwargs(tma=True),
+                                       num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+        args = (a, b, *ptrs, *tail[:4], a.stride(0), a.stride(1), b.stride(0), b.stride(1), *tail[4:])
+        if config is None:
+            _ptr_kernel_tuned[grid](*args, **common)
+        else:
+            _ptr_kernel[grid](*args, **common, **config.kwargs(tma=False),
+                              num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------
+
+def dequantize_operand(q: torch.Tensor, scale: torch.Tensor, scaling, operand: str,
+                       dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Value of a quantized GEMM operand ("a" [M, K] or "b" [K, N]) in `dtype`."""
+    scaling = parse_scaling(scaling)
+    x = q.to(dtype)
+    if scaling is Scaling.TENSORWISE:
+        return x * scale.to(dtype).reshape(())
+    if scaling is Scaling.ROWWISE:
+        return x * scale.to(dtype)
+    block = (1, SCALE_BLOCK) if operand == "a" else (SCALE_BLOCK, SCALE_BLOCK)
+    full = scale.to(dtype).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return x * full[: x.shape[0], : x.shape[1]]
+
+
+def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "none":
+        return x
+    if activation == "relu":
+        return torch.relu(x)
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(x)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    if activation == "hardswish":
+        return torch.nn.functional.hardswish(x)
+    raise ValueError(f"unknown activation {activation!r}; valid: {sorted(ACTIVATIONS)}")
+
+
+def reference_fp8_gemm(a, a_scale, b, b_scale, scaling="tensorwise", bias=None, residual=None,
+                       activation="none", out_dtype=torch.bfloat16, compute_dtype=torch.float64) -> torch.Tensor:
+    """Pure-PyTorch meaning of `fp8_gemm`: dequantize with the scales, matmul in
+    compute_dtype, the same epilogue, cast to out_dtype."""
+    out = dequantize_operand(a, a_scale, scaling, "a", compute_dtype) @ dequantize_operand(
+        b, b_scale, scaling, "b", compute_dtype)
+    if bias is not None:
+        out = out + bias.to(compute_dtype)
+    out = apply_activation(out, activation)
+    if residual is not None:
+        out = out + residual.to(compute_dtype)
+    return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# op registration
+# ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("loka::triton_fp8_gemm", mutates_args=())
+def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                    scaling: str, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+                    activation: str = "none", out_dtype: torch.dtype = torch.bfloat16,
+                    fast_accum: bool = False, impl: str = "auto") -> torch.Tensor:
+    """FP8 GEMM with fused epilogue: act(dequant(a) @ dequant(b) + bias) + residual."""
+    return fp8_gemm(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, fast_accum, impl)
+
+
+@triton_fp8_gemm.register_fake
+def _(a, a_scale, b, b_scale, scaling, bias=None, residual=None, activation="none",
+      out_dtype=torch.bfloat16, fast_accum=False, impl="auto"):
+    plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl)
+    return a.new_empty((plan.m, plan.n), dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# provider
+# ---------------------------------------------------------------------------------------
+
+def _provider_available(device: torch.device) -> bool:
+    return has_fp8_hardware(device) and not interpreting()
+
+
+def _provider_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
+    if a_q.dim() != 2 or b_q.dim() != 2:
+        raise ValueError(f"the triton provider takes 2-D operands, got {tuple(a_q.shape)} @ {tuple(b_q.shape)}")
+    scaling = infer_scaling(a_q, a_scale, b_q, b_scale)
+    return torch.ops.loka.triton_fp8_gemm(a_q, a_scale, b_q, b_scale, scaling.value, bias, None, "none", out_dtype)
+
+
+if "triton" not in provider_names():
+    register(GemmProvider(
+        name="triton",
+        scalings=frozenset({Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCKWISE}),
+        batched=False,
+        emulated=False,
+        available=_provider_available,
+        gemm=_provider_gemm,
+        description="loka's Triton FP8 GEMM (TMA kernel on sm90+, pointer kernel elsewhere), fused epilogue",
+    ))
