@@ -82,7 +82,7 @@ class LokaPostGradPass(CustomGraphPass):
         try:
             run_passes(graph, ctx)
         except Exception as error:  # a model never crashes because loka could not rewrite it
-            if not record.config.fallback:
+            if not record.config.fallback or _is_dynamo_control(error):
                 raise
             _warn_fallback(record, f"{kind.value} graph: {type(error).__name__}: {error}")
             return
@@ -93,6 +93,12 @@ class LokaPostGradPass(CustomGraphPass):
 
     def uuid(self) -> str:
         return hashlib.sha256(f"{_passes_digest()}|{self.record.config}|{self.phase}".encode()).hexdigest()
+
+
+def _is_dynamo_control(error: Exception) -> bool:
+    """Dynamo steers compilation with exceptions (restart analysis, skip frame); they
+    are not failures and must reach Dynamo."""
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
 
 
 def _warn_fallback(record: GraphRecord, why: str) -> None:
@@ -130,7 +136,7 @@ class LokaCompiledGraph:
         try:
             return compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, custom_pass))
         except Exception as error:
-            if not record.config.fallback:
+            if not record.config.fallback or _is_dynamo_control(error):
                 raise
             _warn_fallback(record, f"compile failed: {type(error).__name__}: {error}")
             return compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, None))
@@ -165,8 +171,9 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
         config = dataclasses.replace(config, mode=mode)
     params = {id(t): weakref.ref(t) for t in [*example_inputs, *gm.parameters()] if isinstance(t, torch.nn.Parameter)}
     record = GraphRecord(name=f"g{next(_graph_ids)}", config=config, params=params)
-    GRAPHS.append(record)
-    return LokaCompiledGraph(gm, example_inputs, record)
+    compiled = LokaCompiledGraph(gm, example_inputs, record)
+    GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
+    return compiled
 
 
 def reset() -> None:

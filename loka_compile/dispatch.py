@@ -2,9 +2,10 @@
 
 Rules, in order; the first that applies gives the reason:
   dtype not bf16/fp16/fp32                    -> unsupported_dtype
-  K or N symbolic                             -> dynamic_k_or_n
   K or N not a multiple of 16 (FP8 kernels need 16-byte rows of operands)
                                               -> k_/n_not_multiple_of_16
+    (a symbolic K or N, such as the batch in a wgrad under dynamic shapes, is checked
+    by the op at run time: a misaligned call runs in high precision)
   M, K or N below config.min_gemm_dim         -> too_small
   addmm/baddbmm with beta or alpha != 1       -> unsupported_variant
   module under config.exclude_modules         -> excluded_by_config
@@ -40,11 +41,9 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     m, k, n = site.shape
     if site.dtype not in SUPPORTED_DTYPES:
         return _fallback(Reason.UNSUPPORTED_DTYPE, str(site.dtype))
-    if not isinstance(k, int) or not isinstance(n, int):
-        return _fallback(Reason.DYNAMIC_K_OR_N, f"K={k}, N={n}")
-    if k % FP8_ALIGNMENT:
+    if isinstance(k, int) and k % FP8_ALIGNMENT:
         return _fallback(Reason.K_NOT_MULTIPLE_OF_16, f"K={k}")
-    if n % FP8_ALIGNMENT:
+    if isinstance(n, int) and n % FP8_ALIGNMENT:
         return _fallback(Reason.N_NOT_MULTIPLE_OF_16, f"N={n}")
     dims = [d for d in (m, k, n) if isinstance(d, int)]
     if min(dims) < config.min_gemm_dim:

@@ -35,7 +35,6 @@ class Reason(str, enum.Enum):
     UNSUPPORTED_DTYPE = "unsupported_dtype"
     K_NOT_MULTIPLE_OF_16 = "k_not_multiple_of_16"
     N_NOT_MULTIPLE_OF_16 = "n_not_multiple_of_16"
-    DYNAMIC_K_OR_N = "dynamic_k_or_n"
     TOO_SMALL = "too_small"
     UNSUPPORTED_VARIANT = "unsupported_variant"
     EXCLUDED_BY_CONFIG = "excluded_by_config"

@@ -7,8 +7,8 @@ Matches:
 post-grad graph as these after AOTAutograd's decompositions.)
 
 Records for each: role (fwd in forward/inference graphs; in the backward graph, wgrad
-when the result flows, through views, casts, sums and adds only, into the gradient of a
-parameter, else dgrad), module path (from `nn_module_stack`, or `fwd_nn_module_stack` in
+when the result flows, through views, casts, adds and batch sums only, into the
+gradient of a parameter, else dgrad), module path (from `nn_module_stack`, or `fwd_nn_module_stack` in
 the backward graph), M x K x N (symbolic where dynamic), which operands carry the
 incoming gradient, producers and consumers, and the autograd sequence number that links
 a backward GEMM to its forward one.
@@ -43,8 +43,12 @@ VIEW_LIKE = {
     aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default, aten.alias.default,
     aten.contiguous.default, aten._to_copy.default, prims.convert_element_type.default,
 }
-# Ops through which a GEMM result may still be (part of) a parameter's gradient.
-GRAD_ACCUMULATE = VIEW_LIKE | {aten.sum.dim_IntList, aten.sum.default, aten.add.Tensor}
+# Ops through which a GEMM result may still be (part of) a parameter's gradient. A sum
+# counts only over a batched GEMM (a weight broadcast over the batch); a sum over a 2-D
+# GEMM's rows is a bias gradient computed from a dgrad result.
+GRAD_ACCUMULATE = VIEW_LIKE | {aten.add.Tensor}
+GRAD_SUMS = {aten.sum.dim_IntList, aten.sum.default}
+BATCHED_GEMMS = {aten.bmm.default, aten.baddbmm.default}
 
 
 def graph_kind(graph: torch.fx.Graph) -> GraphKind:
@@ -146,6 +150,10 @@ def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset)
             found.add(node)
         elif node.target in GRAD_ACCUMULATE:
             stack.extend(node.all_input_nodes)
+        elif node.target in GRAD_SUMS:
+            summed = skip_views_up(node.args[0])
+            if summed.op == "call_function" and summed.target in BATCHED_GEMMS:
+                stack.append(summed)
     return found
 
 
