@@ -47,7 +47,8 @@ from .quantize import (
 
 # Byte written for every element of a NaN-scaled group (positive fp8 NaN in both e4m3fn
 # and e5m2): what `cast_with_scale` produces when it divides by a NaN scale.
-NAN_BYTE = tl.constexpr(0x7F)
+NAN_BYTE = 0x7F
+_NAN_BYTE = tl.constexpr(NAN_BYTE)
 
 # Rows whose padded width fits this many elements are read once and kept in registers;
 # wider ones are read twice (amax pass, then cast pass).
@@ -115,7 +116,7 @@ def _cast_to_fp8_bytes(x, scale, FP8_MAX, OUT_DTYPE: tl.constexpr, SOFTWARE_CAST
         q = _fp8_bits_software(tl.where(nan_group, 0.0, y), FP8_MANT, FP8_BIAS)
     else:
         q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
-    return tl.where(nan_group, NAN_BYTE, q).to(tl.uint8)
+    return tl.where(nan_group, _NAN_BYTE, q).to(tl.uint8)
 
 
 # ---------------------------------------------------------------------------------------
