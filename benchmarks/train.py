@@ -1,0 +1,633 @@
+"""One-run training benchmark over the LRM zoo: speed, numerical error and model quality.
+
+    python -m benchmarks.train --models wukong,dlrm_dcnv2 --preset tiny --steps 5
+
+For every model, every configuration trains from the same initial weights on the same
+batches, in one process:
+
+- speed: median step time (forward + backward + optimizer step) over `--steps` timed
+  steps after `--warmup` steps (CUDA events on GPU, wall clock on CPU); speedup against
+  Inductor bf16 in the same mode (eager rows against Inductor default); peak memory
+  allocated during the timed steps (GPU only);
+- error: after the timed steps (so a backend that probes first is already in its steady
+  state), the logits and the gradients of one held-out batch against an fp32 copy of the
+  config's current weights on the same batch, as ||x - ref|| / ||ref||. `grad_relerr`
+  concatenates the gradients of all dense-arch parameters; `grad_relerr_first` is the
+  weight of the first Linear of the dense arch;
+- quality: after max(--quality-steps, warmup + steps) training steps, logloss, NE and AUC
+  on `--eval-batches` held-out batches, also relative to the bf16 Inductor row (or eager
+  bf16 when that one is missing).
+
+Each configuration runs inside try/except: a failure (a crash, an unavailable backend, a
+time budget) becomes a row with `error` set, never an abort. Results go to
+`<out>/<date>_<device>_train.json` (merged with rows already there), rewritten after
+every row, and a table is printed last.
+
+By default only the dense arch is compiled (`--compile-scope dense`); the EmbeddingBag
+lookups run eagerly in fp32 in front of it, as TorchRec/FBGEMM lookups do in production
+(and their CUDA backward stays out of CUDA graphs). `--compile-scope model` compiles the
+whole model instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.zoo import (MODEL_NAMES, SyntheticRecsysData, build_model, count_parameters,
+                            dense_parameters, quality_metrics, to_dense_dtype)
+
+_T0 = time.perf_counter()
+ERROR_CHARS = 300
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------ configurations
+
+
+@dataclass(frozen=True)
+class Config:
+    """How one row trains: `kind` eager | inductor | torchao | loka; `mode` is the
+    torch.compile mode (\"eager\" for eager rows); `recipe` the torchao float8 recipe."""
+
+    name: str
+    kind: str
+    mode: str
+    dtype: torch.dtype = torch.bfloat16
+    recipe: str | None = None
+
+
+CONFIGS: dict[str, Config] = {c.name: c for c in [
+    Config("eager_bf16", "eager", "eager"),
+    Config("eager_fp32", "eager", "eager", dtype=torch.float32),
+    Config("inductor_bf16", "inductor", "default"),
+    Config("inductor_bf16_ro", "inductor", "reduce-overhead"),
+    Config("torchao_tensorwise", "torchao", "default", recipe="tensorwise"),
+    Config("torchao_rowwise", "torchao", "default", recipe="rowwise"),
+    Config("torchao_tensorwise_ro", "torchao", "reduce-overhead", recipe="tensorwise"),
+    Config("torchao_rowwise_ro", "torchao", "reduce-overhead", recipe="rowwise"),
+    Config("loka", "loka", "default"),
+    Config("loka_ro", "loka", "reduce-overhead"),
+]}
+DEFAULT_CONFIGS = ("eager_bf16", "inductor_bf16", "inductor_bf16_ro", "torchao_tensorwise",
+                   "torchao_rowwise", "loka", "loka_ro")
+
+
+class BudgetExceeded(RuntimeError):
+    pass
+
+
+def _error_text(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
+
+
+# ------------------------------------------------------------------ model wrappers
+
+
+class DenseWithLoss(nn.Module):
+    """The compiled unit for --compile-scope dense: dense arch + BCE loss."""
+
+    def __init__(self, dense: nn.Module):
+        super().__init__()
+        self.dense = dense
+
+    def forward(self, labels, dense, pooled, seq, seq_valid):
+        logits = self.dense(dense, pooled, seq, seq_valid).float()
+        return F.binary_cross_entropy_with_logits(logits, labels), logits
+
+
+class ModelWithLoss(nn.Module):
+    """The compiled unit for --compile-scope model: lookups + dense arch + BCE loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, labels, dense, ids, offsets, seq_ids):
+        logits = self.model(dense, ids, offsets, seq_ids).float()
+        return F.binary_cross_entropy_with_logits(logits, labels), logits
+
+
+class Runner:
+    """Runs forward(+loss) of one model the way a config compiled it."""
+
+    def __init__(self, model: nn.Module, scope: str, fn, cudagraphs: bool):
+        self.model, self.scope, self.fn, self.cudagraphs = model, scope, fn, cudagraphs
+
+    def loss_and_logits(self, batch):
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.scope == "dense":
+            return self.fn(batch.labels, *self.model.sparse(*batch.model_inputs()))
+        return self.fn(batch.labels, *batch.model_inputs())
+
+
+def _fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
+    """torchao float8 needs both GEMM dims divisible by 16 (e.g. not the 256 -> 1 head)."""
+    return (isinstance(module, nn.Linear) and module.in_features % 16 == 0
+            and module.out_features % 16 == 0)
+
+
+def _first_linear_weight(model: nn.Module) -> str:
+    for name, mod in model.dense.named_modules():
+        if isinstance(mod, nn.Linear):
+            return f"dense.{name}.weight" if name else "dense.weight"
+    raise ValueError("dense arch has no Linear")
+
+
+def _torchao_version() -> str | None:
+    try:
+        import torchao
+        return getattr(torchao, "__version__", "unknown")
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+
+
+def prepare(model: nn.Module, cfg: Config, scope: str):
+    """Apply cfg to a fresh fp32 model in place; return the callable that maps
+    (labels, *inputs) to (loss, logits)."""
+    to_dense_dtype(model, cfg.dtype)
+    if cfg.kind == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model.dense, config=Float8LinearConfig.from_recipe_name(cfg.recipe),
+                                   module_filter_fn=_fp8_linear_filter)
+    unit = DenseWithLoss(model.dense) if scope == "dense" else ModelWithLoss(model)
+    if cfg.kind == "eager":
+        return unit
+    mode = None if cfg.mode == "default" else cfg.mode
+    if cfg.kind in ("inductor", "torchao"):
+        return torch.compile(unit, mode=mode)
+    if cfg.kind == "loka":
+        if "loka" not in torch._dynamo.list_backends(exclude_tags=()):
+            raise RuntimeError("backend 'loka' is not registered (pip install -e . to register it)")
+        return torch.compile(unit, backend="loka", mode=mode)
+    raise ValueError(f"unknown config kind {cfg.kind!r}")
+
+
+# ------------------------------------------------------------------ per-model setup
+
+
+class ModelSetup:
+    """The fp32 master weights, the data streams and cached batches shared by every
+    config of one model."""
+
+    def __init__(self, name: str, args, device: torch.device):
+        self.name, self.args, self.device = name, args, device
+        master, self.spec = build_model(name, args.preset, positive_rate=args.positive_rate, seed=args.seed)
+        self.master = master.to(device)
+        self.train_data = SyntheticRecsysData(self.spec, seed=1000 + args.seed)
+        self.heldout_data = SyntheticRecsysData(self.spec, seed=2000 + args.seed)
+        self._train: list = []
+        self.eval_batches = [self.heldout_data.batch(i, args.batch, device) for i in range(args.eval_batches)]
+        self.error_batch = self.eval_batches[0]
+        self.params = count_parameters(self.master)
+        self.first_linear = _first_linear_weight(self.master)
+        self.train_gflops_per_sample = self._count_train_flops()
+
+    def train_batch(self, i: int):
+        while len(self._train) <= i:
+            self._train.append(self.train_data.batch(len(self._train), self.args.batch, self.device))
+        return self._train[i]
+
+    def _count_train_flops(self) -> float:
+        """GEMM FLOPs of one fp32 forward + backward, per sample."""
+        from torch.utils.flop_counter import FlopCounterMode
+        b = 16
+        batch = self.train_data.batch(10**9, b, self.device)
+        with FlopCounterMode(display=False) as counter:
+            logits = self.master(*batch.model_inputs())
+            F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+        self.master.zero_grad(set_to_none=True)
+        return counter.get_total_flops() / b / 1e9
+
+
+def _make_optimizer(model: nn.Module, args, device: torch.device):
+    dense = [p for _, p in dense_parameters(model)]
+    sparse = [p for p in model.sparse.parameters()]
+    kw = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.Adam([{"params": dense, "lr": args.lr},
+                             {"params": sparse, "lr": args.sparse_lr}], **kw)
+
+
+def _relerr(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(x.double() - ref.double())
+            / torch.linalg.vector_norm(ref.double()).clamp_min(1e-30)).item()
+
+
+def _measure_errors(setup: ModelSetup, model: nn.Module, runner: Runner, scope: str) -> dict:
+    """Logit and gradient error of the config against an fp32 copy of its current weights."""
+    batch = setup.error_batch
+    model.zero_grad(set_to_none=True)
+    loss, logits = runner.loss_and_logits(batch)
+    loss.backward()
+    out = logits.detach().float().clone()
+    grads = {n: p.grad.detach().float().clone() for n, p in dense_parameters(model) if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    del loss, logits
+
+    ref = copy.deepcopy(setup.master)
+    current = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(current[n].float())
+    ref_loss, ref_logits = ModelWithLoss(ref)(batch.labels, *batch.model_inputs())
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach() for n, p in dense_parameters(ref)}
+    missing = sorted(set(ref_grads) - set(grads))
+    if missing:
+        raise RuntimeError(f"config produced no grad for {missing[:3]}")
+    names = sorted(ref_grads)
+    result = {
+        "out_relerr": _relerr(out, ref_logits.detach()),
+        "grad_relerr": _relerr(torch.cat([grads[n].flatten() for n in names]),
+                               torch.cat([ref_grads[n].flatten() for n in names])),
+        "grad_relerr_first": _relerr(grads[setup.first_linear], ref_grads[setup.first_linear]),
+    }
+    del ref, ref_loss, ref_logits, ref_grads, grads
+    return result
+
+
+@torch.no_grad()
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().clone()
+
+
+def _evaluate(setup: ModelSetup, runner: Runner) -> dict:
+    """Held-out logloss / NE / AUC through the config's own (compiled) forward. Grad mode
+    stays on so the training graph is reused instead of compiling an inference one."""
+    logits, labels = [], []
+    for batch in setup.eval_batches:
+        _, lg = runner.loss_and_logits(batch)
+        logits.append(_detached(lg))
+        labels.append(batch.labels)
+    m = quality_metrics(torch.cat(logits), torch.cat(labels))
+    return {"final_logloss": m["logloss"], "final_ne": m["ne"], "final_auc": m["auc"]}
+
+
+# ------------------------------------------------------------------ one config
+
+
+def _base_row(setup: ModelSetup, cfg_name: str, args) -> dict:
+    cfg = CONFIGS.get(cfg_name)
+    return {
+        "model": setup.name, "preset": args.preset, "config": cfg_name,
+        "mode": cfg.mode if cfg else None, "batch": args.batch,
+        "compile_scope": args.compile_scope, "steps": args.steps, "train_steps": None,
+        "step_ms": None, "step_ms_min": None, "speedup_vs_inductor_bf16": None,
+        "peak_mem_gb": None, "first_step_s": None,
+        "out_relerr": None, "grad_relerr": None, "grad_relerr_first": None,
+        "out_relerr_x_bf16": None,
+        "final_logloss": None, "final_ne": None, "final_auc": None,
+        "logloss_rel_bf16": None, "ne_rel_bf16": None, "auc_rel_bf16": None, "quality_ref": None,
+        "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
+        "train_gflops_per_sample": setup.train_gflops_per_sample,
+        "tflops": None, "wall_s": None, "error": None,
+    }
+
+
+def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -> dict:
+    row = _base_row(setup, cfg_name, args)
+    device = setup.device
+    cuda = device.type == "cuda"
+    start = time.perf_counter()
+    model = opt = fn = runner = None
+    try:
+        if cfg_name not in CONFIGS:
+            raise ValueError(f"unknown config {cfg_name!r}; valid: {', '.join(CONFIGS)}")
+        cfg = CONFIGS[cfg_name]
+        if deadline is not None and time.perf_counter() > deadline:
+            raise BudgetExceeded("skipped: --total-seconds budget spent before this config")
+        if cfg.kind == "torchao" and _torchao_version() is None:
+            raise ModuleNotFoundError("torchao is not importable")
+        torch._dynamo.reset()
+        model = copy.deepcopy(setup.master)
+        fn = prepare(model, cfg, args.compile_scope)
+        runner = Runner(model, args.compile_scope, fn, cudagraphs=cuda and cfg.mode == "reduce-overhead")
+        opt = _make_optimizer(model, args, device)
+
+        timed_from, timed_to = args.warmup, args.warmup + args.steps
+        total = max(args.quality_steps, timed_to)
+        budget_end = start + args.max_seconds
+        times: list[float] = []
+        done = 0
+        for i in range(total):
+            batch = setup.train_batch(i)
+            timed = timed_from <= i < timed_to
+            if timed and i == timed_from and cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            if timed and cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            t_step = time.perf_counter()
+            loss, _ = runner.loss_and_logits(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if timed:
+                if cuda:
+                    ev[1].record()
+                    times.append(ev)
+                else:
+                    times.append(time.perf_counter() - t_step)
+            if i == 0:
+                if cuda:
+                    torch.cuda.synchronize()
+                row["first_step_s"] = round(time.perf_counter() - start, 2)
+                if not math.isfinite(loss.item()):
+                    raise FloatingPointError(f"loss is {loss.item()} at step 0")
+                log(f"  {setup.name}/{cfg_name}: first step (compile) {row['first_step_s']}s")
+            done = i + 1
+            if i + 1 == timed_to:
+                if cuda:
+                    torch.cuda.synchronize()
+                    ms = [a.elapsed_time(b) for a, b in times]
+                    row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                else:
+                    ms = [t * 1e3 for t in times]
+                row["step_ms"] = statistics.median(ms)
+                row["step_ms_min"] = min(ms)
+                # GFLOP per step / ms per step = TFLOP/s
+                row["tflops"] = setup.train_gflops_per_sample * args.batch / row["step_ms"]
+                log(f"  {setup.name}/{cfg_name}: step {row['step_ms']:.3f} ms (median of {len(ms)})")
+                row.update(_measure_errors(setup, model, runner, args.compile_scope))
+            if time.perf_counter() > budget_end and i + 1 < total:
+                raise BudgetExceeded(f"--max-seconds {args.max_seconds} spent after {i + 1}/{total} steps")
+        row["train_steps"] = done
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"loss is {loss.item()} after {done} steps")
+        if args.quality_steps > 0:
+            row.update(_evaluate(setup, runner))
+    except Exception as e:  # noqa: BLE001 - every failure becomes a row
+        row["error"] = _error_text(e)
+        log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}")
+    finally:
+        row["wall_s"] = round(time.perf_counter() - start, 2)
+        del model, opt, fn, runner
+        gc.collect()
+        torch._dynamo.reset()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    return row
+
+
+# ------------------------------------------------------------------ relative columns
+
+
+def fill_relative(rows: list[dict]) -> None:
+    """Speedup vs Inductor bf16 in the same mode (eager rows vs default), output error as a
+    multiple of eager bf16's, quality relative to bf16 Inductor (or eager bf16)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["preset"], r["batch"], r["compile_scope"]), []).append(r)
+    for group in groups.values():
+        by = {r["config"]: r for r in group}
+        ind = {"default": by.get("inductor_bf16"), "reduce-overhead": by.get("inductor_bf16_ro")}
+        ind["eager"] = ind["default"]
+        eager = by.get("eager_bf16")
+        qref = next((by[c] for c in ("inductor_bf16", "inductor_bf16_ro", "eager_bf16")
+                     if c in by and by[c].get("final_logloss") is not None), None)
+        for r in group:
+            ref = ind.get(r["mode"])
+            if ref and ref.get("step_ms") and r.get("step_ms"):
+                r["speedup_vs_inductor_bf16"] = ref["step_ms"] / r["step_ms"]
+            if eager and eager.get("out_relerr") and r.get("out_relerr") is not None:
+                r["out_relerr_x_bf16"] = r["out_relerr"] / eager["out_relerr"]
+            if qref and r.get("final_logloss") is not None:
+                r["quality_ref"] = qref["config"]
+                r["logloss_rel_bf16"] = r["final_logloss"] / qref["final_logloss"] - 1.0
+                r["ne_rel_bf16"] = r["final_ne"] / qref["final_ne"] - 1.0
+                r["auc_rel_bf16"] = r["final_auc"] / qref["final_auc"] - 1.0
+
+
+# ------------------------------------------------------------------ output
+
+
+def device_tag(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type.upper()
+    name = torch.cuda.get_device_name(device)
+    m = re.search(r"\b([ABHLV]\d{2,3}|GB\d{3}|MI\d{3}X?)\b", name)
+    return m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+
+
+def environment(device: torch.device, args) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = None
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton_version, "torchao": _torchao_version(),
+        "cuda": torch.version.cuda, "python": sys.version.split()[0],
+        "date": _dt.date.today().isoformat(),
+        "loka_registered": "loka" in torch._dynamo.list_backends(exclude_tags=()),
+        "argv": sys.argv[1:],
+        "notes": {
+            "step_ms": "median forward+backward+optimizer step (CUDA events on GPU)",
+            "grad_relerr": "all dense-arch parameter grads concatenated vs fp32 copy",
+            "grad_relerr_first": "weight grad of the first Linear of the dense arch",
+            "compile_scope": "dense: EmbeddingBag lookups eager fp32, dense arch + loss compiled",
+        },
+    }
+
+
+def write_json(path: Path, env: dict, rows: list[dict]) -> None:
+    """Rows replace rows with the same key already in the file; others are kept."""
+    key = lambda r: (r["model"], r["preset"], r["config"], r["batch"], r.get("compile_scope"))
+    kept = []
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+            new_keys = {key(r) for r in rows}
+            kept = [r for r in old.get("rows", []) if key(r) not in new_keys]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            kept = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"env": env, "rows": kept + rows}, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _fmt(v, spec: str):
+    if v is None:
+        return ""
+    return format(v, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+    cols = ["model", "config", "mode", "step_ms", "speedup", "mem_gb", "out_err", "out_err_x",
+            "grad_err", "grad1_err", "logloss", "NE", "AUC", "dLL%", "error"]
+    table = []
+    for r in rows:
+        err = r.get("error") or ""
+        table.append([
+            r["model"], r["config"], r["mode"], _fmt(r["step_ms"], ".3f"),
+            _fmt(r["speedup_vs_inductor_bf16"], ".2f"), _fmt(r["peak_mem_gb"], ".2f"),
+            _fmt(r["out_relerr"], ".2e"), _fmt(r["out_relerr_x_bf16"], ".1f"),
+            _fmt(r["grad_relerr"], ".2e"), _fmt(r["grad_relerr_first"], ".2e"),
+            _fmt(r["final_logloss"], ".5f"), _fmt(r["final_ne"], ".4f"), _fmt(r["final_auc"], ".4f"),
+            _fmt(None if r["logloss_rel_bf16"] is None else 100 * r["logloss_rel_bf16"], "+.2f"),
+            err if len(err) <= 60 else err[:57] + "...",
+        ])
+    return tabulate(table, headers=cols, tablefmt="github")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Speedup vs Inductor bf16 and held-out logloss change vs bf16, per model and config."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(models) * 2), 4.5))
+    width = 0.8 / max(len(configs), 1)
+    for ax, field, scale, title in [
+        (axes[0], "speedup_vs_inductor_bf16", 1.0, "training step speedup vs Inductor bf16 (same mode)"),
+        (axes[1], "logloss_rel_bf16", 100.0, "held-out logloss change vs bf16 (%)"),
+    ]:
+        for j, c in enumerate(configs):
+            vals = []
+            for m in models:
+                r = next((r for r in rows if r["model"] == m and r["config"] == c), None)
+                v = r.get(field) if r else None
+                vals.append(float("nan") if v is None else v * scale)
+            ax.bar([i + j * width for i in range(len(models))], vals, width, label=c)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models)
+        ax.set_title(title, fontsize=10)
+        ax.axhline(1.0 if field.startswith("speedup") else 0.0, color="k", lw=0.8)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODEL_NAMES), help=f"comma list of {', '.join(MODEL_NAMES)}")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "paper"])
+    p.add_argument("--batch", type=int, default=None, help="default: 256 for tiny, 8192 for paper")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing (compile, CUDA graphs)")
+    p.add_argument("--quality-steps", type=int, default=100,
+                   help="train max(this, warmup + steps) steps, then evaluate held out; 0 skips evaluation")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma list, or 'all'; known: {', '.join(CONFIGS)}")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--compile-scope", default="dense", choices=["dense", "model"])
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam lr of the dense arch")
+    p.add_argument("--sparse-lr", type=float, default=1e-2, help="Adam lr of the embedding tables")
+    p.add_argument("--positive-rate", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=300.0,
+                   help="per-config budget; training stops (row gets an error) once spent")
+    p.add_argument("--total-seconds", type=float, default=None,
+                   help="whole-run budget; configs not started by then become skipped rows")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON (and PNG)")
+    p.add_argument("--name", default=None, help="file stem instead of <date>_<device>_train")
+    p.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.batch is None:
+        args.batch = 8192 if args.preset == "paper" else 256
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1 (the first step compiles)")
+    return args
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # fp32 references must be real fp32, not TF32.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    configs = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c.strip()]
+    env = environment(device, args)
+    stem = args.name or f"{env['date']}_{device_tag(device)}_train"
+    out_path = Path(args.out) / f"{stem}.json"
+    deadline = None if args.total_seconds is None else _T0 + args.total_seconds
+    log(f"device {env['device']}, torch {env['torch']}, torchao {env['torchao']}, "
+        f"loka registered: {env['loka_registered']}; models {models}; configs {configs}; "
+        f"preset {args.preset}, batch {args.batch}; writing {out_path}")
+
+    rows: list[dict] = []
+    for name in models:
+        try:
+            setup = ModelSetup(name, args, device)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be built still gets rows
+            log(f"{name}: setup failed: {_error_text(e)}")
+            for c in configs:
+                row = {"model": name, "preset": args.preset, "config": c,
+                       "mode": CONFIGS[c].mode if c in CONFIGS else None, "batch": args.batch,
+                       "compile_scope": args.compile_scope, "error": f"setup: {_error_text(e)}"}
+                rows.append({**{k: None for k in _ROW_KEYS}, **row})
+            write_json(out_path, env, rows)
+            continue
+        log(f"{name}: dense {setup.params['dense']:,} params, sparse {setup.params['sparse']:,}, "
+            f"{setup.train_gflops_per_sample:.4f} train GFLOP/sample")
+        for c in configs:
+            log(f"{name}/{c}: start")
+            rows.append(run_config(setup, c, args, deadline))
+            fill_relative(rows)
+            write_json(out_path, env, rows)
+        del setup
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    fill_relative(rows)
+    write_json(out_path, env, rows)
+    if args.plot:
+        try:
+            plot(rows, out_path.with_suffix(".png"))
+            log(f"plot written to {out_path.with_suffix('.png')}")
+        except Exception as e:  # noqa: BLE001 - a missing matplotlib must not lose the results
+            log(f"plot failed: {_error_text(e)}")
+    log(f"results written to {out_path}")
+    print(format_table(rows), flush=True)
+    return out_path
+
+
+_ROW_KEYS = ["model", "preset", "config", "mode", "batch", "compile_scope", "steps", "train_steps",
+             "step_ms", "step_ms_min", "speedup_vs_inductor_bf16", "peak_mem_gb", "first_step_s",
+             "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_x_bf16", "final_logloss",
+             "final_ne", "final_auc", "logloss_rel_bf16", "ne_rel_bf16", "auc_rel_bf16", "quality_ref",
+             "dense_params", "sparse_params", "train_gflops_per_sample", "tflops", "wall_s", "error"]
+
+
+if __name__ == "__main__":
+    main()
