@@ -35,6 +35,7 @@ from .triton_quant import (
     _scale_from_amax,
     check_input,
     format_args,
+    interpreting,
     parse_format,
     sm_count,
     use_triton,
@@ -52,6 +53,17 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # ---------------------------------------------------------------------------------------
 
 @triton.jit
+def _round_to_output(y, Y_DTYPE: tl.constexpr, SOFTWARE_BF16: tl.constexpr):
+    """fp32 -> output dtype, round to nearest even. Under TRITON_INTERPRET the bf16 cast
+    is done on the bits (the interpreter's own truncates, triton 3.6)."""
+    if SOFTWARE_BF16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        y = bits.to(tl.float32, bitcast=True)
+    return y.to(Y_DTYPE)
+
+
+@triton.jit
 def _norm_fwd_kernel(
     x_ptr,          # [M, N], rows contiguous
     w_ptr, b_ptr,   # [N] or dummies
@@ -64,7 +76,7 @@ def _norm_fwd_kernel(
     FP8_MAX, INV_FP8_MAX,
     OUT_DTYPE: tl.constexpr, RECIPROCAL: tl.constexpr, POW2: tl.constexpr,
     SOFTWARE_CAST: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
-    Y_DTYPE: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    Y_DTYPE: tl.constexpr, SOFTWARE_BF16: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -87,7 +99,7 @@ def _norm_fwd_kernel(
         y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    y_lp = y.to(Y_DTYPE)
+    y_lp = _round_to_output(y, Y_DTYPE, SOFTWARE_BF16)
     if WRITE_Y:
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y_lp, mask=mask)
     if WRITE_Q:
@@ -157,6 +169,7 @@ def _block_norm_fwd_kernel(
     FP8_MAX, INV_FP8_MAX,
     OUT_DTYPE: tl.constexpr, RECIPROCAL: tl.constexpr, POW2: tl.constexpr,
     SOFTWARE_CAST: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    Y_DTYPE: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
     WRITE_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     N_GROUPS: tl.constexpr = BLOCK_N // GROUP
@@ -168,7 +181,7 @@ def _block_norm_fwd_kernel(
     x3 = tl.reshape(x, (BLOCK_M, N_GROUPS, GROUP))
     rstd = tl.math.rsqrt(tl.sum(x3 * x3, axis=2) / GROUP + eps)        # [BLOCK_M, N_GROUPS]
     y = tl.reshape(x3 * rstd[:, :, None], (BLOCK_M, BLOCK_N))
-    y_lp = y.to(y_ptr.dtype.element_ty)
+    y_lp = _round_to_output(y, Y_DTYPE, SOFTWARE_BF16)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y_lp, mask=mask)
     groups = tl.arange(0, N_GROUPS)
     n_groups = N // GROUP
@@ -211,6 +224,10 @@ def _block_norm_bwd_kernel(
 # ---------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------
+
+def _software_bf16(x: torch.Tensor) -> bool:
+    return interpreting() and x.dtype == torch.bfloat16
+
 
 def _rows_of(x: torch.Tensor, what: str) -> torch.Tensor:
     """x [..., N] contiguous -> [M, N] view."""
@@ -277,7 +294,7 @@ def norm_quant_forward(x, weight, bias, eps, fmt, power_of_two, *, rms: bool, wr
             y if write_y else dummy, q.view(torch.uint8) if write_q else dummy,
             scale if write_q else dummy, mean if mean is not None else dummy, rstd,
             m, n, x2.stride(0), n, n, eps,
-            POW2=power_of_two, Y_DTYPE=_TL_DTYPES[x.dtype], IS_RMS=rms,
+            POW2=power_of_two, Y_DTYPE=_TL_DTYPES[x.dtype], SOFTWARE_BF16=_software_bf16(x), IS_RMS=rms,
             HAS_W=weight is not None, HAS_B=bias is not None, WRITE_Y=write_y, WRITE_Q=write_q,
             num_warps=warps, **cfg, **format_args(fmt, x.device))
     elif write_q:
@@ -330,6 +347,7 @@ def block_norm_forward(x, eps, fmt, power_of_two, *, write_q: bool, config: Opti
         _block_norm_fwd_kernel[(triton.cdiv(m, cfg["BLOCK_M"]),)](
             x2, y, q.view(torch.uint8) if write_q else rstd, scale if write_q else rstd, rstd,
             m, n, x2.stride(0), n, n, eps, POW2=power_of_two, WRITE_Q=write_q,
+            Y_DTYPE=_TL_DTYPES[x.dtype], SOFTWARE_BF16=_software_bf16(x),
             GROUP=BLOCK_NORM_GROUP, num_warps=warps, **cfg, **format_args(fmt, x.device))
     return y, q, scale, rstd
 
@@ -514,7 +532,8 @@ def _(dy, x, weight, mean, rstd):
 
 def _ln_setup(ctx, inputs, output):
     x, weight, bias, *_ = inputs
-    _, _, _, mean, rstd = output
+    _, q, scale, mean, rstd = output
+    ctx.mark_non_differentiable(q, scale, mean, rstd)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.has_bias = bias is not None
 
@@ -592,6 +611,7 @@ def _(dy, x, weight, rstd):
 
 def _rms_setup(ctx, inputs, output):
     x, weight, *_ = inputs
+    ctx.mark_non_differentiable(*output[1:])
     ctx.save_for_backward(x, weight, output[-1])
 
 
@@ -663,6 +683,7 @@ def _(dy, x, rstd):
 
 
 def _bn_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])
     ctx.save_for_backward(inputs[0], output[-1])
 
 
