@@ -49,6 +49,7 @@ class GraphRecord:
     name: str
     config: LokaConfig
     params: dict                     # id -> weakref of each parameter the graph reads
+    param_shapes: tuple = ()         # shapes of those parameters, sorted
     contexts: dict = dataclasses.field(default_factory=dict)        # (phase, kind) -> PassContext
     graph_modules: dict = dataclasses.field(default_factory=dict)   # (phase, kind) -> GraphModule
     phase: str = "fp8"
@@ -170,7 +171,8 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
     if mode is not None:
         config = dataclasses.replace(config, mode=mode)
     params = {id(t): weakref.ref(t) for t in [*example_inputs, *gm.parameters()] if isinstance(t, torch.nn.Parameter)}
-    record = GraphRecord(name=f"g{next(_graph_ids)}", config=config, params=params)
+    record = GraphRecord(name=f"g{next(_graph_ids)}", config=config, params=params,
+                         param_shapes=tuple(sorted(tuple(ref().shape) for ref in params.values())))
     compiled = LokaCompiledGraph(gm, example_inputs, record)
     GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
     return compiled
@@ -179,5 +181,7 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
 def reset() -> None:
     """Forget every graph record and probe statistic (Dynamo's caches are separate:
     call torch._dynamo.reset() to recompile)."""
+    global _graph_ids
     GRAPHS.clear()
     probe.STORE.clear()
+    _graph_ids = itertools.count()

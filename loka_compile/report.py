@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Optional
 
@@ -113,11 +114,15 @@ class Report:
 
 def report(compiled: Optional[object] = None) -> Report:
     """The report for a compiled model: every loka graph that reads one of its parameters.
-    With a function, or no argument, every graph compiled by loka in this process."""
+    Dynamo may serve a second instance of a class with the graphs compiled for the first;
+    a model none of whose parameters any graph has seen gets the graphs whose parameter
+    shapes it has. With a function, or no argument: every graph loka compiled here."""
     records = list(backend.GRAPHS)
-    module = compiled
-    if isinstance(module, torch.nn.Module):
+    if isinstance(compiled, torch.nn.Module):
+        module = getattr(compiled, "_orig_mod", compiled)
         params = list(module.parameters())
-        if params:
-            records = [r for r in records if any(r.reads(p) for p in params)]
+        own = [r for r in records if any(r.reads(p) for p in params)]
+        shapes = collections.Counter(tuple(p.shape) for p in params)
+        records = own or [r for r in records if r.param_shapes
+                          and not collections.Counter(r.param_shapes) - shapes]
     return Report(records)

@@ -1,0 +1,165 @@
+"""Each pass on small AOTAutograd graphs, with a negative case each."""
+
+import functools
+
+import pytest
+import torch
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+from loka_compile import LokaConfig, dispatch
+from loka_compile.passes import GraphKind, PassContext, Reason, Role, graph_kind, run_passes
+from loka_compile.passes.dispatch_sites import dispatch_sites
+from loka_compile.passes.find_sites import clean_module_path, find_sites
+from loka_compile.passes.lower import lower
+from numerics import sqnr_db
+
+aten = torch.ops.aten
+
+
+def aot_graphs(fn, *args):
+    """Forward and backward ATen graphs of fn, as AOTAutograd hands them to a compiler."""
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    out = aot_function(fn, fw_compiler=keep, bw_compiler=keep)(*args)
+    out.sum().backward()
+    return graphs
+
+
+def linear_relu_linear(x, w1, b1, w2):
+    return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)), w2)
+
+
+def make_ctx(graph, phase="fp8", params=frozenset(), config=None, unsafe=None):
+    config = config or LokaConfig(recipe="rowwise")
+    decide = functools.partial(dispatch.decide, config=config, phase=phase, unsafe_sites=unsafe or {})
+    return PassContext(graph="t", kind=graph_kind(graph), phase=phase, param_input_indices=params, decide=decide)
+
+
+def targets(graph):
+    return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+@pytest.fixture
+def mlp_graphs():
+    x = torch.randn(32, 64)
+    w1, b1, w2 = (torch.randn(128, 64, requires_grad=True), torch.randn(128, requires_grad=True),
+                  torch.randn(48, 128, requires_grad=True))
+    return aot_graphs(linear_relu_linear, x, w1, b1, w2)
+
+
+class TestFindSites:
+    def test_roles_shapes_and_links(self, mlp_graphs):
+        fwd, bwd = mlp_graphs
+        fctx = make_ctx(fwd.graph)
+        assert fctx.kind is GraphKind.FORWARD
+        assert find_sites(fwd.graph, fctx) == 2
+        assert [(s.op, s.role, s.shape) for s in fctx.sites] == [
+            ("addmm", Role.FWD, (32, 64, 128)), ("mm", Role.FWD, (32, 128, 48))]
+        # forward inputs are (x, w1, b1, w2): 1, 2 and 3 are parameters
+        bctx = make_ctx(bwd.graph, params=frozenset({1, 2, 3}))
+        assert bctx.kind is GraphKind.BACKWARD
+        find_sites(bwd.graph, bctx)
+        roles = sorted((s.role.value, s.shape) for s in bctx.sites)
+        assert roles == [("dgrad", (32, 48, 128)), ("wgrad", (48, 32, 128)), ("wgrad", (128, 32, 64))]
+        for site in bctx.sites:
+            assert site.a_is_grad and not site.b_is_grad  # the incoming gradient is always A here
+        assert {s.seq_nr for s in bctx.sites} <= {s.seq_nr for s in fctx.sites}
+
+    def test_no_parameters_means_no_wgrad(self, mlp_graphs):
+        _, bwd = mlp_graphs
+        ctx = make_ctx(bwd.graph, params=frozenset())
+        find_sites(bwd.graph, ctx)
+        assert {s.role for s in ctx.sites} == {Role.DGRAD}
+
+    def test_graph_without_gemms(self):
+        fwd, _ = aot_graphs(lambda x: torch.relu(x) * 2, torch.randn(8, 8, requires_grad=True))
+        ctx = make_ctx(fwd.graph)
+        assert find_sites(fwd.graph, ctx) == 0 and ctx.sites == []
+
+    def test_module_paths(self):
+        assert clean_module_path("L['self'].layers[0].fc") == "layers.0.fc"
+        assert clean_module_path("L['self']._modules['head']") == "head"
+        assert clean_module_path("L['self']") == ""
+
+
+class TestLower:
+    def test_eligible_gemms_become_fp8_gemm(self, mlp_graphs):
+        fwd, _ = mlp_graphs
+        ctx = run_passes(fwd.graph, make_ctx(fwd.graph))
+        assert ctx.changes["lower"] == 2
+        assert aten.mm.default not in targets(fwd.graph) and aten.addmm.default not in targets(fwd.graph)
+        assert targets(fwd.graph).count(torch.ops.loka.fp8_gemm.default) == 2
+        fwd.recompile()
+        x, w1, b1, w2 = torch.randn(32, 64), torch.randn(128, 64), torch.randn(128), torch.randn(48, 128)
+        out = fwd(x, w1, b1, w2)[0]
+        assert sqnr_db(linear_relu_linear(x, w1, b1, w2), out) > 20  # two e4m3 rowwise GEMMs: ~26 dB
+
+    def test_misaligned_gemm_keeps_aten(self):
+        fwd, _ = aot_graphs(linear_relu_linear, torch.randn(32, 24), torch.randn(64, 24, requires_grad=True),
+                            torch.randn(64, requires_grad=True), torch.randn(40, 64, requires_grad=True))
+        ctx = make_ctx(fwd.graph)
+        find_sites(fwd.graph, ctx)
+        dispatch_sites(fwd.graph, ctx)
+        assert lower(fwd.graph, ctx) == 0
+        assert [d.reason for d in ctx.decisions.values()] == [Reason.K_NOT_MULTIPLE_OF_16, Reason.N_NOT_MULTIPLE_OF_16]
+        assert torch.ops.loka.fp8_gemm.default not in targets(fwd.graph)
+
+    def test_recipe_keeps_wgrad_in_high_precision(self, mlp_graphs):
+        _, bwd = mlp_graphs
+        ctx = make_ctx(bwd.graph, params=frozenset({1, 2, 3}), config=LokaConfig())  # default recipe
+        run_passes(bwd.graph, ctx)
+        by_role = {s.role: ctx.decisions[s.key] for s in ctx.sites}
+        assert by_role[Role.WGRAD].reason is Reason.RECIPE_HIGH_PRECISION and by_role[Role.DGRAD].fp8
+        assert targets(bwd.graph).count(aten.mm.default) == 2
+
+
+class TestProbe:
+    def test_probe_phase_inserts_observers_and_keeps_gemms(self, mlp_graphs):
+        fwd, _ = mlp_graphs
+        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase="probe"))
+        assert ctx.changes["probe"] == 2 and ctx.changes["lower"] == 0
+        assert targets(fwd.graph).count(torch.ops.loka.observe_gemm.default) == 2
+        assert aten.addmm.default in targets(fwd.graph)
+        # observers stand right before the GEMM they watch
+        nodes = [n for n in fwd.graph.nodes if n.op == "call_function"]
+        for i, n in enumerate(nodes):
+            if n.target is torch.ops.loka.observe_gemm.default:
+                assert nodes[i + 1].target in (aten.mm.default, aten.addmm.default)
+
+    def test_fp8_phase_inserts_no_observers(self, mlp_graphs):
+        fwd, _ = mlp_graphs
+        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase="fp8"))
+        assert ctx.changes["probe"] == 0
+        assert torch.ops.loka.observe_gemm.default not in targets(fwd.graph)
+
+    def test_unsafe_verdict_keeps_site_in_high_precision(self, mlp_graphs):
+        fwd, _ = mlp_graphs
+        ctx = make_ctx(fwd.graph)
+        find_sites(fwd.graph, ctx)
+        first = ctx.sites[0].key
+        ctx.decide = functools.partial(dispatch.decide, config=LokaConfig(recipe="rowwise"), phase="fp8",
+                                       unsafe_sites={first: 0.5})
+        dispatch_sites(fwd.graph, ctx)
+        assert ctx.decisions[first].reason is Reason.PROBE_UNSAFE
+        assert lower(fwd.graph, ctx) == 1
+
+
+class TestDispatch:
+    def test_reasons(self, mlp_graphs):
+        fwd, _ = mlp_graphs
+        ctx = make_ctx(fwd.graph)
+        find_sites(fwd.graph, ctx)
+        site = ctx.sites[0]
+
+        def reason(**config):
+            return dispatch.decide(site, LokaConfig(**config), "fp8", {}).reason
+
+        assert reason(recipe="rowwise") is Reason.FP8
+        assert reason(emulate=False) is Reason.NO_FP8_HARDWARE
+        assert reason(min_gemm_dim=64) is Reason.TOO_SMALL
+        assert reason(exclude_modules=[site.module]) is Reason.EXCLUDED_BY_CONFIG
+        assert reason(providers=["scaled_mm_rowwise"]) is Reason.NO_PROVIDER
