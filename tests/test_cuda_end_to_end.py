@@ -1,0 +1,80 @@
+"""The end-to-end checks on an FP8 GPU: real FP8 kernels through torch._scaled_mm."""
+
+import copy
+
+import pytest
+import torch
+
+import loka_compile
+from models import MLPWithNorm, WukongLikeBlock
+from numerics import sqnr_db
+
+pytestmark = pytest.mark.cuda
+
+# bf16 models on the GPU: the reference is the fp32 copy. Floors as on CPU, less 3 dB for
+# bf16 activations between the GEMMs.
+OUTPUT_SQNR_FLOOR_DB = 17.0
+GRAD_SQNR_FLOOR_DB = 7.0
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    torch._dynamo.reset()
+    loka_compile.reset()
+    yield
+
+
+def check_training_step(model, x, recipe, mode="default"):
+    reference = copy.deepcopy(model).float()
+    compiled = torch.compile(model, backend="loka", options={"recipe": recipe, "mode": mode})
+    for _ in range(3):  # CUDA graphs record on a later call
+        model.zero_grad(set_to_none=True)
+        out = compiled(x)
+        out.float().square().mean().backward()
+    ref = reference(x.float())
+    ref.square().mean().backward()
+    assert sqnr_db(ref, out.float()) > OUTPUT_SQNR_FLOOR_DB
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        assert sqnr_db(p_ref.grad, p.grad.float()) > GRAD_SQNR_FLOOR_DB
+    return loka_compile.report(compiled)
+
+
+@pytest.mark.parametrize("recipe, provider", [("rowwise", "scaled_mm_rowwise"),
+                                              ("tensorwise", "scaled_mm_tensorwise")])
+def test_mlp_training_on_scaled_mm(recipe, provider):
+    model = MLPWithNorm(d_in=256, hidden=512, d_out=64).cuda().bfloat16()
+    report = check_training_step(model, torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16), recipe)
+    assert len(report.sites) == 8 and all(s.fp8 and s.provider == provider for s in report.sites)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_modes(mode):
+    model = MLPWithNorm(d_in=256, hidden=512, d_out=64).cuda().bfloat16()
+    report = check_training_step(model, torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16),
+                                 "rowwise", mode)
+    assert all(s.fp8 for s in report.sites)
+
+
+def test_wukong_like_training_step_on_scaled_mm():
+    model = WukongLikeBlock(n_features=32, dim=64, n_lcb=16, hidden=512).cuda().bfloat16()
+    x = torch.randn(2048, 32, 64, device="cuda", dtype=torch.bfloat16)
+    report = check_training_step(model, x, "rowwise")
+    print("\n" + str(report))
+    eligible = [s for s in report.sites if s.op in ("mm", "addmm") and s.reason not in
+                ("too_small", "k_not_multiple_of_16", "n_not_multiple_of_16")]
+    assert eligible and all(s.fp8 and s.provider == "scaled_mm_rowwise" for s in eligible)
+    bmm = [s for s in report.sites if s.op == "bmm"]
+    assert bmm and all(s.reason in ("no_provider", "too_small", "k_not_multiple_of_16", "n_not_multiple_of_16")
+                       for s in bmm)
+
+
+def test_inference_and_dynamic_batch_on_gpu():
+    model = MLPWithNorm(d_in=256, hidden=512, d_out=64).cuda().bfloat16().eval()
+    compiled = torch.compile(model, backend="loka", dynamic=True)
+    with torch.no_grad():
+        for batch in (256, 384, 1000):
+            x = torch.randn(batch, 256, device="cuda", dtype=torch.bfloat16)
+            assert sqnr_db(model(x).float(), compiled(x).float()) > OUTPUT_SQNR_FLOOR_DB
+    report = loka_compile.report(compiled)
+    assert len(report.graphs) == 1
+    assert all(s.fp8 and s.provider == "scaled_mm_rowwise" and isinstance(s.shape[0], str) for s in report.sites)
