@@ -262,11 +262,14 @@ def _block_norm_groups(n: int, what: str) -> int:
 
 
 def norm_config(n: int) -> dict:
-    """Tile for the row kernels: about 4096 elements per program; 8 warps from 2048-wide
-    rows. (Tuned by the sweep in benchmarks/kernels_quant.py.)"""
+    """Tile for the row kernels. H100, LayerNorm+quant at 32768x2048 bf16 (2026-11-22,
+    benchmarks/kernels_quant.py sweep): one row per program with 4 warps was best or
+    within 1% of best in both variants (bf16 + FP8 135 us vs 142-216 us for 1x8, 2x8,
+    4x8, 8x16 warps; FP8 only 120 us vs 119-135 us). So about 2048 elements per program,
+    4 warps up to 4096-wide rows."""
     block_n = triton.next_power_of_2(n)
-    return dict(BLOCK_M=max(1, min(16, 4096 // block_n)), BLOCK_N=block_n,
-                num_warps=8 if block_n >= 2048 else 4)
+    return dict(BLOCK_M=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n,
+                num_warps=4 if block_n <= 4096 else 8)
 
 
 def norm_quant_forward(x, weight, bias, eps, fmt, power_of_two, *, rms: bool, write_y: bool,
