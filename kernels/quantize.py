@@ -55,7 +55,9 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = Fal
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     if power_of_two:
         # Round the scale up to a power of two so that scaling is exact in any format.
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        # frexp, not ceil(log2): log2 of a value a few ulp above 2^e rounds to e.
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent))
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 

@@ -6,6 +6,15 @@ models.
     print(loka_compile.report(compiled))
 """
 
+import os as _os
+
+# Installed, passes/ and kernels/ live inside this package; in a source checkout they sit
+# beside it. Either way they import as loka_compile.passes and loka_compile.kernels.
+_checkout_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "kernels")) and \
+        _os.path.isfile(_os.path.join(_checkout_root, "kernels", "__init__.py")):
+    __path__.append(_checkout_root)
+
 from loka_compile.config import MODES, RECIPES, LokaConfig, Recipe
 from loka_compile.passes import Reason, Role
 from loka_compile.backend import loka_backend, reset

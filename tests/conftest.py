@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+# Triton kernels run on CPU only under the interpreter, and triton.jit reads this when a
+# kernel is defined: set it before any test module imports loka's kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def _has_fp8_cuda() -> bool:
