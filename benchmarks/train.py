@@ -163,7 +163,7 @@ def _torchao_version() -> str | None:
         return None
 
 
-def prepare(model: nn.Module, cfg: Config, scope: str):
+def prepare(model: nn.Module, cfg: Config, scope: str, loka_options: dict | None = None):
     """Apply cfg to a fresh fp32 model in place; return the callable that maps
     (labels, *inputs) to (loss, logits)."""
     to_dense_dtype(model, cfg.dtype)
@@ -180,6 +180,8 @@ def prepare(model: nn.Module, cfg: Config, scope: str):
     if cfg.kind == "loka":
         if "loka" not in torch._dynamo.list_backends(exclude_tags=()):
             raise RuntimeError("backend 'loka' is not registered (pip install -e . to register it)")
+        if loka_options:  # torch.compile takes mode or options, not both: mode goes inside
+            return torch.compile(unit, backend="loka", options={**loka_options, "mode": cfg.mode})
         return torch.compile(unit, backend="loka", mode=mode)
     raise ValueError(f"unknown config kind {cfg.kind!r}")
 
@@ -193,8 +195,8 @@ class ModelSetup:
 
     def __init__(self, name: str, args, device: torch.device):
         self.name, self.args, self.device = name, args, device
-        master, self.spec = build_model(name, args.preset, positive_rate=args.positive_rate, seed=args.seed)
-        self.master = master.to(device)
+        self.master, self.spec = build_model(name, args.preset, positive_rate=args.positive_rate,
+                                             seed=args.seed, device=device)
         self.train_data = SyntheticRecsysData(self.spec, seed=1000 + args.seed)
         self.heldout_data = SyntheticRecsysData(self.spec, seed=2000 + args.seed)
         self._train: list = []
@@ -321,7 +323,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
             raise ModuleNotFoundError("torchao is not importable")
         torch._dynamo.reset()
         model = copy.deepcopy(setup.master)
-        fn = prepare(model, cfg, args.compile_scope)
+        fn = prepare(model, cfg, args.compile_scope, args.loka_options)
         runner = Runner(model, args.compile_scope, fn, cudagraphs=cuda and cfg.mode == "reduce-overhead")
         opt = _make_optimizer(model, args, device)
 
@@ -543,6 +545,8 @@ def parse_args(argv=None):
                    help=f"comma list, or 'all'; known: {', '.join(CONFIGS)}")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--compile-scope", default="dense", choices=["dense", "model"])
+    p.add_argument("--loka-options", type=json.loads, default=None,
+                   help='JSON dict passed as torch.compile(options=...) to loka rows, e.g. \'{"probe_steps": 10}\'')
     p.add_argument("--lr", type=float, default=1e-3, help="Adam lr of the dense arch")
     p.add_argument("--sparse-lr", type=float, default=1e-2, help="Adam lr of the embedding tables")
     p.add_argument("--positive-rate", type=float, default=0.1)

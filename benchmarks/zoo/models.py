@@ -41,6 +41,7 @@ __all__ = [
     "MODEL_NAMES",
     "PRESETS",
     "build_model",
+    "data_spec",
     "to_dense_dtype",
     "dense_parameters",
     "sparse_parameters",
@@ -369,20 +370,31 @@ _BUILDERS: dict[str, Callable[[DataSpec, dict], RecModel]] = {
 }
 
 
-def build_model(name: str, preset: str = "tiny", *, positive_rate: float = 0.1,
-                seed: int = 0) -> tuple[RecModel, DataSpec]:
-    """A freshly initialized fp32 model (deterministic for a seed) and the DataSpec of the
-    inputs it expects."""
+def data_spec(name: str, preset: str = "tiny", *, positive_rate: float = 0.1) -> DataSpec:
+    """The DataSpec of the inputs model `name` expects at `preset` (no model is built)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
     if preset not in PRESETS[name]:
         raise ValueError(f"unknown preset {preset!r} for {name}; valid: {', '.join(PRESETS[name])}")
     p = PRESETS[name][preset]
-    spec = criteo_like_spec(p.max_rows, p.pooling_cap, num_tables=p.num_tables, seq_len=p.seq_len,
+    return criteo_like_spec(p.max_rows, p.pooling_cap, num_tables=p.num_tables, seq_len=p.seq_len,
                             item_rows=p.item_rows, positive_rate=positive_rate)
-    with torch.random.fork_rng(devices=[]):
+
+
+def build_model(name: str, preset: str = "tiny", *, positive_rate: float = 0.1, seed: int = 0,
+                device=None) -> tuple[RecModel, DataSpec]:
+    """A freshly initialized fp32 model and the DataSpec of the inputs it expects.
+
+    Initialization is deterministic for (seed, device); device="meta" builds the shapes
+    only (parameter counts of `paper` presets without allocating them).
+    """
+    spec = data_spec(name, preset, positive_rate=positive_rate)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    forked = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked, device_type=device.type if forked else "cuda"):
         torch.manual_seed(seed)
-        model = _BUILDERS[name](spec, dict(p.arch))
+        with device:
+            model = _BUILDERS[name](spec, dict(PRESETS[name][preset].arch))
     # Start the head at the prior log-odds so training spends no steps learning the base rate.
     head = model.dense.top[-1]
     with torch.no_grad():
