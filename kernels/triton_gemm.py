@@ -113,12 +113,12 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, N,
-              a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
-              bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
-              out_ptr, stride_om, stride_on,
-              SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              ACTIVATION: tl.constexpr):
+def _epilogue_values(acc, offs_m, offs_n, M, N,
+                     a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
+                     bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
+                     SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     ACTIVATION: tl.constexpr):
+    """fp32 tile [BM, BN] of act(acc * scales + bias) + residual."""
     mask_m = offs_m < M
     mask_n = offs_n < N
     if SCALING == 0:
@@ -131,26 +131,25 @@ def _epilogue(acc, offs_m, offs_n, M, N,
         bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
     acc = _activation(acc, ACTIVATION)
-    mask = mask_m[:, None] & mask_n[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
-    cols = offs_n.to(tl.int64)[None, :]
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + rows * stride_rm + cols * stride_rn, mask=mask, other=0.0)
+        rows = offs_m.to(tl.int64)[:, None]
+        cols = offs_n.to(tl.int64)[None, :]
+        residual = tl.load(residual_ptr + rows * stride_rm + cols * stride_rn,
+                           mask=mask_m[:, None] & mask_n[None, :], other=0.0)
         acc = acc + residual.to(tl.float32)
-    tl.store(out_ptr + rows * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    return acc
 
 
 @triton.jit
 def _fp8_gemm_tma_kernel(
     a_desc,                    # A [M, K] fp8; tiles [BM, BK] if A_K_MAJOR else A^T [K, M], tiles [BK, BM]
     b_desc,                    # B [K, N] fp8; tiles of B^T [N, K], [BN, BK], if B_K_MAJOR else [BK, BN]
-    out_ptr,                   # [M, N] out dtype
+    out_desc,                  # [M, N] out dtype, row-major; tiles [BM, BN] (or [BM, BN / 2] with EPILOGUE_SUBTILE)
     a_scale_ptr, b_scale_ptr,  # fp32; shapes per SCALING (module docstring)
     bias_ptr,                  # [N] or unused
     residual_ptr,              # [M, N] or unused
     M, N, K,
     M_BUCKET,                  # autotune key only: next power of two of M, capped
-    stride_om, stride_on,
     stride_asm, stride_ask, stride_bsk, stride_bsn,
     stride_bias, stride_rm, stride_rn,
     SCALING: tl.constexpr, FAST_ACCUM: tl.constexpr,
@@ -158,7 +157,7 @@ def _fp8_gemm_tma_kernel(
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
     # CTAS_PER_SM only sizes the grid (see `_tma_grid`); the tile loop strides by the grid.
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -186,9 +185,26 @@ def _fp8_gemm_tma_kernel(
             acc = _accumulate(acc, a, b, off_k, offs_m, offs_n, M, N,
                               a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
                               SCALING, FAST_ACCUM, SCALE_BLOCK)
-        _epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
-                  bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn, out_ptr, stride_om, stride_on,
-                  SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+        # The store goes through shared memory and TMA (clipped at the M, N edges): no
+        # per-element addresses in registers. Two half-width subtiles halve the epilogue's
+        # live registers.
+        if EPILOGUE_SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc_lo, acc_hi = tl.split(halves)
+            offs_lo = off_n + tl.arange(0, BLOCK_N // 2)
+            acc_lo = _epilogue_values(acc_lo, offs_m, offs_lo, M, N, a_scale_ptr, b_scale_ptr, stride_asm,
+                                      stride_bsn, bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
+                                      SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+            out_desc.store([off_m, off_n], acc_lo.to(out_desc.dtype))
+            acc_hi = _epilogue_values(acc_hi, offs_m, offs_lo + BLOCK_N // 2, M, N, a_scale_ptr, b_scale_ptr,
+                                      stride_asm, stride_bsn, bias_ptr, stride_bias, residual_ptr, stride_rm,
+                                      stride_rn, SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+            out_desc.store([off_m, off_n + BLOCK_N // 2], acc_hi.to(out_desc.dtype))
+        else:
+            acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
+                                   bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
+                                   SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 @triton.jit
@@ -237,9 +253,13 @@ def _fp8_gemm_ptr_kernel(
                           SCALING, FAST_ACCUM, SCALE_BLOCK)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    _epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
-              bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn, out_ptr, stride_om, stride_on,
-              SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+    acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
+                           bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
+                           SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+    rows = offs_m.to(tl.int64)[:, None]
+    cols = offs_n.to(tl.int64)[None, :]
+    tl.store(out_ptr + rows * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 # ---------------------------------------------------------------------------------------
@@ -268,11 +288,12 @@ class GemmConfig:
     group_m: int = 8
     ctas_per_sm: int = 0
     flatten: bool = False
+    epilogue_subtile: bool = False
 
     def kwargs(self, tma: bool) -> dict:
         kw = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m)
         if tma:
-            kw.update(CTAS_PER_SM=self.ctas_per_sm, FLATTEN=self.flatten)
+            kw.update(CTAS_PER_SM=self.ctas_per_sm, FLATTEN=self.flatten, EPILOGUE_SUBTILE=self.epilogue_subtile)
         return kw
 
     def triton_config(self, tma: bool) -> triton.Config:
@@ -280,23 +301,30 @@ class GemmConfig:
                              pre_hook=_set_descriptor_blocks if tma else None)
 
 
-# Candidates for the H100 (132 SMs, 228 KB shared memory per SM). FP8 tiles take
-# BLOCK_K = 128 (128-byte rows: the widest TMA swizzle, and one blockwise scale per step).
-# Measured on H100 80GB, 2026-11-22 (benchmarks/results/2026-11-22_H100_kernels_gemm.md):
-# see the note at each entry.
+# Candidates for the H100 (132 SMs, 228 KB shared memory and 64K registers per SM). FP8
+# tiles take BLOCK_K = 128: 128-byte rows (the widest TMA swizzle) and one blockwise scale
+# per step. Register and spill figures: sm90 builds of these kernels by triton 3.6,
+# read with cuobjdump --dump-resource-usage / --dump-sass (all issue QGMMA, no HMMA).
 TMA_CONFIGS = [
-    # Large M, N: 128x256 tiles amortise the A tile over 256 columns; 3 stages of
-    # (16 + 32) KB fit one CTA per SM, so persistent.
-    GemmConfig(128, 256, 128, num_warps=8, num_stages=3, ctas_per_sm=1),
-    GemmConfig(256, 128, 128, num_warps=8, num_stages=3, ctas_per_sm=1),
+    # Large M and N, fast accumulation only (see `_prune_configs`): 154-194 registers, no
+    # spills once the epilogue is split in two 128x128 halves; 180 KB shared memory.
+    GemmConfig(128, 256, 128, num_warps=8, num_stages=3, ctas_per_sm=1, epilogue_subtile=True),
+    GemmConfig(128, 256, 128, num_warps=8, num_stages=3, ctas_per_sm=1, epilogue_subtile=True, flatten=True),
+    # The largest tile that holds two fp32 accumulators (precise accumulation, blockwise)
+    # without spills: 155-232 registers, 164 KB.
     GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1),
-    GemmConfig(128, 128, 128, num_warps=4, num_stages=4),
-    # Small N (256, 512): narrower tiles give more CTAs to fill 132 SMs.
+    # Flattened tile loop: the next tile's loads overlap this tile's epilogue. Blockwise
+    # spills here (23 LDL), so it is pruned for blockwise.
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1, flatten=True),
+    # Small N or M (256, 512): narrower tiles give more CTAs to fill 132 SMs. 94-206
+    # registers, no spills, 74-115 KB.
     GemmConfig(128, 64, 128, num_warps=4, num_stages=4),
     GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
     GemmConfig(64, 64, 128, num_warps=4, num_stages=4),
 ]
 
+# The pointer kernel (no TMA store): 72-233 registers, no spills, 64-131 KB, when strides
+# are specialised (16-divisible) as they are at run time.
 PTR_CONFIGS = [
     GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
     GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
@@ -310,7 +338,7 @@ PTR_CONFIGS = [
 INTERPRETER_CONFIG = GemmConfig(32, 32, 32, num_warps=4, num_stages=1, group_m=2, ctas_per_sm=1)
 INTERPRETER_SM_COUNT = 4
 
-_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "A_K_MAJOR", "B_K_MAJOR", "HAS_BIAS", "HAS_RESIDUAL"]
+_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "FAST_ACCUM", "A_K_MAJOR", "B_K_MAJOR", "HAS_BIAS", "HAS_RESIDUAL"]
 
 
 def _autotune_bench(kernel_call, quantiles):
@@ -319,10 +347,23 @@ def _autotune_bench(kernel_call, quantiles):
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    # Blockwise scaling reads one scale per 128 of K: BLOCK_K must divide 128.
-    if named_args.get("SCALING", kwargs.get("SCALING")) == 2:
-        configs = [c for c in configs if SCALE_BLOCK % c.kwargs["BLOCK_K"] == 0]
-    return configs
+    args = {**named_args, **kwargs}
+    blockwise = args["SCALING"] == 2
+    two_accumulators = blockwise or not args["FAST_ACCUM"]
+    kept = []
+    for c in configs:
+        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        # Blockwise scaling reads one scale per 128 of K: BLOCK_K must divide 128.
+        if blockwise and SCALE_BLOCK % bk:
+            continue
+        # A per-step accumulator beside the running one: above 128 fp32 registers per
+        # thread for the pair, the build spills (128x256, 8 warps: 20-40 LDL).
+        if two_accumulators and 2 * bm * bn > 128 * 32 * c.num_warps:
+            continue
+        if blockwise and c.kwargs.get("FLATTEN"):
+            continue
+        kept.append(c)
+    return kept
 
 
 def _set_descriptor_blocks(nargs):
@@ -330,6 +371,7 @@ def _set_descriptor_blocks(nargs):
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     nargs["a_desc"].block_shape = [bm, bk] if nargs["A_K_MAJOR"] else [bk, bm]
     nargs["b_desc"].block_shape = [bn, bk] if nargs["B_K_MAJOR"] else [bk, bn]
+    nargs["out_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
 
 
 _ptr_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_fp8_gemm_ptr_kernel)
@@ -484,7 +526,7 @@ def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out
                  a_k_major=a_row, b_k_major=b_col)
 
 
-def tma_unsupported_reason(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> Optional[str]:
+def tma_unsupported_reason(a: torch.Tensor, b: torch.Tensor, plan: _Plan, out_dtype: torch.dtype) -> Optional[str]:
     """Why the TMA kernel cannot take these operands, or None. TMA needs a 16-byte aligned
     base and 16-byte aligned strides outside the contiguous dimension."""
     if not interpreting():
@@ -499,6 +541,8 @@ def tma_unsupported_reason(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> Opt
         if (outer * t.element_size()) % 16:
             return (f"operand {name}'s stride {outer} is not a multiple of 16 bytes "
                     f"(K, and M or N for transposed operands, must be multiples of 16)")
+    if (plan.n * out_dtype.itemsize) % 16:
+        return f"output rows of {plan.n} x {out_dtype.itemsize} bytes are not a multiple of 16 bytes"
     return None
 
 
@@ -529,7 +573,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     if a.device.type == "cuda" and not interpreting() and _capability(_device_index(a.device)) < (8, 9):
         raise ValueError(f"FP8 GEMM needs sm89+, {a.device} is sm{''.join(map(str, _capability(_device_index(a.device))))}")
 
-    tma_reason = tma_unsupported_reason(a, b, plan)
+    tma_reason = tma_unsupported_reason(a, b, plan, out_dtype)
     if impl == "tma" and tma_reason is not None:
         raise ValueError(f"impl='tma' cannot run: {tma_reason}")
     use_tma = impl == "tma" or (impl == "auto" and tma_reason is None and not interpreting())
@@ -553,12 +597,12 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACTIVATION=plan.activation,
         SCALE_BLOCK=SCALE_BLOCK,
     )
-    tail = (m, n, k, m_bucket(m), out.stride(0), out.stride(1), *scale_strides,
-            bias.stride(0) if bias is not None else 0,
+    sizes = (m, n, k, m_bucket(m))
+    tail = (*scale_strides, bias.stride(0) if bias is not None else 0,
             residual.stride(0) if residual is not None else 0,
             residual.stride(1) if residual is not None else 0)
     # Unused pointer arguments get `out` (never read: HAS_BIAS / HAS_RESIDUAL are off).
-    ptrs = (out, a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out)
+    ptrs = (a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out)
 
     if use_tma:
         # Descriptors over the K-contiguous (or M/N-contiguous) storage; the block shape
@@ -567,18 +611,19 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         b_view = b.t() if plan.b_k_major else b
         a_desc = TensorDescriptor.from_tensor(a_view, [16, 16])
         b_desc = TensorDescriptor.from_tensor(b_view, [16, 16])
+        out_desc = TensorDescriptor.from_tensor(out, [16, 16])
         sms = INTERPRETER_SM_COUNT if interpreting() else _sm_count(_device_index(a.device))
 
         def grid(meta):
             tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
             return (min(tiles, sms * meta["CTAS_PER_SM"]) if meta["CTAS_PER_SM"] else tiles,)
 
-        args = (a_desc, b_desc, *ptrs, *tail)
+        args = (a_desc, b_desc, out_desc, *ptrs, *sizes, *tail)
         layout = dict(A_K_MAJOR=plan.a_k_major, B_K_MAJOR=plan.b_k_major)
         if config is None:
             _tma_kernel_tuned[grid](*args, **common, **layout)
         else:
-            meta = dict(**config.kwargs(tma=True), **layout, a_desc=a_desc, b_desc=b_desc)
+            meta = dict(**config.kwargs(tma=True), **layout, a_desc=a_desc, b_desc=b_desc, out_desc=out_desc)
             _set_descriptor_blocks(meta)
             _fp8_gemm_tma_kernel[grid](*args, **common, **layout, **config.kwargs(tma=True),
                                        num_warps=config.num_warps, num_stages=config.num_stages)
@@ -586,7 +631,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         def grid(meta):
             return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-        args = (a, b, *ptrs, *tail[:4], a.stride(0), a.stride(1), b.stride(0), b.stride(1), *tail[4:])
+        args = (a, b, out, *ptrs, *sizes, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                out.stride(0), out.stride(1), *tail)
         if config is None:
             _ptr_kernel_tuned[grid](*args, **common)
         else:

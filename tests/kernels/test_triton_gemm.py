@@ -97,6 +97,31 @@ def test_tma_kernel_matches_reference(shape, scaling):
 
 
 @interpreter
+@pytest.mark.parametrize("config", [
+    tg.GemmConfig(32, 32, 32, 4, 1, group_m=2, ctas_per_sm=1, epilogue_subtile=True),
+    tg.GemmConfig(32, 32, 32, 4, 1, group_m=2, ctas_per_sm=1, flatten=True),
+    tg.GemmConfig(32, 64, 32, 4, 1, group_m=1, ctas_per_sm=0),
+], ids=["subtile", "flatten", "one-program-per-tile"])
+def test_tma_kernel_config_variants(config):
+    m, k, n = 67, 272, 144
+    a_q, a_s, b_q, b_s = make_operands(m, k, n, Scaling.ROWWISE)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    residual = torch.randn(m, n, dtype=torch.bfloat16)
+    check_against_reference(a_q, a_s, b_q, b_s, Scaling.ROWWISE, bias=bias, residual=residual, activation="relu",
+                            impl="tma", config=config)
+
+
+def test_autotune_pruning():
+    configs = [c.triton_config(tma=True) for c in tg.TMA_CONFIGS]
+    kept = tg._prune_configs(configs, {}, SCALING=2, FAST_ACCUM=False)
+    assert kept and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128 for c in kept)
+    assert not any(c.kwargs["FLATTEN"] for c in kept)
+    assert len(tg._prune_configs(configs, {}, SCALING=0, FAST_ACCUM=True)) == len(configs)
+    precise = tg._prune_configs(configs, {}, SCALING=1, FAST_ACCUM=False)
+    assert any(c.kwargs["FLATTEN"] for c in precise) and len(precise) < len(configs)
+
+
+@interpreter
 @pytest.mark.parametrize("impl", ["pointer", "tma"])
 @pytest.mark.parametrize("a_layout,b_layout", [("row", "col"), ("col", "col"), ("row", "row"), ("col", "row")])
 def test_layouts_without_copies(a_layout, b_layout, impl):
@@ -268,6 +293,17 @@ def test_cuda_matches_reference(shape, scaling, impl):
     operands = make_operands(*shape, scaling, device="cuda")
     check_against_reference(*operands, scaling, impl=impl, config=GPU_CONFIG)
     check_against_reference(*operands, scaling, impl=impl, config=GPU_CONFIG, out_dtype=torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fast_accum", [False, True])
+@pytest.mark.parametrize("config", tg.TMA_CONFIGS, ids=str)
+def test_cuda_every_tuning_candidate(config, fast_accum):
+    # Whatever the autotuner picks must be right, at edges in M and N too.
+    operands = make_operands(2000, 1024, 1000, Scaling.ROWWISE, device="cuda")
+    bias = torch.randn(1000, dtype=torch.bfloat16, device="cuda")
+    check_against_reference(*operands, Scaling.ROWWISE, bias=bias, activation="relu", impl="tma", config=config,
+                            fast_accum=fast_accum)
 
 
 @pytest.mark.cuda

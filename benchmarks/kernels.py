@@ -1,0 +1,427 @@
+"""Kernel benchmarks on one GPU: loka's kernels against the libraries they compete with.
+
+    python -m benchmarks.kernels [--only gemm,...] [--out-dir DIR] [--shapes quick|lrm]
+
+Each section is a function `section(ctx) -> list[dict]` registered in `SECTIONS`; every
+row carries its section's name. Results go to `<out-dir>/<date>_<device>_kernels_<sections>.json`
+(`{"env": {...}, "rows": [...]}`) and a markdown table beside it. Times are medians of
+`triton.testing.do_bench` (CUDA events, L2 flushed before each run) on fresh random
+inputs; ratios compare kernels timed in the same run.
+
+Sections:
+- gemm: Triton FP8 GEMM (tensorwise, rowwise, blockwise; precise and fast accumulation)
+  vs `torch._scaled_mm` with the same scaling and vs bf16 `torch.mm`; GEMM + bias + relu
+  fused in the epilogue vs `_scaled_mm` followed by the same epilogue compiled by
+  Inductor; the autotuner's timing of every candidate config; host launch overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import sys
+import time
+from typing import Callable
+
+import torch
+
+# M, K, N: the LRM shapes of ANCHORS.md (8192^3 last).
+LRM_SHAPES = [
+    (2048, 256, 256), (2048, 512, 512), (2048, 1024, 1024), (2048, 2048, 2048), (2048, 4096, 4096),
+    (2048, 1024, 4096), (2048, 4096, 1024),
+    (8192, 256, 256), (8192, 512, 512), (8192, 1024, 1024), (8192, 2048, 2048), (8192, 4096, 4096),
+    (8192, 1024, 4096), (8192, 4096, 1024),
+    (32768, 256, 256), (32768, 512, 512), (32768, 1024, 1024), (32768, 2048, 2048), (32768, 4096, 4096),
+    (32768, 1024, 4096), (32768, 4096, 1024),
+    (8192, 8192, 8192),
+]
+QUICK_SHAPES = [(2048, 256, 256), (8192, 1024, 1024), (8192, 4096, 4096), (8192, 8192, 8192)]
+
+
+@dataclasses.dataclass
+class Context:
+    shapes: list
+    deadline: float  # time.monotonic() after which sections stop adding shapes
+    warmup_ms: int = 10
+    rep_ms: int = 50
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+
+def bench_us(fn: Callable[[], object], ctx: Context) -> float:
+    import triton.testing
+    return 1e3 * triton.testing.do_bench(fn, warmup=ctx.warmup_ms, rep=ctx.rep_ms, return_mode="median")
+
+
+def tflops(m: int, k: int, n: int, us: float) -> float:
+    return 2.0 * m * k * n / (us * 1e-6) / 1e12
+
+
+def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float(10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum().clamp_min(1e-30)))
+
+
+def _r(x, digits=2):
+    return None if x is None else round(float(x), digits)
+
+
+# ---------------------------------------------------------------------------------------
+# gemm
+# ---------------------------------------------------------------------------------------
+
+def _blockwise_scaled_mm(a_q, a_s, b_q, b_s, ref):
+    """`_scaled_mm` with 1x128 / 128x128 scales, trying the scale layouts cuBLASLt may want
+    (as given, or outer-dimension-major). Returns (callable, layout note) or (None, error)."""
+    def outer_major(s):
+        return s.t().contiguous().t()
+
+    last_error = "no layout tried"
+    for note, sa, sb in (("as given", a_s, b_s), ("A scale M-major", outer_major(a_s), b_s),
+                         ("both outer-major", outer_major(a_s), outer_major(b_s))):
+        def call(sa=sa, sb=sb):
+            return torch._scaled_mm(a_q, b_q, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        try:
+            out = call()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (record why this library path is missing)
+            last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            continue
+        db = sqnr_db(out, ref)
+        if db >= 30:
+            return call, note
+        last_error = f"scales {note}: SQNR {db:.1f} dB (wrong layout)"
+    return None, last_error
+
+
+def _compiled_scaled_mm_epilogue():
+    import torch._dynamo
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+
+    def scaled_mm_bias_relu(a, b, sa, sb, bias):
+        return torch.relu(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16) + bias)
+
+    return torch.compile(scaled_mm_bias_relu, dynamic=False)
+
+
+def gemm_section(ctx: Context) -> list:
+    from loka_compile.kernels import triton_gemm as tg
+    from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = "cuda"
+    rows = []
+    compiled_epilogue = _compiled_scaled_mm_epilogue()
+    for (m, k, n) in ctx.shapes:
+        if ctx.out_of_time():
+            print(f"gemm: out of time before {m}x{k}x{n}", flush=True)
+            break
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+        bf16_us = bench_us(lambda: torch.mm(a, w.t()), ctx)
+        for scaling in (Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCKWISE):
+            a_q, a_s, b_q, b_s = quantize_operands(a, w.t(), scaling, Fp8Format.E4M3, Fp8Format.E4M3)
+            b_q = b_q.t().contiguous().t()  # W^T: column-major, as a Linear's weight gives it
+            ref = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=torch.float32,
+                                        compute_dtype=torch.float32)
+            if scaling is Scaling.BLOCKWISE:
+                lib_call, lib_note = _blockwise_scaled_mm(a_q, a_s, b_q, b_s, ref)
+            else:
+                def lib_call(fast=False):
+                    return torch._scaled_mm(a_q, b_q, scale_a=a_s, scale_b=b_s, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast)
+                lib_note = ""
+            for fast in ((False, True) if scaling is not Scaling.BLOCKWISE else (False,)):
+                row = dict(section="gemm", kind="gemm", M=m, K=k, N=n, scaling=scaling.value,
+                           accum="fast" if fast else "precise", bf16_us=_r(bf16_us), scaled_mm_note=lib_note)
+                try:
+                    def ours(fast=fast):
+                        return torch.ops.loka.triton_fp8_gemm(a_q, a_s, b_q, b_s, scaling.value, None, None,
+                                                              "none", torch.bfloat16, fast)
+                    out = ours()
+                    row["triton_config"] = str(tg.tuned_config("tma"))
+                    row["triton_sqnr_db"] = _r(sqnr_db(out, ref), 1)
+                    row["triton_us"] = _r(bench_us(ours, ctx))
+                    if not fast:
+                        row["autotune_us"] = {str(c): _r(1e3 * t[0]) for c, t in
+                                              getattr(tg._tma_kernel_tuned, "configs_timings", {}).items()}
+                except Exception as e:  # noqa: BLE001
+                    row["triton_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                if lib_call is not None:
+                    lib = (lambda: lib_call(fast)) if scaling is not Scaling.BLOCKWISE else lib_call
+                    try:
+                        row["scaled_mm_sqnr_db"] = _r(sqnr_db(lib(), ref), 1)
+                        row["scaled_mm_us"] = _r(bench_us(lib, ctx))
+                    except Exception as e:  # noqa: BLE001
+                        row["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                if row.get("triton_us") and row.get("scaled_mm_us"):
+                    row["triton_vs_scaled_mm"] = _r(row["scaled_mm_us"] / row["triton_us"], 3)
+                if row.get("triton_us"):
+                    row["triton_vs_bf16"] = _r(bf16_us / row["triton_us"], 3)
+                    row["triton_tflops"] = _r(tflops(m, k, n, row["triton_us"]), 1)
+                if row.get("scaled_mm_us"):
+                    row["scaled_mm_tflops"] = _r(tflops(m, k, n, row["scaled_mm_us"]), 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+            if scaling is Scaling.ROWWISE:
+                rows.extend(_pointer_and_epilogue_rows(ctx, tg, m, k, n, a_q, a_s, b_q, b_s, bias, ref,
+                                                       compiled_epilogue, bf16_us))
+        rows.extend(_wgrad_layout_rows(ctx, tg, m, k, n, a, w))
+    rows.extend(_host_overhead_rows(tg))
+    return rows
+
+
+def _pointer_and_epilogue_rows(ctx, tg, m, k, n, a_q, a_s, b_q, b_s, bias, ref, compiled_epilogue, bf16_us):
+    rows = []
+    # The pointer kernel (sm89 / misaligned fallback) on the same operands.
+    row = dict(section="gemm", kind="pointer_kernel", M=m, K=k, N=n, scaling="rowwise", accum="precise")
+    try:
+        def ptr():
+            return tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", impl="pointer")
+        row["triton_sqnr_db"] = _r(sqnr_db(ptr(), ref), 1)
+        row["triton_config"] = str(tg.tuned_config("pointer"))
+        row["triton_us"] = _r(bench_us(ptr, ctx))
+        row["triton_tflops"] = _r(tflops(m, k, n, row["triton_us"]), 1)
+    except Exception as e:  # noqa: BLE001
+        row["triton_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+    # GEMM + bias + relu: fused epilogue vs _scaled_mm then Inductor's pointwise kernel.
+    row = dict(section="gemm", kind="epilogue_bias_relu", M=m, K=k, N=n, scaling="rowwise", accum="precise",
+               bf16_us=_r(bf16_us))
+    ref_epi = torch.relu(ref + bias.float())
+    try:
+        def fused():
+            return torch.ops.loka.triton_fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", bias, None, "relu",
+                                                  torch.bfloat16)
+        row["triton_sqnr_db"] = _r(sqnr_db(fused(), ref_epi), 1)
+        row["triton_config"] = str(tg.tuned_config("tma"))
+        row["triton_us"] = _r(bench_us(fused, ctx))
+    except Exception as e:  # noqa: BLE001
+        row["triton_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        def unfused():
+            return compiled_epilogue(a_q, b_q, a_s, b_s, bias)
+        row["scaled_mm_sqnr_db"] = _r(sqnr_db(unfused(), ref_epi), 1)
+        row["scaled_mm_us"] = _r(bench_us(unfused, ctx))
+    except Exception as e:  # noqa: BLE001
+        row["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if row.get("triton_us") and row.get("scaled_mm_us"):
+        row["triton_vs_scaled_mm"] = _r(row["scaled_mm_us"] / row["triton_us"], 3)
+        row["triton_vs_bf16"] = _r(bf16_us / row["triton_us"], 3)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    return rows
+
+
+def _wgrad_layout_rows(ctx, tg, m, k, n, a, w):
+    """Grad-weight GEMM dW[N, K] = dY^T[N, M] @ X[M, K]: A is a transposed view (column-major),
+    B row-major; no copies. Only at a few shapes (the layout costs the same everywhere)."""
+    if (m, k, n) not in ((8192, 1024, 1024), (8192, 4096, 4096)):
+        return []
+    from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands
+    grad_out = torch.randn(m, n, device=a.device, dtype=torch.bfloat16)
+    # Scales along the GEMM's K (= the batch M here), as a wgrad recipe would quantize them.
+    # e4m3 on both sides so that cuBLASLt's rowwise path can run the same product.
+    g_q, g_s, x_q, x_s = quantize_operands(grad_out.t(), a, Scaling.ROWWISE, Fp8Format.E4M3, Fp8Format.E4M3)
+    g_q = g_q.t().contiguous().t()  # dY^T as a view of a row-major dY
+    row = dict(section="gemm", kind="wgrad_layout", M=n, K=m, N=k, scaling="rowwise", accum="precise",
+               a_layout="column-major view" if g_q.stride(0) == 1 else "row-major",
+               b_layout="row-major" if x_q.stride(1) == 1 else "column-major")
+    ref = tg.reference_fp8_gemm(g_q, g_s, x_q, x_s, "rowwise", out_dtype=torch.float32, compute_dtype=torch.float32)
+    try:
+        def ours():
+            return torch.ops.loka.triton_fp8_gemm(g_q, g_s, x_q, x_s, "rowwise")
+        row["triton_sqnr_db"] = _r(sqnr_db(ours(), ref), 1)
+        row["triton_config"] = str(tg.tuned_config("tma"))
+        row["triton_us"] = _r(bench_us(ours, ctx))
+        row["triton_tflops"] = _r(tflops(n, m, k, row["triton_us"]), 1)
+    except Exception as e:  # noqa: BLE001
+        row["triton_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        # cuBLASLt needs A row-major and B column-major: the copies are part of its cost here.
+        def lib():
+            return torch._scaled_mm(g_q.contiguous(), x_q.t().contiguous().t(), scale_a=g_s, scale_b=x_s,
+                                    out_dtype=torch.bfloat16)
+        row["scaled_mm_note"] = "includes the two layout copies cuBLASLt needs"
+        row["scaled_mm_us"] = _r(bench_us(lib, ctx))
+    except Exception as e:  # noqa: BLE001
+        row["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if row.get("triton_us") and row.get("scaled_mm_us"):
+        row["triton_vs_scaled_mm"] = _r(row["scaled_mm_us"] / row["triton_us"], 3)
+    rows = [row]
+    print(json.dumps(row), flush=True)
+    return rows
+
+
+def _host_overhead_rows(tg):
+    """Host time per call when nothing waits on the GPU (what a step without CUDA graphs pays)."""
+    from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands
+    a = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    a_q, a_s, b_q, b_s = quantize_operands(a, w.t(), Scaling.ROWWISE, Fp8Format.E4M3, Fp8Format.E4M3)
+    b_q = b_q.t().contiguous().t()
+    calls = {
+        "loka::triton_fp8_gemm op": lambda: torch.ops.loka.triton_fp8_gemm(a_q, a_s, b_q, b_s, "rowwise"),
+        "triton_gemm.fp8_gemm launcher": lambda: tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise"),
+        "torch._scaled_mm": lambda: torch._scaled_mm(a_q, b_q, scale_a=a_s, scale_b=b_s, out_dtype=torch.bfloat16),
+    }
+    rows = []
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(500):
+            fn()
+        host_us = (time.perf_counter() - start) / 500 * 1e6
+        torch.cuda.synchronize()
+        rows.append(dict(section="gemm", kind="host_overhead", call=name, M=2048, K=256, N=256,
+                         host_us_per_call=_r(host_us, 1)))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+SECTIONS: dict[str, Callable[[Context], list]] = {
+    "gemm": gemm_section,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------
+
+def device_tag(name: str) -> str:
+    found = re.search(r"(GB200|B200|H200|H100|H20|A100|L40S|L4|MI300X|MI350X)", name)
+    return found.group(1) if found else re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+
+
+def environment() -> dict:
+    import triton
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat(),
+                capability=".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else None)
+
+
+def gemm_table(rows: list) -> str:
+    from tabulate import tabulate
+    parts = []
+    main = [r for r in rows if r.get("kind") == "gemm"]
+    for accum in ("precise", "fast"):
+        table = [[r["M"], r["K"], r["N"], r["scaling"], r.get("bf16_us"), r.get("scaled_mm_us"), r.get("triton_us"),
+                  r.get("triton_vs_scaled_mm"), r.get("triton_vs_bf16"), r.get("scaled_mm_tflops"),
+                  r.get("triton_tflops"), r.get("triton_sqnr_db"), r.get("scaled_mm_sqnr_db"),
+                  r.get("triton_error") or r.get("scaled_mm_error") or r.get("scaled_mm_note") or ""]
+                 for r in main if r["accum"] == accum]
+        if table:
+            parts.append(f"### FP8 GEMM, {accum} accumulation (W^T column-major, bf16 out)\n\n" + tabulate(
+                table, headers=["M", "K", "N", "scaling", "bf16 us", "_scaled_mm us", "triton us",
+                                "triton vs _scaled_mm (x)", "triton vs bf16 (x)", "_scaled_mm TFLOP/s",
+                                "triton TFLOP/s", "triton SQNR dB", "_scaled_mm SQNR dB", "note"],
+                tablefmt="github"))
+    epi = [[r["M"], r["K"], r["N"], r.get("scaled_mm_us"), r.get("triton_us"), r.get("triton_vs_scaled_mm"),
+            r.get("triton_vs_bf16"), r.get("triton_sqnr_db"), r.get("triton_error") or r.get("scaled_mm_error") or ""]
+           for r in rows if r.get("kind") == "epilogue_bias_relu"]
+    if epi:
+        parts.append("### GEMM + bias + relu, rowwise: fused epilogue vs `_scaled_mm` + Inductor epilogue\n\n" + tabulate(
+            epi, headers=["M", "K", "N", "_scaled_mm + Inductor us", "triton fused us", "triton vs that (x)",
+                          "triton vs bf16 mm alone (x)", "triton SQNR dB", "note"], tablefmt="github"))
+    ptr = [[r["M"], r["K"], r["N"], r.get("triton_us"), r.get("triton_tflops"), r.get("triton_config"),
+            r.get("triton_error", "")] for r in rows if r.get("kind") == "pointer_kernel"]
+    if ptr:
+        parts.append("### Pointer-load kernel (sm89 / misaligned fallback), rowwise\n\n" + tabulate(
+            ptr, headers=["M", "K", "N", "us", "TFLOP/s", "config", "note"], tablefmt="github"))
+    wg = [[r["M"], r["K"], r["N"], r.get("a_layout"), r.get("triton_us"), r.get("scaled_mm_us"),
+           r.get("triton_vs_scaled_mm"), r.get("triton_sqnr_db"), r.get("triton_error", "")]
+          for r in rows if r.get("kind") == "wgrad_layout"]
+    if wg:
+        parts.append("### Grad-weight layout (A = dY^T view, B row-major), rowwise; _scaled_mm includes its copies\n\n"
+                     + tabulate(wg, headers=["M", "K", "N", "A layout", "triton us", "_scaled_mm+copies us",
+                                             "ratio (x)", "SQNR dB", "note"], tablefmt="github"))
+    host = [[r["call"], r["host_us_per_call"]] for r in rows if r.get("kind") == "host_overhead"]
+    if host:
+        parts.append("### Host time per call (2048x256x256, GPU not waited on)\n\n" + tabulate(
+            host, headers=["call", "us"], tablefmt="github"))
+    return "\n\n".join(parts)
+
+
+def gemm_summary(rows: list) -> str:
+    """One narrow line per shape and scaling: the ratios that the targets are about."""
+    from tabulate import tabulate
+    by_key = {}
+    for r in rows:
+        if r.get("kind") in ("gemm", "epilogue_bias_relu"):
+            key = (r["M"], r["K"], r["N"], r["scaling"])
+            name = "epilogue" if r["kind"] == "epilogue_bias_relu" else r["accum"]
+            by_key.setdefault(key, {})[name] = r
+    table = []
+    for (m, k, n, scaling), d in by_key.items():
+        p, f, e = d.get("precise", {}), d.get("fast", {}), d.get("epilogue", {})
+        table.append([f"{m}x{k}x{n}", scaling[:4], p.get("triton_us"), p.get("scaled_mm_us"), p.get("triton_vs_scaled_mm"),
+                      f.get("triton_vs_scaled_mm"), p.get("triton_vs_bf16"), e.get("triton_vs_scaled_mm"),
+                      p.get("triton_sqnr_db"), "E" if any("triton_error" in x for x in (p, f, e)) else ""])
+    return tabulate(table, headers=["MxKxN", "scal", "tri us", "smm us", "vs smm", "fast vs smm", "vs bf16",
+                                    "epi vs smm+ind", "dB", "err"], tablefmt="plain")
+
+
+TABLES = {"gemm": gemm_table}
+SUMMARIES = {"gemm": gemm_summary}
+
+
+def write_results(out_dir: str, sections: list, env: dict, rows: list) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    stem = f"{env['date']}_{device_tag(env['device'])}_kernels_{'_'.join(sections)}"
+    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    tables = [TABLES[s]([r for r in rows if r.get("section") == s]) for s in sections if s in TABLES]
+    header = (f"# Kernel benchmarks: {', '.join(sections)}\n\n{env['device']}, torch {env['torch']}, "
+              f"triton {env['triton']}, {env['date']}. Medians of triton.testing.do_bench; ratios > 1 mean "
+              f"loka's kernel is faster.\n\n")
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write(header + "\n\n".join(tables) + "\n")
+    return os.path.join(out_dir, stem)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    parser.add_argument("--shapes", default="lrm", choices=["lrm", "quick"])
+    parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--max-seconds", type=float, default=1e9,
+                        help="stop adding shapes after this long; results so far are written")
+    args = parser.parse_args(argv)
+    sections = [s for s in args.only.split(",") if s]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; valid: {list(SECTIONS)}")
+    if not torch.cuda.is_available():
+        print("kernel benchmarks need a CUDA GPU", file=sys.stderr)
+        return 1
+    ctx = Context(shapes=LRM_SHAPES if args.shapes == "lrm" else QUICK_SHAPES,
+                  deadline=time.monotonic() + args.max_seconds)
+    env = environment()
+    rows = []
+    for name in sections:
+        rows.extend(SECTIONS[name](ctx))
+        write_results(args.out_dir, sections, env, rows)
+    stem = write_results(args.out_dir, sections, env, rows)
+    print(f"wrote {stem}.json and .md")
+    for name in sections:
+        if name in SUMMARIES:
+            print(SUMMARIES[name]([r for r in rows if r.get("section") == name]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
