@@ -59,6 +59,13 @@ def bench_us(fn: Callable[[], object], ctx: Context) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=ctx.warmup_ms, rep=ctx.rep_ms, return_mode="median")
 
 
+def bench_graph_us(fn: Callable[[], object], ctx: Context) -> float:
+    """Median per call inside a CUDA graph: device time without host launch overhead (what
+    `mode="reduce-overhead"` gives). No L2 flush: small operands stay in L2 for every kernel."""
+    import triton.testing
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=ctx.rep_ms, return_mode="median")
+
+
 def tflops(m: int, k: int, n: int, us: float) -> float:
     return 2.0 * m * k * n / (us * 1e-6) / 1e12
 
@@ -128,6 +135,7 @@ def gemm_section(ctx: Context) -> list:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
         bf16_us = bench_us(lambda: torch.mm(a, w.t()), ctx)
+        bf16_graph_us = bench_graph_us(lambda: torch.mm(a, w.t()), ctx)
         for scaling in (Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCKWISE):
             a_q, a_s, b_q, b_s = quantize_operands(a, w.t(), scaling, Fp8Format.E4M3, Fp8Format.E4M3)
             b_q = b_q.t().contiguous().t()  # W^T: column-major, as a Linear's weight gives it
@@ -142,15 +150,17 @@ def gemm_section(ctx: Context) -> list:
                 lib_note = ""
             for fast in ((False, True) if scaling is not Scaling.BLOCKWISE else (False,)):
                 row = dict(section="gemm", kind="gemm", M=m, K=k, N=n, scaling=scaling.value,
-                           accum="fast" if fast else "precise", bf16_us=_r(bf16_us), scaled_mm_note=lib_note)
+                           accum="fast" if fast else "precise", bf16_us=_r(bf16_us), bf16_graph_us=_r(bf16_graph_us),
+                           scaled_mm_note=lib_note)
                 try:
                     def ours(fast=fast):
                         return torch.ops.loka.triton_fp8_gemm(a_q, a_s, b_q, b_s, scaling.value, None, None,
                                                               "none", torch.bfloat16, fast)
                     out = ours()
-                    row["triton_config"] = str(tg.tuned_config("tma"))
+                    row["triton_config"] = str(tg.last_launch_config())
                     row["triton_sqnr_db"] = _r(sqnr_db(out, ref), 1)
                     row["triton_us"] = _r(bench_us(ours, ctx))
+                    row["triton_graph_us"] = _r(bench_graph_us(ours, ctx))
                     if not fast:
                         row["autotune_us"] = {str(c): _r(1e3 * t[0]) for c, t in
                                               getattr(tg._tma_kernel_tuned, "configs_timings", {}).items()}
@@ -161,10 +171,14 @@ def gemm_section(ctx: Context) -> list:
                     try:
                         row["scaled_mm_sqnr_db"] = _r(sqnr_db(lib(), ref), 1)
                         row["scaled_mm_us"] = _r(bench_us(lib, ctx))
+                        row["scaled_mm_graph_us"] = _r(bench_graph_us(lib, ctx))
                     except Exception as e:  # noqa: BLE001
                         row["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 if row.get("triton_us") and row.get("scaled_mm_us"):
                     row["triton_vs_scaled_mm"] = _r(row["scaled_mm_us"] / row["triton_us"], 3)
+                if row.get("triton_graph_us") and row.get("scaled_mm_graph_us"):
+                    row["triton_vs_scaled_mm_graph"] = _r(row["scaled_mm_graph_us"] / row["triton_graph_us"], 3)
+                    row["triton_vs_bf16_graph"] = _r(bf16_graph_us / row["triton_graph_us"], 3)
                 if row.get("triton_us"):
                     row["triton_vs_bf16"] = _r(bf16_us / row["triton_us"], 3)
                     row["triton_tflops"] = _r(tflops(m, k, n, row["triton_us"]), 1)
@@ -189,7 +203,7 @@ def _pointer_and_epilogue_rows(ctx, tg, m, k, n, a_q, a_s, b_q, b_s, bias, ref, 
         def ptr():
             return tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", impl="pointer")
         row["triton_sqnr_db"] = _r(sqnr_db(ptr(), ref), 1)
-        row["triton_config"] = str(tg.tuned_config("pointer"))
+        row["triton_config"] = str(tg.last_launch_config())
         row["triton_us"] = _r(bench_us(ptr, ctx))
         row["triton_tflops"] = _r(tflops(m, k, n, row["triton_us"]), 1)
     except Exception as e:  # noqa: BLE001
@@ -206,8 +220,9 @@ def _pointer_and_epilogue_rows(ctx, tg, m, k, n, a_q, a_s, b_q, b_s, bias, ref, 
             return torch.ops.loka.triton_fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", bias, None, "relu",
                                                   torch.bfloat16)
         row["triton_sqnr_db"] = _r(sqnr_db(fused(), ref_epi), 1)
-        row["triton_config"] = str(tg.tuned_config("tma"))
+        row["triton_config"] = str(tg.last_launch_config())
         row["triton_us"] = _r(bench_us(fused, ctx))
+        row["triton_graph_us"] = _r(bench_graph_us(fused, ctx))
     except Exception as e:  # noqa: BLE001
         row["triton_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     try:
@@ -215,11 +230,14 @@ def _pointer_and_epilogue_rows(ctx, tg, m, k, n, a_q, a_s, b_q, b_s, bias, ref, 
             return compiled_epilogue(a_q, b_q, a_s, b_s, bias)
         row["scaled_mm_sqnr_db"] = _r(sqnr_db(unfused(), ref_epi), 1)
         row["scaled_mm_us"] = _r(bench_us(unfused, ctx))
+        row["scaled_mm_graph_us"] = _r(bench_graph_us(unfused, ctx))
     except Exception as e:  # noqa: BLE001
         row["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     if row.get("triton_us") and row.get("scaled_mm_us"):
         row["triton_vs_scaled_mm"] = _r(row["scaled_mm_us"] / row["triton_us"], 3)
         row["triton_vs_bf16"] = _r(bf16_us / row["triton_us"], 3)
+    if row.get("triton_graph_us") and row.get("scaled_mm_graph_us"):
+        row["triton_vs_scaled_mm_graph"] = _r(row["scaled_mm_graph_us"] / row["triton_graph_us"], 3)
     rows.append(row)
     print(json.dumps(row), flush=True)
     return rows
@@ -244,7 +262,7 @@ def _wgrad_layout_rows(ctx, tg, m, k, n, a, w):
         def ours():
             return torch.ops.loka.triton_fp8_gemm(g_q, g_s, x_q, x_s, "rowwise")
         row["triton_sqnr_db"] = _r(sqnr_db(ours(), ref), 1)
-        row["triton_config"] = str(tg.tuned_config("tma"))
+        row["triton_config"] = str(tg.last_launch_config())
         row["triton_us"] = _r(bench_us(ours, ctx))
         row["triton_tflops"] = _r(tflops(n, m, k, row["triton_us"]), 1)
     except Exception as e:  # noqa: BLE001
@@ -290,11 +308,89 @@ def _host_overhead_rows(tg):
         rows.append(dict(section="gemm", kind="host_overhead", call=name, M=2048, K=256, N=256,
                          host_us_per_call=_r(host_us, 1)))
         print(json.dumps(rows[-1]), flush=True)
+    if os.environ.get("LOKA_PROFILE_HOST") == "1":
+        import cProfile
+        import pstats
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(300):
+            calls["loka::triton_fp8_gemm op"]()
+        profile.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     return rows
+
+
+EXPLORE_SHAPES = [(8192, 8192, 8192), (8192, 4096, 4096), (32768, 2048, 2048), (2048, 256, 256), (8192, 1024, 1024)]
+
+
+def gemm_explore_section(ctx: Context) -> list:
+    """Fixed tile configs x accumulation modes, rowwise, for choosing the defaults: every
+    candidate's median time and SQNR (the evidence behind TMA_CONFIGS and PRECISE_ACCUM)."""
+    from loka_compile.kernels import triton_gemm as tg
+    from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands
+    G = tg.GemmConfig
+    candidates = [
+        G(128, 128, 128, 8, 4, ctas_per_sm=1, flatten=True),
+        G(128, 128, 128, 8, 4, ctas_per_sm=1),
+        G(128, 128, 128, 8, 2, ctas_per_sm=1, flatten=True),  # for promote_2x: two tiles per stage
+        G(64, 128, 128, 4, 3),   # 88 KB: two CTAs per SM, one's promotion overlaps the other's MMA
+        G(128, 64, 128, 4, 3),
+        G(64, 128, 128, 4, 3, ctas_per_sm=2),
+        G(64, 64, 128, 4, 4),
+        G(64, 64, 64, 4, 6),
+        G(128, 256, 128, 8, 3, ctas_per_sm=1, epilogue_subtile=True, flatten=True),
+    ]
+    rows = []
+    for (m, k, n) in EXPLORE_SHAPES:
+        if ctx.out_of_time():
+            break
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        a_q, a_s, b_q, b_s = quantize_operands(a, w.t(), Scaling.ROWWISE, Fp8Format.E4M3, Fp8Format.E4M3)
+        b_q = b_q.t().contiguous().t()
+        ref = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", out_dtype=torch.float32, compute_dtype=torch.float32)
+        for fast in (False, True):
+            smm = lambda fast=fast: torch._scaled_mm(a_q, b_q, scale_a=a_s, scale_b=b_s, out_dtype=torch.bfloat16,
+                                                     use_fast_accum=fast)
+            rows.append(dict(section="gemm_explore", M=m, K=k, N=n, kernel="_scaled_mm",
+                             accum_mode="fast" if fast else "cublas_precise", us=_r(bench_us(smm, ctx)),
+                             graph_us=_r(bench_graph_us(smm, ctx))))
+            print(json.dumps(rows[-1]), flush=True)
+        for cfg in candidates:
+            for mode in sorted(tg.ACCUM_MODES):
+                if mode == "promote_2x" and cfg.num_stages > 2:
+                    continue
+                if cfg.block_m * cfg.block_n > 128 * 128 and mode != "fast":
+                    continue
+                row = dict(section="gemm_explore", M=m, K=k, N=n, kernel="triton_tma", accum_mode=mode,
+                           config=str(cfg))
+                try:
+                    def ours(cfg=cfg, mode=mode):
+                        return tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", impl="tma", config=cfg, accum_mode=mode)
+                    row["sqnr_db"] = _r(sqnr_db(ours(), ref), 1)
+                    row["us"] = _r(bench_us(ours, ctx))
+                    row["graph_us"] = _r(bench_graph_us(ours, ctx))
+                    row["tflops"] = _r(tflops(m, k, n, row["graph_us"]), 1)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def explore_table(rows: list) -> str:
+    from tabulate import tabulate
+    table = [[f'{r["M"]}x{r["K"]}x{r["N"]}', r["kernel"], r["accum_mode"], r.get("config", ""), r.get("us"),
+              r.get("graph_us"), r.get("tflops"), r.get("sqnr_db"), r.get("error", "")] for r in rows]
+    return "### Tile configs x accumulation modes (rowwise)\n\n" + tabulate(
+        table, headers=["MxKxN", "kernel", "accum", "config", "us", "graph us", "TFLOP/s (graph)", "SQNR dB", "error"],
+        tablefmt="github")
 
 
 SECTIONS: dict[str, Callable[[Context], list]] = {
     "gemm": gemm_section,
+    "gemm_explore": gemm_explore_section,
 }
 
 
@@ -321,22 +417,28 @@ def gemm_table(rows: list) -> str:
     main = [r for r in rows if r.get("kind") == "gemm"]
     for accum in ("precise", "fast"):
         table = [[r["M"], r["K"], r["N"], r["scaling"], r.get("bf16_us"), r.get("scaled_mm_us"), r.get("triton_us"),
-                  r.get("triton_vs_scaled_mm"), r.get("triton_vs_bf16"), r.get("scaled_mm_tflops"),
+                  r.get("triton_vs_scaled_mm"), r.get("triton_vs_bf16"), r.get("scaled_mm_graph_us"),
+                  r.get("triton_graph_us"), r.get("triton_vs_scaled_mm_graph"), r.get("triton_vs_bf16_graph"),
+                  r.get("scaled_mm_tflops"),
                   r.get("triton_tflops"), r.get("triton_sqnr_db"), r.get("scaled_mm_sqnr_db"),
                   r.get("triton_error") or r.get("scaled_mm_error") or r.get("scaled_mm_note") or ""]
                  for r in main if r["accum"] == accum]
         if table:
             parts.append(f"### FP8 GEMM, {accum} accumulation (W^T column-major, bf16 out)\n\n" + tabulate(
                 table, headers=["M", "K", "N", "scaling", "bf16 us", "_scaled_mm us", "triton us",
-                                "triton vs _scaled_mm (x)", "triton vs bf16 (x)", "_scaled_mm TFLOP/s",
+                                "triton vs _scaled_mm (x)", "triton vs bf16 (x)", "graph: _scaled_mm us",
+                                "graph: triton us", "graph: triton vs _scaled_mm (x)", "graph: triton vs bf16 (x)",
+                                "_scaled_mm TFLOP/s",
                                 "triton TFLOP/s", "triton SQNR dB", "_scaled_mm SQNR dB", "note"],
                 tablefmt="github"))
     epi = [[r["M"], r["K"], r["N"], r.get("scaled_mm_us"), r.get("triton_us"), r.get("triton_vs_scaled_mm"),
+            r.get("scaled_mm_graph_us"), r.get("triton_graph_us"), r.get("triton_vs_scaled_mm_graph"),
             r.get("triton_vs_bf16"), r.get("triton_sqnr_db"), r.get("triton_error") or r.get("scaled_mm_error") or ""]
            for r in rows if r.get("kind") == "epilogue_bias_relu"]
     if epi:
         parts.append("### GEMM + bias + relu, rowwise: fused epilogue vs `_scaled_mm` + Inductor epilogue\n\n" + tabulate(
             epi, headers=["M", "K", "N", "_scaled_mm + Inductor us", "triton fused us", "triton vs that (x)",
+                          "graph: _scaled_mm + Inductor us", "graph: triton fused us", "graph: triton vs that (x)",
                           "triton vs bf16 mm alone (x)", "triton SQNR dB", "note"], tablefmt="github"))
     ptr = [[r["M"], r["K"], r["N"], r.get("triton_us"), r.get("triton_tflops"), r.get("triton_config"),
             r.get("triton_error", "")] for r in rows if r.get("kind") == "pointer_kernel"]
@@ -370,13 +472,14 @@ def gemm_summary(rows: list) -> str:
     for (m, k, n, scaling), d in by_key.items():
         p, f, e = d.get("precise", {}), d.get("fast", {}), d.get("epilogue", {})
         table.append([f"{m}x{k}x{n}", scaling[:4], p.get("triton_us"), p.get("scaled_mm_us"), p.get("triton_vs_scaled_mm"),
-                      f.get("triton_vs_scaled_mm"), p.get("triton_vs_bf16"), e.get("triton_vs_scaled_mm"),
+                      p.get("triton_vs_scaled_mm_graph"), f.get("triton_vs_scaled_mm"), f.get("triton_vs_scaled_mm_graph"),
+                      p.get("triton_vs_bf16"), e.get("triton_vs_scaled_mm"), e.get("triton_vs_scaled_mm_graph"),
                       p.get("triton_sqnr_db"), "E" if any("triton_error" in x for x in (p, f, e)) else ""])
-    return tabulate(table, headers=["MxKxN", "scal", "tri us", "smm us", "vs smm", "fast vs smm", "vs bf16",
-                                    "epi vs smm+ind", "dB", "err"], tablefmt="plain")
+    return tabulate(table, headers=["MxKxN", "scal", "tri us", "smm us", "vs smm", "graph", "fast vs smm", "graph",
+                                    "vs bf16", "epi vs smm+ind", "graph", "dB", "err"], tablefmt="plain")
 
 
-TABLES = {"gemm": gemm_table}
+TABLES = {"gemm": gemm_table, "gemm_explore": explore_table}
 SUMMARIES = {"gemm": gemm_summary}
 
 

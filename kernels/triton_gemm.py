@@ -78,10 +78,20 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+# Accumulation modes (ACCUM constexpr). FP8 tensor cores on Hopper accumulate in reduced
+# precision; "promotion" adds their partial sums into a true fp32 accumulator.
+ACCUM_FAST = 0          # no promotion (cuBLAS use_fast_accum=True)
+ACCUM_PROMOTE_ADD = 1   # partial sum of each BLOCK_K step added in fp32 by the kernel
+ACCUM_PROMOTE_MMA = 2   # the same through tl.dot(max_num_imprecise_acc=BLOCK_K)
+ACCUM_PROMOTE_2X = 3    # partial sum over two BLOCK_K steps, then added (TMA kernel only)
+ACCUM_MODES = {"fast": ACCUM_FAST, "promote_add": ACCUM_PROMOTE_ADD, "promote_mma": ACCUM_PROMOTE_MMA,
+               "promote_2x": ACCUM_PROMOTE_2X}
+
+
 @triton.jit
 def _accumulate(acc, a, b, k_start, offs_m, offs_n, M, N,
                 a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
-                SCALING: tl.constexpr, FAST_ACCUM: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                SCALING: tl.constexpr, ACCUM: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """acc[BM, BN] (fp32) += a[BM, BK] @ b[BK, BN]; blockwise applies this K block's scales."""
     if SCALING == 2:
         kb = k_start // SCALE_BLOCK
@@ -89,11 +99,27 @@ def _accumulate(acc, a, b, k_start, offs_m, offs_n, M, N,
         b_s = tl.load(b_scale_ptr + kb * stride_bsk + (offs_n // SCALE_BLOCK) * stride_bsn,
                       mask=offs_n < N, other=0.0)
         acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
-    elif FAST_ACCUM:
+    elif ACCUM == 0:
         acc = tl.dot(a, b, acc)
+    elif ACCUM == 2:
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
     else:
         acc += tl.dot(a, b)
     return acc
+
+
+@triton.jit
+def _load_tiles(a_desc, b_desc, off_m, off_n, off_k, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr):
+    """a [BM, BK] and b [BK, BN] tiles; parts past the M, N, K edges arrive as zeros."""
+    if A_K_MAJOR:
+        a = a_desc.load([off_m, off_k])
+    else:
+        a = a_desc.load([off_k, off_m]).T
+    if B_K_MAJOR:
+        b = b_desc.load([off_n, off_k]).T
+    else:
+        b = b_desc.load([off_k, off_n])
+    return a, b
 
 
 @triton.jit
@@ -152,7 +178,7 @@ def _fp8_gemm_tma_kernel(
     M_BUCKET,                  # autotune key only: next power of two of M, capped
     stride_asm, stride_ask, stride_bsk, stride_bsn,
     stride_bias, stride_rm, stride_rn,
-    SCALING: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    SCALING: tl.constexpr, ACCUM: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -171,20 +197,22 @@ def _fp8_gemm_tma_kernel(
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in tl.range(0, k_tiles):
-            off_k = ki * BLOCK_K
-            # Out-of-bounds parts of a tile (M, N, K edges) arrive as zeros.
-            if A_K_MAJOR:
-                a = a_desc.load([off_m, off_k])
-            else:
-                a = a_desc.load([off_k, off_m]).T
-            if B_K_MAJOR:
-                b = b_desc.load([off_n, off_k]).T
-            else:
-                b = b_desc.load([off_k, off_n])
-            acc = _accumulate(acc, a, b, off_k, offs_m, offs_n, M, N,
-                              a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
-                              SCALING, FAST_ACCUM, SCALE_BLOCK)
+        if ACCUM == 3 and SCALING != 2:
+            # Two steps per iteration, one promotion; a step past K loads zeros.
+            for ki in tl.range(0, tl.cdiv(k_tiles, 2)):
+                off_k = ki * 2 * BLOCK_K
+                a, b = _load_tiles(a_desc, b_desc, off_m, off_n, off_k, A_K_MAJOR, B_K_MAJOR)
+                part = tl.dot(a, b)
+                a, b = _load_tiles(a_desc, b_desc, off_m, off_n, off_k + BLOCK_K, A_K_MAJOR, B_K_MAJOR)
+                part = tl.dot(a, b, part)
+                acc += part
+        else:
+            for ki in tl.range(0, k_tiles):
+                off_k = ki * BLOCK_K
+                a, b = _load_tiles(a_desc, b_desc, off_m, off_n, off_k, A_K_MAJOR, B_K_MAJOR)
+                acc = _accumulate(acc, a, b, off_k, offs_m, offs_n, M, N,
+                                  a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
+                                  SCALING, ACCUM, BLOCK_K, SCALE_BLOCK)
         # The store goes through shared memory and TMA (clipped at the M, N edges): no
         # per-element addresses in registers. Two half-width subtiles halve the epilogue's
         # live registers.
@@ -221,7 +249,7 @@ def _fp8_gemm_ptr_kernel(
     stride_om, stride_on,
     stride_asm, stride_ask, stride_bsk, stride_bsn,
     stride_bias, stride_rm, stride_rn,
-    SCALING: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    SCALING: tl.constexpr, ACCUM: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -250,7 +278,7 @@ def _fp8_gemm_ptr_kernel(
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         acc = _accumulate(acc, a, b, ki * BLOCK_K, offs_m, offs_n, M, N,
                           a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
-                          SCALING, FAST_ACCUM, SCALE_BLOCK)
+                          SCALING, ACCUM, BLOCK_K, SCALE_BLOCK)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
@@ -338,7 +366,7 @@ PTR_CONFIGS = [
 INTERPRETER_CONFIG = GemmConfig(32, 32, 32, num_warps=4, num_stages=1, group_m=2, ctas_per_sm=1)
 INTERPRETER_SM_COUNT = 4
 
-_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "FAST_ACCUM", "A_K_MAJOR", "B_K_MAJOR", "HAS_BIAS", "HAS_RESIDUAL"]
+_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "ACCUM", "A_K_MAJOR", "B_K_MAJOR", "HAS_BIAS", "HAS_RESIDUAL"]
 
 
 def _autotune_bench(kernel_call, quantiles):
@@ -349,7 +377,7 @@ def _autotune_bench(kernel_call, quantiles):
 def _prune_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     blockwise = args["SCALING"] == 2
-    two_accumulators = blockwise or not args["FAST_ACCUM"]
+    two_accumulators = blockwise or args["ACCUM"] != ACCUM_FAST
     kept = []
     for c in configs:
         bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
@@ -385,10 +413,12 @@ _tma_kernel_tuned = triton.autotune(
 )(_fp8_gemm_tma_kernel)
 
 
-def tuned_config(impl: str) -> Optional[triton.Config]:
-    """The config the autotuner chose in its latest run of `impl` ("tma" or "pointer")."""
-    tuner = _tma_kernel_tuned if impl == "tma" else _ptr_kernel_tuned
-    return getattr(tuner, "best_config", None)
+_last_launch: dict = {}
+
+
+def last_launch_config() -> Optional[triton.Config]:
+    """Tile config of the latest kernel launch (tuned or fixed), for benchmark records."""
+    return _last_launch.get("config")
 
 
 # ---------------------------------------------------------------------------------------
@@ -554,33 +584,49 @@ def _tensorwise_scale(s: torch.Tensor) -> torch.Tensor:
     return s.reshape(())  # one element, any shape
 
 
+# Promotion used for precise accumulation unless a caller names one (benchmarks do).
+PRECISE_ACCUM = "promote_add"
+
+# (autotune key) -> triton.Config chosen by the autotuner: later calls with the same key
+# launch the JIT function directly, skipping the autotuner's per-call argument handling.
+_tuned_configs: dict = {}
+
+
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              scaling=None, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
              activation: str = "none", out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False,
-             impl: str = "auto", config: Optional[GemmConfig] = None) -> torch.Tensor:
+             impl: str = "auto", config: Optional[GemmConfig] = None, accum_mode: Optional[str] = None) -> torch.Tensor:
     """act(dequant(a) @ dequant(b) + bias) + residual in out_dtype (module docstring).
 
     impl: "auto" takes the TMA kernel on sm90+ when the operands allow it, else the
     pointer kernel; "tma" / "pointer" force one (ValueError if "tma" cannot run).
     scaling: a Scaling or its name; None infers it from the scale shapes.
-    config: a fixed tile config instead of autotuning (the interpreter always uses one)."""
+    config: a fixed tile config instead of autotuning (the interpreter always uses one).
+    accum_mode: overrides `fast_accum` with one of ACCUM_MODES (for measurements)."""
     if scaling is None:
         scaling = infer_scaling(a, a_scale, b, b_scale)
     plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl)
-    on_triton = interpreting() or a.device.type == "cuda"
-    if not on_triton:
+    if accum_mode is None:
+        accum_mode = "fast" if fast_accum else PRECISE_ACCUM
+    if accum_mode not in ACCUM_MODES:
+        raise ValueError(f"unknown accum_mode {accum_mode!r}; valid: {sorted(ACCUM_MODES)}")
+    interpret = interpreting()
+    if not interpret and a.device.type != "cuda":
         return reference_fp8_gemm(a, a_scale, b, b_scale, plan.scaling, bias, residual, activation, out_dtype)
-    if a.device.type == "cuda" and not interpreting() and _capability(_device_index(a.device)) < (8, 9):
+    if a.device.type == "cuda" and not interpret and _capability(_device_index(a.device)) < (8, 9):
         raise ValueError(f"FP8 GEMM needs sm89+, {a.device} is sm{''.join(map(str, _capability(_device_index(a.device))))}")
 
     tma_reason = tma_unsupported_reason(a, b, plan, out_dtype)
     if impl == "tma" and tma_reason is not None:
         raise ValueError(f"impl='tma' cannot run: {tma_reason}")
-    use_tma = impl == "tma" or (impl == "auto" and tma_reason is None and not interpreting())
-    if config is None and interpreting():
+    use_tma = impl == "tma" or (impl == "auto" and tma_reason is None and not interpret)
+    if config is None and interpret:
         config = INTERPRETER_CONFIG
     if config is not None and plan.scaling is Scaling.BLOCKWISE and SCALE_BLOCK % config.block_k:
         raise ValueError(f"blockwise scaling needs block_k dividing {SCALE_BLOCK}, got {config.block_k}")
+    accum = ACCUM_MODES[accum_mode]
+    if not use_tma and accum == ACCUM_PROMOTE_2X:
+        accum = ACCUM_PROMOTE_ADD  # the pointer kernel promotes every step
 
     m, n, k = plan.m, plan.n, plan.k
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -592,8 +638,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         scale_strides = (0, 0, 0, 0)
     else:
         scale_strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
-    common = dict(
-        SCALING=_SCALING_CODES[plan.scaling], FAST_ACCUM=bool(fast_accum),
+    flags = dict(
+        SCALING=_SCALING_CODES[plan.scaling], ACCUM=accum,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACTIVATION=plan.activation,
         SCALE_BLOCK=SCALE_BLOCK,
     )
@@ -609,36 +655,45 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         # is a placeholder until the config's pre-hook sets it.
         a_view = a if plan.a_k_major else a.t()
         b_view = b.t() if plan.b_k_major else b
-        a_desc = TensorDescriptor.from_tensor(a_view, [16, 16])
-        b_desc = TensorDescriptor.from_tensor(b_view, [16, 16])
-        out_desc = TensorDescriptor.from_tensor(out, [16, 16])
-        sms = INTERPRETER_SM_COUNT if interpreting() else _sm_count(_device_index(a.device))
-
-        def grid(meta):
-            tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-            return (min(tiles, sms * meta["CTAS_PER_SM"]) if meta["CTAS_PER_SM"] else tiles,)
-
-        args = (a_desc, b_desc, out_desc, *ptrs, *sizes, *tail)
-        layout = dict(A_K_MAJOR=plan.a_k_major, B_K_MAJOR=plan.b_k_major)
-        if config is None:
-            _tma_kernel_tuned[grid](*args, **common, **layout)
-        else:
-            meta = dict(**config.kwargs(tma=True), **layout, a_desc=a_desc, b_desc=b_desc, out_desc=out_desc)
-            _set_descriptor_blocks(meta)
-            _fp8_gemm_tma_kernel[grid](*args, **common, **layout, **config.kwargs(tma=True),
-                                       num_warps=config.num_warps, num_stages=config.num_stages)
+        descs = dict(a_desc=TensorDescriptor.from_tensor(a_view, [16, 16]),
+                     b_desc=TensorDescriptor.from_tensor(b_view, [16, 16]),
+                     out_desc=TensorDescriptor.from_tensor(out, [16, 16]))
+        args = (descs["a_desc"], descs["b_desc"], descs["out_desc"], *ptrs, *sizes, *tail)
+        flags.update(A_K_MAJOR=plan.a_k_major, B_K_MAJOR=plan.b_k_major)
+        sms = INTERPRETER_SM_COUNT if interpret else _sm_count(_device_index(a.device))
+        jit_fn, tuner = _fp8_gemm_tma_kernel, _tma_kernel_tuned
     else:
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
         args = (a, b, out, *ptrs, *sizes, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                 out.stride(0), out.stride(1), *tail)
-        if config is None:
-            _ptr_kernel_tuned[grid](*args, **common)
-        else:
-            _ptr_kernel[grid](*args, **common, **config.kwargs(tma=False),
-                              num_warps=config.num_warps, num_stages=config.num_stages)
+        descs, sms = None, 0
+        jit_fn, tuner = _ptr_kernel, _ptr_kernel_tuned
+
+    def grid_for(meta):
+        tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        return (min(tiles, sms * meta["CTAS_PER_SM"]) if use_tma and meta["CTAS_PER_SM"] else tiles,)
+
+    if config is not None:
+        chosen = config.triton_config(use_tma)
+    else:
+        key = (use_tma, m_bucket(m), n, k, a.dtype, b.dtype, out_dtype, None if bias is None else bias.dtype,
+               None if residual is None else residual.dtype, plan.a_k_major, plan.b_k_major,
+               tuple(flags.items()))
+        chosen = _tuned_configs.get(key)
+        if chosen is None:
+            tuner[grid_for](*args, **flags)
+            _tuned_configs[key] = _last_launch["config"] = tuner.best_config
+            return out
+    _last_launch["config"] = chosen
+    meta = dict(**chosen.kwargs, **flags)
+    if descs is not None:
+        _set_descriptor_blocks({**meta, **descs})
+    jit_fn[grid_for(meta)](*args, **flags, **chosen.all_kwargs())
     return out
+
+
+def tuned_configs() -> dict:
+    """Autotuning results so far: key -> chosen triton.Config."""
+    return dict(_tuned_configs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -693,18 +748,32 @@ def reference_fp8_gemm(a, a_scale, b, b_scale, scaling="tensorwise", bias=None, 
 # op registration
 # ---------------------------------------------------------------------------------------
 
-@torch.library.custom_op("loka::triton_fp8_gemm", mutates_args=())
-def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                    scaling: str, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
-                    activation: str = "none", out_dtype: torch.dtype = torch.bfloat16,
-                    fast_accum: bool = False, impl: str = "auto") -> torch.Tensor:
-    """FP8 GEMM with fused epilogue: act(dequant(a) @ dequant(b) + bias) + residual."""
+# Defined through torch.library.Library rather than custom_op: custom_op wraps every call
+# in a Python autograd layer, 30 us of host time per call here (45 us vs 15 us for an
+# empty op on this CPU). The op has no autograd formula; FP8 operands carry no gradient.
+_LIB = torch.library.Library("loka", "FRAGMENT")
+_LIB.define(
+    "triton_fp8_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, str scaling, Tensor? bias=None, "
+    "Tensor? residual=None, str activation=\"none\", ScalarType? out_dtype=None, bool fast_accum=False, "
+    "str impl=\"auto\") -> Tensor")
+
+
+def _triton_fp8_gemm_impl(a, a_scale, b, b_scale, scaling, bias=None, residual=None, activation="none",
+                          out_dtype=None, fast_accum=False, impl="auto"):
+    """FP8 GEMM with fused epilogue: act(dequant(a) @ dequant(b) + bias) + residual; out_dtype
+    None means bf16 (a schema default cannot name a dtype)."""
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     return fp8_gemm(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, fast_accum, impl)
 
 
-@triton_fp8_gemm.register_fake
-def _(a, a_scale, b, b_scale, scaling, bias=None, residual=None, activation="none",
-      out_dtype=torch.bfloat16, fast_accum=False, impl="auto"):
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("triton_fp8_gemm", _triton_fp8_gemm_impl, _key)
+
+
+@torch.library.register_fake("loka::triton_fp8_gemm", lib=_LIB)
+def _triton_fp8_gemm_fake(a, a_scale, b, b_scale, scaling, bias=None, residual=None, activation="none",
+                          out_dtype=None, fast_accum=False, impl="auto"):
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl)
     return a.new_empty((plan.m, plan.n), dtype=out_dtype)
 
@@ -720,8 +789,9 @@ def _provider_available(device: torch.device) -> bool:
 def _provider_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
     if a_q.dim() != 2 or b_q.dim() != 2:
         raise ValueError(f"the triton provider takes 2-D operands, got {tuple(a_q.shape)} @ {tuple(b_q.shape)}")
-    scaling = infer_scaling(a_q, a_scale, b_q, b_scale)
-    return torch.ops.loka.triton_fp8_gemm(a_q, a_scale, b_q, b_scale, scaling.value, bias, None, "none", out_dtype)
+    # Called from inside loka's fp8_gemm op: the launcher directly, not a second op.
+    return fp8_gemm(a_q, a_scale, b_q, b_scale, infer_scaling(a_q, a_scale, b_q, b_scale), bias, None, "none",
+                    out_dtype)
 
 
 if "triton" not in provider_names():

@@ -72,7 +72,8 @@ def check_against_reference(a_q, a_s, b_q, b_s, scaling, floor=None, **kw):
     assert out.dtype == out_dtype and out.shape == ref.shape
     assert torch.isfinite(out).all(), "non-finite output from finite operands"
     if floor is None:
-        floor = 60.0 if out_dtype == torch.float32 and not kw.get("fast_accum") else 40.0
+        fast = kw.get("fast_accum") or kw.get("accum_mode") == "fast"
+        floor = 60.0 if out_dtype == torch.float32 and not fast else 40.0
     db = sqnr_db(out, ref)
     assert db >= floor, f"SQNR {db:.1f} dB under the {floor} dB floor"
     return out
@@ -111,13 +112,22 @@ def test_tma_kernel_config_variants(config):
                             impl="tma", config=config)
 
 
+@interpreter
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
+@pytest.mark.parametrize("accum_mode", sorted(tg.ACCUM_MODES))
+def test_accumulation_modes(accum_mode, impl):
+    # K = 272 is 8.5 steps of 32: the two-step mode's last step lies past K.
+    operands = make_operands(67, 272, 144, Scaling.ROWWISE)
+    check_against_reference(*operands, Scaling.ROWWISE, out_dtype=torch.float32, impl=impl, accum_mode=accum_mode)
+
+
 def test_autotune_pruning():
     configs = [c.triton_config(tma=True) for c in tg.TMA_CONFIGS]
-    kept = tg._prune_configs(configs, {}, SCALING=2, FAST_ACCUM=False)
+    kept = tg._prune_configs(configs, {}, SCALING=2, ACCUM=tg.ACCUM_PROMOTE_ADD)
     assert kept and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128 for c in kept)
     assert not any(c.kwargs["FLATTEN"] for c in kept)
-    assert len(tg._prune_configs(configs, {}, SCALING=0, FAST_ACCUM=True)) == len(configs)
-    precise = tg._prune_configs(configs, {}, SCALING=1, FAST_ACCUM=False)
+    assert len(tg._prune_configs(configs, {}, SCALING=0, ACCUM=tg.ACCUM_FAST)) == len(configs)
+    precise = tg._prune_configs(configs, {}, SCALING=1, ACCUM=tg.ACCUM_PROMOTE_ADD)
     assert any(c.kwargs["FLATTEN"] for c in precise) and len(precise) < len(configs)
 
 
@@ -307,10 +317,11 @@ def test_cuda_every_tuning_candidate(config, fast_accum):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("accum_mode", sorted(tg.ACCUM_MODES))
 @pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE])
-def test_cuda_fast_accum(scaling):
-    operands = make_operands(2048, 4096, 1024, scaling, device="cuda")
-    check_against_reference(*operands, scaling, fast_accum=True, out_dtype=torch.float32, config=GPU_CONFIG)
+def test_cuda_accumulation_modes(scaling, accum_mode):
+    operands = make_operands(2048, 4096, 1000, scaling, device="cuda")
+    check_against_reference(*operands, scaling, accum_mode=accum_mode, out_dtype=torch.float32, config=GPU_CONFIG)
 
 
 @pytest.mark.cuda
@@ -356,7 +367,7 @@ def test_cuda_autotuned_provider(scaling):
     out = provider.gemm(a_q, a_s, b_q, b_s, bias, torch.bfloat16)
     ref = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, bias=bias, out_dtype=torch.float64)
     assert torch.isfinite(out).all() and sqnr_db(out, ref) >= 40.0
-    assert tg.tuned_config("tma") is not None
+    assert tg.last_launch_config() is not None and tg.tuned_configs()
 
 
 @pytest.mark.cuda
