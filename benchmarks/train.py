@@ -544,6 +544,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma list, or 'all'; known: {', '.join(CONFIGS)}")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads on CPU (1 is fastest for tiny presets on a shared box)")
     p.add_argument("--compile-scope", default="dense", choices=["dense", "model"])
     p.add_argument("--loka-options", type=json.loads, default=None,
                    help='JSON dict passed as torch.compile(options=...) to loka rows, e.g. \'{"probe_steps": 10}\'')
@@ -574,6 +576,8 @@ def main(argv=None) -> Path:
         device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
     # fp32 references must be real fp32, not TF32.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -222,13 +222,13 @@ class MaskNetDense(nn.Module):
     """Parallel MaskNet: dense features -> one extra field embedding; all fields
     concatenated; `blocks` MaskBlocks side by side; concat -> top MLP -> logit."""
 
-    def __init__(self, num_dense: int, num_sparse: int, d: int, blocks: int, agg_ratio: int,
+    def __init__(self, num_dense: int, num_sparse: int, d: int, blocks: int, agg_width: int,
                  hidden: int, top: list[int]):
         super().__init__()
         self.dense_proj = nn.Linear(num_dense, d)
         width = (num_sparse + 1) * d
         self.emb_norm = nn.LayerNorm(width)
-        self.blocks = nn.ModuleList(MaskBlock(width, agg_ratio * width, hidden) for _ in range(blocks))
+        self.blocks = nn.ModuleList(MaskBlock(width, agg_width, hidden) for _ in range(blocks))
         self.top = mlp([blocks * hidden, *top, 1], final_activation=False)
 
     def forward(self, dense, pooled, seq=None, seq_valid=None):
@@ -329,10 +329,11 @@ PRESETS: dict[str, dict[str, Preset]] = {
                                       top=[64, 32])),
     },
     "masknet": {
-        # Parallel MaskNet at LRM width: 27 fields x 64 = 1728 wide, 8 MaskBlocks of 1024.
-        "paper": Preset(100_000, 100, dict(d=64, blocks=8, agg_ratio=2, hidden=1024,
+        # Parallel MaskNet at LRM width: 27 fields x 64 = 1728 wide, mask aggregation layer
+        # twice as wide (reduction ratio 2), 8 MaskBlocks of 1024.
+        "paper": Preset(100_000, 100, dict(d=64, blocks=8, agg_width=3456, hidden=1024,
                                            top=[1024, 512])),
-        "tiny": Preset(1000, 8, dict(d=8, blocks=3, agg_ratio=2, hidden=32, top=[32])),
+        "tiny": Preset(1000, 8, dict(d=16, blocks=2, agg_width=32, hidden=32, top=[32])),
     },
     "hstu": {
         # 64-item history + target, d=256, 3 blocks of 4 heads; 8 context tables.

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Training benchmark on one GPU, paper presets at batch 8192, every default config:
+# eager bf16, Inductor bf16 (default, reduce-overhead), torchao float8 tensorwise/rowwise,
+# loka (default, reduce-overhead).
+#
+# Run from the repository root on the GPU machine:
+#     bash benchmarks/run_gpu.sh                       # all four models
+#     bash benchmarks/run_gpu.sh wukong,dlrm_dcnv2     # a subset (comma list)
+#     bash benchmarks/run_gpu.sh hstu --configs inductor_bf16,loka   # extra harness flags
+#
+# Budget: the harness stops starting configs after --total-seconds (default here 420 s) and
+# stops training a config after --max-seconds (120 s); what did not run becomes rows with
+# an error, and the JSON is rewritten after every row, so a cut-off run still reports.
+# Compiles dominate (about 15-60 s per compiled config at paper size): all four models in
+# one call may not fit 9 minutes, so split, e.g. "wukong,dlrm_dcnv2" then
+# "masknet,hstu"; both calls merge into the same <date>_<GPU>_train.json.
+#
+# torchao is installed from .whl/ (downloaded on the dev machine; the GPU machine is
+# offline). Results: benchmarks/results/ and, when $OUT is set, copied under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODELS="${1:-wukong,dlrm_dcnv2,masknet,hstu}"
+[ $# -gt 0 ] && shift
+OUT_DIR="${OUT:-/tmp/loka_bench}"
+mkdir -p "$OUT_DIR" benchmarks/results
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+        || echo "run_gpu.sh: torchao wheel install failed; torchao rows will record the error"
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+pip install -q --no-deps --no-build-isolation -e . \
+    || echo "run_gpu.sh: project install failed; loka rows will record the error"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+
+LOG="$OUT_DIR/train_${MODELS//,/_}.log"
+PYTHONUNBUFFERED=1 python3 -m benchmarks.train \
+    --preset paper --batch 8192 --models "$MODELS" \
+    --steps 20 --warmup 5 --quality-steps 100 --eval-batches 4 \
+    --max-seconds 120 --total-seconds 420 \
+    --out benchmarks/results --plot "$@" 2>&1 | tee "$LOG"
+status=${PIPESTATUS[0]}
+
+cp benchmarks/results/*_train.json "$OUT_DIR"/ 2>/dev/null || true
+cp benchmarks/results/*_train.png "$OUT_DIR"/ 2>/dev/null || true
+echo "run_gpu.sh: harness exit status $status; results in benchmarks/results and $OUT_DIR"
+exit "$status"

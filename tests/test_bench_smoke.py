@@ -1,0 +1,61 @@
+"""Smoke test of the training benchmark: tiny presets of every zoo model, a couple of steps,
+eager + Inductor (+ loka when registered), then the JSON it wrote."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import train
+from benchmarks.zoo import MODEL_NAMES
+
+NUMERIC = ["step_ms", "out_relerr", "grad_relerr", "grad_relerr_first", "final_logloss", "final_ne",
+           "final_auc", "train_gflops_per_sample"]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_harness_runs_every_model_and_records_failures(tmp_path, one_thread, capsys):
+    configs = ["eager_bf16", "inductor_bf16"]
+    if "loka" in torch._dynamo.list_backends(exclude_tags=()):
+        configs.append("loka")
+    failing = ["no_such_config"]
+    if train._torchao_version() is None:
+        failing.append("torchao_rowwise")  # unavailable -> an error row, not a crash
+    path = train.main([
+        "--preset", "tiny", "--batch", "32", "--warmup", "1", "--steps", "2", "--quality-steps", "3",
+        "--eval-batches", "2", "--device", "cpu", "--cpu-threads", "1",
+        "--configs", ",".join(configs + failing), "--out", str(tmp_path), "--name", "smoke",
+    ])
+    assert path == tmp_path / "smoke.json"
+    result = json.loads(path.read_text())
+    assert {"device", "torch", "triton", "torchao", "date"} <= set(result["env"])
+    rows = {(r["model"], r["config"]): r for r in result["rows"]}
+    assert set(rows) == {(m, c) for m in MODEL_NAMES for c in configs + failing}
+
+    for m in MODEL_NAMES:
+        for c in configs:
+            r = rows[m, c]
+            assert r["error"] is None, (m, c, r["error"])
+            assert r["peak_mem_gb"] is None  # CPU
+            assert r["train_steps"] == 3
+            for key in NUMERIC:
+                assert isinstance(r[key], float) and math.isfinite(r[key]), (m, c, key, r[key])
+            assert 0.0 <= r["final_auc"] <= 1.0 and r["final_logloss"] > 0
+            # bf16 against an fp32 copy: small but not zero error.
+            assert 0 < r["out_relerr"] < 0.1 and 0 < r["grad_relerr"] < 0.3
+        assert rows[m, "inductor_bf16"]["speedup_vs_inductor_bf16"] == pytest.approx(1.0)
+        assert rows[m, "eager_bf16"]["speedup_vs_inductor_bf16"] > 0
+        assert rows[m, "eager_bf16"]["quality_ref"] == "inductor_bf16"
+        assert rows[m, "inductor_bf16"]["logloss_rel_bf16"] == pytest.approx(0.0)
+        for c in failing:
+            assert rows[m, c]["error"] and rows[m, c]["step_ms"] is None
+
+    table = capsys.readouterr().out
+    assert "| model" in table and "no_such_config" in table
