@@ -30,14 +30,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
         || echo "run_gpu.sh: torchao wheel install failed; torchao rows will record the error"
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-pip install -q --no-deps --no-build-isolation -e . \
+python3 -m pip install -q --no-deps --no-build-isolation -e . \
     || echo "run_gpu.sh: project install failed; loka rows will record the error"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 
 LOG="$OUT_DIR/train_${MODELS//,/_}.log"
 PYTHONUNBUFFERED=1 python3 -m benchmarks.train \
-    --preset paper --batch 8192 --models "$MODELS" \
+    --preset paper --batch 8192 --device cuda:0 --models "$MODELS" \
     --steps 20 --warmup 5 --quality-steps 100 --eval-batches 4 \
     --max-seconds 120 --total-seconds 420 \
     --out benchmarks/results --plot "$@" 2>&1 | tee "$LOG"

