@@ -199,7 +199,10 @@ class ModelSetup:
                                              seed=args.seed, device=device)
         self.train_data = SyntheticRecsysData(self.spec, seed=1000 + args.seed)
         self.heldout_data = SyntheticRecsysData(self.spec, seed=2000 + args.seed)
-        self._train: list = []
+        # Every training batch is made before the first config runs: no data generation
+        # (and no host syncs it needs) inside any config's timed steps.
+        total = max(args.quality_steps, args.warmup + args.steps)
+        self._train = [self.train_data.batch(i, args.batch, device) for i in range(total)]
         self.eval_batches = [self.heldout_data.batch(i, args.batch, device) for i in range(args.eval_batches)]
         self.error_batch = self.eval_batches[0]
         self.params = count_parameters(self.master)
@@ -360,6 +363,8 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
                     raise FloatingPointError(f"loss is {loss.item()} at step 0")
                 log(f"  {setup.name}/{cfg_name}: first step (compile) {row['first_step_s']}s")
             done = i + 1
+            if i + 1 == total:  # read before any later replay can overwrite a CUDA-graph output
+                final_loss = loss.item()
             if i + 1 == timed_to:
                 if cuda:
                     torch.cuda.synchronize()
@@ -376,8 +381,8 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
             if time.perf_counter() > budget_end and i + 1 < total:
                 raise BudgetExceeded(f"--max-seconds {args.max_seconds} spent after {i + 1}/{total} steps")
         row["train_steps"] = done
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"loss is {loss.item()} after {done} steps")
+        if not math.isfinite(final_loss):
+            raise FloatingPointError(f"training loss is {final_loss} after {done} steps")
         if args.quality_steps > 0:
             row.update(_evaluate(setup, runner))
     except Exception as e:  # noqa: BLE001 - every failure becomes a row
@@ -386,11 +391,15 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
     finally:
         row["wall_s"] = round(time.perf_counter() - start, 2)
         del model, opt, fn, runner
-        gc.collect()
-        torch._dynamo.reset()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        try:  # a broken CUDA context must not take the remaining configs' rows with it
+            gc.collect()
+            torch._dynamo.reset()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            log(f"  {setup.name}/{cfg_name}: cleanup failed: {_error_text(e)}")
+            row["error"] = row["error"] or f"cleanup: {_error_text(e)}"
     return row
 
 

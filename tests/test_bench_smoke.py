@@ -31,13 +31,15 @@ def test_harness_runs_every_model_and_records_failures(tmp_path, one_thread, cap
     path = train.main([
         "--preset", "tiny", "--batch", "32", "--warmup", "1", "--steps", "2", "--quality-steps", "3",
         "--eval-batches", "2", "--device", "cpu", "--cpu-threads", "1",
+        "--models", ",".join([*MODEL_NAMES, "no_such_model"]),
         "--configs", ",".join(configs + failing), "--out", str(tmp_path), "--name", "smoke",
     ])
     assert path == tmp_path / "smoke.json"
     result = json.loads(path.read_text())
     assert {"device", "torch", "triton", "torchao", "date"} <= set(result["env"])
     rows = {(r["model"], r["config"]): r for r in result["rows"]}
-    assert set(rows) == {(m, c) for m in MODEL_NAMES for c in configs + failing}
+    assert set(rows) == {(m, c) for m in [*MODEL_NAMES, "no_such_model"] for c in configs + failing}
+    assert all(rows["no_such_model", c]["error"].startswith("setup: ValueError") for c in configs)
 
     for m in MODEL_NAMES:
         for c in configs:
