@@ -83,22 +83,31 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 ACCUM_FAST = 0          # no promotion (cuBLAS use_fast_accum=True)
 ACCUM_PROMOTE_ADD = 1   # partial sum of each BLOCK_K step added in fp32 by the kernel
 ACCUM_PROMOTE_MMA = 2   # the same through tl.dot(max_num_imprecise_acc=BLOCK_K)
-ACCUM_PROMOTE_2X = 3    # partial sum over two BLOCK_K steps, then added (TMA kernel only)
-ACCUM_MODES = {"fast": ACCUM_FAST, "promote_add": ACCUM_PROMOTE_ADD, "promote_mma": ACCUM_PROMOTE_MMA,
-               "promote_2x": ACCUM_PROMOTE_2X}
+# Measured on the H100 (gemm_explore, rowwise, 128x128 tiles): the two promotions cost the
+# same (8192^3: 1208 vs 1211 us; 8192x4096x4096: 310 vs 302 us); fast accumulation takes
+# 892 us at 8192^3, so promotion costs about a quarter of the throughput. Promoting once
+# per two steps inside one loop iteration (two tile loads per stage) was slower (1528 us,
+# only 2 stages fit) and was dropped.
+ACCUM_MODES = {"fast": ACCUM_FAST, "promote_add": ACCUM_PROMOTE_ADD, "promote_mma": ACCUM_PROMOTE_MMA}
 
 
 @triton.jit
-def _accumulate(acc, a, b, k_start, offs_m, offs_n, M, N,
+def _accumulate(acc, a, b, k_start, off_n, offs_m, offs_n, M, N,
                 a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
-                SCALING: tl.constexpr, ACCUM: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                SCALING: tl.constexpr, ACCUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SCALE_BLOCK: tl.constexpr):
     """acc[BM, BN] (fp32) += a[BM, BK] @ b[BK, BN]; blockwise applies this K block's scales."""
     if SCALING == 2:
         kb = k_start // SCALE_BLOCK
         a_s = tl.load(a_scale_ptr + offs_m * stride_asm + kb * stride_ask, mask=offs_m < M, other=0.0)
-        b_s = tl.load(b_scale_ptr + kb * stride_bsk + (offs_n // SCALE_BLOCK) * stride_bsn,
-                      mask=offs_n < N, other=0.0)
-        acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        if BLOCK_N <= SCALE_BLOCK:
+            # The tile lies inside one 128-column block of B: one B scale, one multiply per element.
+            b_s = tl.load(b_scale_ptr + kb * stride_bsk + (off_n // SCALE_BLOCK) * stride_bsn)
+            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+        else:
+            b_s = tl.load(b_scale_ptr + kb * stride_bsk + (offs_n // SCALE_BLOCK) * stride_bsn,
+                          mask=offs_n < N, other=0.0)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
     elif ACCUM == 0:
         acc = tl.dot(a, b, acc)
     elif ACCUM == 2:
@@ -197,22 +206,12 @@ def _fp8_gemm_tma_kernel(
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if ACCUM == 3 and SCALING != 2:
-            # Two steps per iteration, one promotion; a step past K loads zeros.
-            for ki in tl.range(0, tl.cdiv(k_tiles, 2)):
-                off_k = ki * 2 * BLOCK_K
-                a, b = _load_tiles(a_desc, b_desc, off_m, off_n, off_k, A_K_MAJOR, B_K_MAJOR)
-                part = tl.dot(a, b)
-                a, b = _load_tiles(a_desc, b_desc, off_m, off_n, off_k + BLOCK_K, A_K_MAJOR, B_K_MAJOR)
-                part = tl.dot(a, b, part)
-                acc += part
-        else:
-            for ki in tl.range(0, k_tiles):
-                off_k = ki * BLOCK_K
-                a, b = _load_tiles(a_desc, b_desc, off_m, off_n, off_k, A_K_MAJOR, B_K_MAJOR)
-                acc = _accumulate(acc, a, b, off_k, offs_m, offs_n, M, N,
-                                  a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
-                                  SCALING, ACCUM, BLOCK_K, SCALE_BLOCK)
+        for ki in tl.range(0, k_tiles):
+            off_k = ki * BLOCK_K
+            a, b = _load_tiles(a_desc, b_desc, off_m, off_n, off_k, A_K_MAJOR, B_K_MAJOR)
+            acc = _accumulate(acc, a, b, off_k, off_n, offs_m, offs_n, M, N,
+                              a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
+                              SCALING, ACCUM, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         # The store goes through shared memory and TMA (clipped at the M, N edges): no
         # per-element addresses in registers. Two half-width subtiles halve the epilogue's
         # live registers.
@@ -276,9 +275,9 @@ def _fp8_gemm_ptr_kernel(
             k_left = K - ki * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _accumulate(acc, a, b, ki * BLOCK_K, offs_m, offs_n, M, N,
+        acc = _accumulate(acc, a, b, ki * BLOCK_K, pid_n * BLOCK_N, offs_m, offs_n, M, N,
                           a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
-                          SCALING, ACCUM, BLOCK_K, SCALE_BLOCK)
+                          SCALING, ACCUM, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
@@ -300,7 +299,7 @@ M_BUCKET_MAX = 16384  # batches above this share one tuning (LRM batches go to 3
 def m_bucket(m: int) -> int:
     """Autotune key for M: next power of two, at least 16, capped, so that a changing
     batch size retunes only when it crosses a power of two."""
-    return min(max(triton.next_power_of_2(max(m, 1)), 16), M_BUCKET_MAX)
+    return min(max(1 << (max(m, 1) - 1).bit_length(), 16), M_BUCKET_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,25 +328,32 @@ class GemmConfig:
                              pre_hook=_set_descriptor_blocks if tma else None)
 
 
-# Candidates for the H100 (132 SMs, 228 KB shared memory and 64K registers per SM). FP8
-# tiles take BLOCK_K = 128: 128-byte rows (the widest TMA swizzle) and one blockwise scale
-# per step. Register and spill figures: sm90 builds of these kernels by triton 3.6,
-# read with cuobjdump --dump-resource-usage / --dump-sass (all issue QGMMA, no HMMA).
+# Candidates for the H100 (132 SMs, 228 KB shared memory and 64K registers per SM).
+# Build figures: sm90 builds by triton 3.6, read with cuobjdump (all issue QGMMA, none
+# spills). Times: benchmarks/results/2026-11-22_H100_kernels_gemm*.md, rowwise, CUDA-graph
+# medians ("graph us"; gemm_explore section), precise = promotion per BLOCK_K step.
 TMA_CONFIGS = [
-    # Large M and N, fast accumulation only (see `_prune_configs`): 154-194 registers, no
-    # spills once the epilogue is split in two 128x128 halves; 180 KB shared memory.
-    GemmConfig(128, 256, 128, num_warps=8, num_stages=3, ctas_per_sm=1, epilogue_subtile=True),
+    # Fast accumulation, large M and N (pruned for precise and blockwise: two fp32
+    # accumulators of 128x256 spill). 8192^3: 844 us (1.30 PFLOP/s) vs 892 for 128x128;
+    # 8192x4096x4096: 214 vs 228 us. Epilogue in two 128x128 halves: 161-194 registers.
     GemmConfig(128, 256, 128, num_warps=8, num_stages=3, ctas_per_sm=1, epilogue_subtile=True, flatten=True),
-    # The largest tile that holds two fp32 accumulators (precise accumulation, blockwise)
-    # without spills: 155-232 registers, 164 KB.
-    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1),
-    # Flattened tile loop: the next tile's loads overlap this tile's epilogue. Blockwise
-    # spills here (23 LDL), so it is pruned for blockwise.
+    # Same with 256-deep K steps (2 stages of 64 KB): fewer loop iterations; 214 registers, 229 KB.
+    GemmConfig(128, 256, 256, num_warps=8, num_stages=2, ctas_per_sm=1, epilogue_subtile=True, flatten=True),
+    # Precise accumulation, large shapes: the largest tile holding two accumulators
+    # without spills (187 registers). Flattened tile loop (next tile's loads overlap this
+    # tile's epilogue): 8192^3 1208 us vs 1227 unflattened; 32768x2048x2048 327 vs 336.
     GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1, flatten=True),
-    # Small N or M (256, 512): narrower tiles give more CTAs to fill 132 SMs. 94-206
-    # registers, no spills, 74-115 KB.
-    GemmConfig(128, 64, 128, num_warps=4, num_stages=4),
-    GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
+    # Unflattened twin, for blockwise (flattened blockwise spills 23 LDL).
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1),
+    # 256-deep K steps: promotion every 256 of K, half the promotion adds of BLOCK_K 128;
+    # 3 stages = 229 KB (limit 227 KiB), 188 registers.
+    GemmConfig(128, 128, 256, num_warps=8, num_stages=3, ctas_per_sm=1, flatten=True),
+    # Mid shapes: 88 KB and 159 registers let two CTAs share an SM, so one's promotion
+    # overlaps the other's MMA. 8192x1024x1024 precise: 23.4 us vs 23.1 (128x128 flat),
+    # 2048x256x256: 3.38 us.
+    GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
+    GemmConfig(128, 64, 128, num_warps=4, num_stages=3),
+    # Small shapes: 2048x256x256 precise 3.14 us (cuBLAS 4.31); 74 KB, 110-127 registers.
     GemmConfig(64, 64, 128, num_warps=4, num_stages=4),
 ]
 
@@ -625,8 +631,6 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     if config is not None and plan.scaling is Scaling.BLOCKWISE and SCALE_BLOCK % config.block_k:
         raise ValueError(f"blockwise scaling needs block_k dividing {SCALE_BLOCK}, got {config.block_k}")
     accum = ACCUM_MODES[accum_mode]
-    if not use_tma and accum == ACCUM_PROMOTE_2X:
-        accum = ACCUM_PROMOTE_ADD  # the pointer kernel promotes every step
 
     m, n, k = plan.m, plan.n, plan.k
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -643,7 +647,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACTIVATION=plan.activation,
         SCALE_BLOCK=SCALE_BLOCK,
     )
-    sizes = (m, n, k, m_bucket(m))
+    bucket = m_bucket(m)
+    sizes = (m, n, k, bucket)
     tail = (*scale_strides, bias.stride(0) if bias is not None else 0,
             residual.stride(0) if residual is not None else 0,
             residual.stride(1) if residual is not None else 0)
@@ -675,7 +680,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     if config is not None:
         chosen = config.triton_config(use_tma)
     else:
-        key = (use_tma, m_bucket(m), n, k, a.dtype, b.dtype, out_dtype, None if bias is None else bias.dtype,
+        key = (use_tma, bucket, n, k, a.dtype, b.dtype, out_dtype, None if bias is None else bias.dtype,
                None if residual is None else residual.dtype, plan.a_k_major, plan.b_k_major,
                tuple(flags.items()))
         chosen = _tuned_configs.get(key)

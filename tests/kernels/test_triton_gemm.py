@@ -121,6 +121,15 @@ def test_accumulation_modes(accum_mode, impl):
     check_against_reference(*operands, Scaling.ROWWISE, out_dtype=torch.float32, impl=impl, accum_mode=accum_mode)
 
 
+@interpreter
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
+def test_blockwise_tiles_wider_than_a_scale_block(impl):
+    # BLOCK_N 256 spans two 128-column scale blocks of B (the per-column scale path).
+    operands = make_operands(40, 272, 400, Scaling.BLOCKWISE)
+    check_against_reference(*operands, Scaling.BLOCKWISE, out_dtype=torch.float32, impl=impl,
+                            config=tg.GemmConfig(16, 256, 32, 4, 1, ctas_per_sm=1))
+
+
 def test_autotune_pruning():
     configs = [c.triton_config(tma=True) for c in tg.TMA_CONFIGS]
     kept = tg._prune_configs(configs, {}, SCALING=2, ACCUM=tg.ACCUM_PROMOTE_ADD)
