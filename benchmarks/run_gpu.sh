@@ -8,8 +8,8 @@
 #     bash benchmarks/run_gpu.sh wukong,dlrm_dcnv2     # a subset (comma list)
 #     bash benchmarks/run_gpu.sh hstu --configs inductor_bf16,loka   # extra harness flags
 #
-# Budget: the harness stops starting configs after --total-seconds (default here 420 s) and
-# stops training a config after --max-seconds (120 s); what did not run becomes rows with
+# Budget: the harness stops starting configs after --total-seconds (default here 360 s) and
+# stops training a config after --max-seconds (100 s); what did not run becomes rows with
 # an error, and the JSON is rewritten after every row, so a cut-off run still reports.
 # Compiles dominate (about 15-60 s per compiled config at paper size): all four models in
 # one call may not fit 9 minutes, so split, e.g. "wukong,dlrm_dcnv2" then
@@ -39,7 +39,7 @@ LOG="$OUT_DIR/train_${MODELS//,/_}.log"
 PYTHONUNBUFFERED=1 python3 -m benchmarks.train \
     --preset paper --batch 8192 --device cuda:0 --models "$MODELS" \
     --steps 20 --warmup 5 --quality-steps 100 --eval-batches 4 \
-    --max-seconds 120 --total-seconds 420 \
+    --max-seconds 100 --total-seconds 360 \
     --out benchmarks/results --plot "$@" 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 

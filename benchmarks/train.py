@@ -9,11 +9,13 @@ batches, in one process:
   steps after `--warmup` steps (CUDA events on GPU, wall clock on CPU); speedup against
   Inductor bf16 in the same mode (eager rows against Inductor default); peak memory
   allocated during the timed steps (GPU only);
-- error: after the timed steps (so a backend that probes first is already in its steady
-  state), the logits and the gradients of one held-out batch against an fp32 copy of the
-  config's current weights on the same batch, as ||x - ref|| / ||ref||. `grad_relerr`
-  concatenates the gradients of all dense-arch parameters; `grad_relerr_first` is the
-  weight of the first Linear of the dense arch;
+- error: the logits and the gradients of one held-out batch against an fp32 copy of the
+  model on the same batch, as ||x - ref|| / ||ref||: `*_init` columns at the shared initial
+  weights (before the first step; every config against the same fp32 model), the plain
+  columns after the timed steps against an fp32 copy of the config's weights at that point
+  (so a backend that probes first is in its steady state, on trained weights).
+  `grad_relerr` concatenates the gradients of all dense-arch parameters;
+  `grad_relerr_first` is the weight gradient of the first Linear of the dense arch;
 - quality: after max(--quality-steps, warmup + steps) training steps, logloss, NE and AUC
   on `--eval-batches` held-out batches, also relative to the bf16 Inductor row (or eager
   bf16 when that one is missing).
@@ -302,6 +304,7 @@ def _base_row(setup: ModelSetup, cfg_name: str, args) -> dict:
         "peak_mem_gb": None, "first_step_s": None,
         "out_relerr": None, "grad_relerr": None, "grad_relerr_first": None,
         "out_relerr_x_bf16": None,
+        "out_relerr_init": None, "grad_relerr_init": None, "grad_relerr_first_init": None,
         "final_logloss": None, "final_ne": None, "final_auc": None,
         "logloss_rel_bf16": None, "ne_rel_bf16": None, "auc_rel_bf16": None, "quality_ref": None,
         "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
@@ -329,6 +332,11 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
         fn = prepare(model, cfg, args.compile_scope, args.loka_options)
         runner = Runner(model, args.compile_scope, fn, cudagraphs=cuda and cfg.mode == "reduce-overhead")
         opt = _make_optimizer(model, args, device)
+
+        # Error at the shared initial weights (every config against the same fp32 model);
+        # this first call also compiles.
+        init_err = _measure_errors(setup, model, runner, args.compile_scope)
+        row.update({f"{k}_init": v for k, v in init_err.items()})
 
         timed_from, timed_to = args.warmup, args.warmup + args.steps
         total = max(args.quality_steps, timed_to)
@@ -460,6 +468,9 @@ def environment(device: torch.device, args) -> dict:
             "step_ms": "median forward+backward+optimizer step (CUDA events on GPU)",
             "grad_relerr": "all dense-arch parameter grads concatenated vs fp32 copy",
             "grad_relerr_first": "weight grad of the first Linear of the dense arch",
+            "errors": "*_init: at the shared initial weights; plain: after the timed steps, "
+                      "vs an fp32 copy of the config's weights at that point",
+            "first_step_s": "config start to end of first training step, compile included",
             "compile_scope": "dense: EmbeddingBag lookups eager fp32, dense arch + loss compiled",
         },
     }
@@ -490,7 +501,7 @@ def _fmt(v, spec: str):
 
 def format_table(rows: list[dict]) -> str:
     from tabulate import tabulate
-    cols = ["model", "config", "mode", "step_ms", "speedup", "mem_gb", "out_err", "out_err_x",
+    cols = ["model", "config", "mode", "step_ms", "speedup", "mem_gb", "out_err0", "out_err", "out_err_x",
             "grad_err", "grad1_err", "logloss", "NE", "AUC", "dLL%", "error"]
     table = []
     for r in rows:
@@ -498,7 +509,7 @@ def format_table(rows: list[dict]) -> str:
         table.append([
             r["model"], r["config"], r["mode"], _fmt(r["step_ms"], ".3f"),
             _fmt(r["speedup_vs_inductor_bf16"], ".2f"), _fmt(r["peak_mem_gb"], ".2f"),
-            _fmt(r["out_relerr"], ".2e"), _fmt(r["out_relerr_x_bf16"], ".1f"),
+            _fmt(r["out_relerr_init"], ".2e"), _fmt(r["out_relerr"], ".2e"), _fmt(r["out_relerr_x_bf16"], ".1f"),
             _fmt(r["grad_relerr"], ".2e"), _fmt(r["grad_relerr_first"], ".2e"),
             _fmt(r["final_logloss"], ".5f"), _fmt(r["final_ne"], ".4f"), _fmt(r["final_auc"], ".4f"),
             _fmt(None if r["logloss_rel_bf16"] is None else 100 * r["logloss_rel_bf16"], "+.2f"),
@@ -641,7 +652,8 @@ def main(argv=None) -> Path:
 
 _ROW_KEYS = ["model", "preset", "config", "mode", "batch", "compile_scope", "steps", "train_steps",
              "step_ms", "step_ms_min", "speedup_vs_inductor_bf16", "peak_mem_gb", "first_step_s",
-             "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_x_bf16", "final_logloss",
+             "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_x_bf16", "out_relerr_init",
+             "grad_relerr_init", "grad_relerr_first_init", "final_logloss",
              "final_ne", "final_auc", "logloss_rel_bf16", "ne_rel_bf16", "auc_rel_bf16", "quality_ref",
              "dense_params", "sparse_params", "train_gflops_per_sample", "tflops", "wall_s", "error"]
 

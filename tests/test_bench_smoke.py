@@ -10,8 +10,9 @@ import torch
 from benchmarks import train
 from benchmarks.zoo import MODEL_NAMES
 
-NUMERIC = ["step_ms", "out_relerr", "grad_relerr", "grad_relerr_first", "final_logloss", "final_ne",
-           "final_auc", "train_gflops_per_sample"]
+NUMERIC = ["step_ms", "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_init",
+           "grad_relerr_init", "grad_relerr_first_init", "final_logloss", "final_ne", "final_auc",
+           "train_gflops_per_sample"]
 
 
 @pytest.fixture
@@ -52,10 +53,14 @@ def test_harness_runs_every_model_and_records_failures(tmp_path, one_thread, cap
             assert 0.0 <= r["final_auc"] <= 1.0 and r["final_logloss"] > 0
             # bf16 against an fp32 copy: small but not zero error.
             assert 0 < r["out_relerr"] < 0.1 and 0 < r["grad_relerr"] < 0.3
+            assert 0 < r["out_relerr_init"] < 0.1 and 0 < r["grad_relerr_init"] < 0.3
         assert rows[m, "inductor_bf16"]["speedup_vs_inductor_bf16"] == pytest.approx(1.0)
         assert rows[m, "eager_bf16"]["speedup_vs_inductor_bf16"] > 0
         assert rows[m, "eager_bf16"]["quality_ref"] == "inductor_bf16"
         assert rows[m, "inductor_bf16"]["logloss_rel_bf16"] == pytest.approx(0.0)
+        # Same initial weights and input: eager and Inductor bf16 land near each other.
+        e, i = rows[m, "eager_bf16"]["out_relerr_init"], rows[m, "inductor_bf16"]["out_relerr_init"]
+        assert 0.2 < e / i < 5
         for c in failing:
             assert rows[m, c]["error"] and rows[m, c]["step_ms"] is None
 

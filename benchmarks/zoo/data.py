@@ -275,13 +275,12 @@ class SyntheticRecsysData:
 
     def _pooled_effect(self, ids: torch.Tensor, offsets: torch.Tensor, t: int, b: int) -> torch.Tensor:
         """Mean over each bag of a hashed per-id effect (what the teacher reads from table t)."""
-        effect = _hash_unit(ids, salt=1000 + t)
-        bag = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
-        bag[offsets[1:]] = 1
-        bag = torch.cumsum(bag, 0)
-        sums = torch.zeros(b, device=ids.device).index_add_(0, bag, effect)
-        counts = torch.zeros(b, device=ids.device).index_add_(0, bag, torch.ones_like(effect))
-        return sums / counts.clamp_min(1.0)
+        # Segment sums as differences of one float64 prefix sum: deterministic on GPU too
+        # (index_add_ would add in a racy order and could flip borderline labels).
+        effect = _hash_unit(ids, salt=1000 + t).double()
+        prefix = torch.cat([effect.new_zeros(1), torch.cumsum(effect, 0)])
+        ends = torch.cat([offsets[1:], offsets.new_tensor([ids.shape[0]])])
+        return ((prefix[ends] - prefix[offsets]) / (ends - offsets).double()).float()
 
     def teacher_logit(self, dense, ids, offsets, seq_ids) -> torch.Tensor:
         """Calibrated hidden logit of P(click) for each example."""
