@@ -12,7 +12,11 @@ operands). Scales follow `quantize.py` (`x ~= q.float() * scale`) and `scaling`:
 
 Layouts: each operand may be row-major or column-major (a transposed view); the kernels
 take strides, so the forward (A row-major, B = W^T column-major), grad-input and
-grad-weight GEMMs run without transposed copies.
+grad-weight GEMMs run without transposed copies. FP8 tensor cores read K-major operands
+only, so a non-K-major operand is transposed on chip, which is slow: the grad-weight
+layout (A = dY^T view, B = X row-major) ran at 54-115 TFLOP/s on the H100, 0.28-0.41x of
+`_scaled_mm` even counting its two layout copies. Producers should emit wgrad operands
+K-major (quantize into a transposed buffer) and call this in the forward layout.
 
 Epilogue (in this order, in fp32): scales, + bias [N], activation, + residual [M, N],
 cast. Activations: none, relu, silu, gelu (exact, erf), gelu_tanh (tanh approximation,
@@ -21,13 +25,14 @@ as `F.gelu(approximate="tanh")`), hardswish.
 Two kernels share the epilogue:
 - `_fp8_gemm_tma_kernel` (Hopper, sm90+): operand tiles through TMA descriptors made on
   the host (`triton.tools.tensor_descriptor.TensorDescriptor`), tiles walked by a grid of
-  at most CTAS_PER_SM programs per SM (persistent when 1). Needs 16-byte aligned operand
-  strides and base pointers.
+  at most CTAS_PER_SM programs per SM (persistent when 1), output through a TMA store.
+  Needs 16-byte aligned operand strides, base pointers and output rows.
 - `_fp8_gemm_ptr_kernel`: pointer loads with masks; any strides, any K and N. Used on
   sm89, for misaligned operands, and by default under the interpreter.
 
-Accumulation: by default each BLOCK_K step's tensor-core product is added into the fp32
-accumulator by a separate fp32 add (what cuBLAS does without fast accumulation); with
+Accumulation: by default each BLOCK_K step's (128 or 256 of K) tensor-core product is
+added into the fp32 accumulator by a separate fp32 add, as cuBLAS does without fast
+accumulation (it promotes every 128); with
 `fast_accum=True` the tensor cores accumulate across K in their own reduced precision
 (Hopper's FP8 "fast accumulation", cuBLAS `use_fast_accum=True`). Blockwise scaling
 always promotes per step, since each K block has its own scales.
@@ -35,6 +40,10 @@ always promotes per step, since each K block has its own scales.
 On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1 set before triton
 is first imported); without it, on CPU, the op computes `reference_fp8_gemm` so it works
 everywhere. Autotuning is bypassed under the interpreter (a fixed small config).
+
+Host time: ~100 us per call on the H100 machine's CPU (Python checks, three TMA
+descriptors, Triton's launcher) against 17 us for `_scaled_mm`; GEMMs under ~100 us of
+GPU time are host-bound unless captured in a CUDA graph (mode="reduce-overhead").
 """
 
 from __future__ import annotations
@@ -194,7 +203,7 @@ def _fp8_gemm_tma_kernel(
     GROUP_M: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
-    # CTAS_PER_SM only sizes the grid (see `_tma_grid`); the tile loop strides by the grid.
+    # CTAS_PER_SM only sizes the launcher's grid; the tile loop strides by the grid size.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -330,30 +339,32 @@ class GemmConfig:
 
 # Candidates for the H100 (132 SMs, 228 KB shared memory and 64K registers per SM).
 # Build figures: sm90 builds by triton 3.6, read with cuobjdump (all issue QGMMA, none
-# spills). Times: benchmarks/results/2026-11-22_H100_kernels_gemm*.md, rowwise, CUDA-graph
-# medians ("graph us"; gemm_explore section), precise = promotion per BLOCK_K step.
+# spills). Times: benchmarks/results/2026-11-22_H100_kernels_gemm.json ("autotune_us":
+# every candidate per shape; "wins" = shapes of the 22 LRM shapes x scalings where the
+# tuner chose it) and ..._gemm_explore.md (CUDA-graph medians at fixed configs).
 TMA_CONFIGS = [
     # Fast accumulation, large M and N (pruned for precise and blockwise: two fp32
-    # accumulators of 128x256 spill). 8192^3: 844 us (1.30 PFLOP/s) vs 892 for 128x128;
-    # 8192x4096x4096: 214 vs 228 us. Epilogue in two 128x128 halves: 161-194 registers.
+    # accumulators of 128x256 spill). 8192^3 fast: 730 us vs 802 for 128x128; 10 wins.
+    # Epilogue in two 128x128 halves: 161-194 registers. (A 256-deep-K twin never won:
+    # 8192^3 fast 1004 us; dropped.)
     GemmConfig(128, 256, 128, num_warps=8, num_stages=3, ctas_per_sm=1, epilogue_subtile=True, flatten=True),
-    # Same with 256-deep K steps (2 stages of 64 KB): fewer loop iterations; 214 registers, 229 KB.
-    GemmConfig(128, 256, 256, num_warps=8, num_stages=2, ctas_per_sm=1, epilogue_subtile=True, flatten=True),
-    # Precise accumulation, large shapes: the largest tile holding two accumulators
-    # without spills (187 registers). Flattened tile loop (next tile's loads overlap this
-    # tile's epilogue): 8192^3 1208 us vs 1227 unflattened; 32768x2048x2048 327 vs 336.
-    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1, flatten=True),
-    # Unflattened twin, for blockwise (flattened blockwise spills 23 LDL).
-    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1),
-    # 256-deep K steps: promotion every 256 of K, half the promotion adds of BLOCK_K 128;
-    # 3 stages = 229 KB (limit 227 KiB), 188 registers.
+    # 256-deep K steps: promotion every 256 of K, half the promotion adds of BLOCK_K 128.
+    # 3 stages = 229 KB (limit 227 KiB), 188 registers. Precise 8192^3: 969-998 us vs
+    # 1085-1103 for BLOCK_K 128; 8192x4096x4096 258 vs 321; 48 wins (31 precise).
     GemmConfig(128, 128, 256, num_warps=8, num_stages=3, ctas_per_sm=1, flatten=True),
+    # The largest 128-deep tile holding two accumulators without spills (187 registers).
+    # Flattened tile loop (next tile's loads overlap this tile's epilogue): fast
+    # 8192x4096x4096 216 us vs 225 for BLOCK_K 256; 14 wins.
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1, flatten=True),
+    # Unflattened twin, for blockwise (flattened blockwise spills 23 LDL): blockwise
+    # 8192^3 1227 us vs 1295 for 64x128; 9 wins.
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1),
     # Mid shapes: 88 KB and 159 registers let two CTAs share an SM, so one's promotion
-    # overlaps the other's MMA. 8192x1024x1024 precise: 23.4 us vs 23.1 (128x128 flat),
-    # 2048x256x256: 3.38 us.
+    # overlaps the other's MMA. Blockwise 2048x4096x1024: 25.7 us vs 27.2; 15 wins.
     GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
-    GemmConfig(128, 64, 128, num_warps=4, num_stages=3),
-    # Small shapes: 2048x256x256 precise 3.14 us (cuBLAS 4.31); 74 KB, 110-127 registers.
+    GemmConfig(128, 64, 128, num_warps=4, num_stages=3),  # 6 wins (2048x256x256 rowwise)
+    # Small shapes: 2048x256x256 tensorwise 6.2 us (tuner's time, with launch) vs 6.6-8.0
+    # for the others; 74 KB, 110-127 registers; 8 wins.
     GemmConfig(64, 64, 128, num_warps=4, num_stages=4),
 ]
 
@@ -377,6 +388,11 @@ _AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "ACCUM", "A_K_MAJOR", "B_K_MAJ
 
 def _autotune_bench(kernel_call, quantiles):
     # Short runs per candidate: tuning a new (M bucket, N, K) costs well under a second.
+    # Known limit: each timed call includes ~100 us of host launch work, more than the L2
+    # flush between calls hides, so below ~50 us of GPU time the picks are noisy (8192x256x256
+    # fast: 8 to 708 us over candidates whose CUDA-graph times are 4-6 us). Timing
+    # candidates inside a CUDA graph (triton.testing.do_bench_cudagraph) would fix it; not
+    # yet run on a GPU.
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
