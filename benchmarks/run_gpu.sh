@@ -11,9 +11,15 @@
 # Budget: the harness stops starting configs after --total-seconds (default here 360 s) and
 # stops training a config after --max-seconds (100 s); what did not run becomes rows with
 # an error, and the JSON is rewritten after every row, so a cut-off run still reports.
-# Compiles dominate (about 15-60 s per compiled config at paper size): all four models in
-# one call may not fit 9 minutes, so split, e.g. "wukong,dlrm_dcnv2" then
-# "masknet,hstu"; both calls merge into the same <date>_<GPU>_train.json.
+# Compiles dominate (3-26 s per compiled config at paper size on an H100; 200 quality steps
+# add 2-25 s per config): all four models with torchao may not fit 9 minutes, so split,
+# e.g. "wukong,dlrm_dcnv2" then "masknet,hstu"; both calls merge into the same
+# <date>_<GPU>_train.json.
+#
+# Quality: the bf16 rows compute the same function, so their logloss spread (printed under
+# the table, `bf16_logloss_spread` in the JSON) is the noise floor; at 40 steps it was up to
+# 2.8% (MaskNet), and Wukong had not started learning (NE ~1.0; without lr warmup its first
+# Adam steps blow the loss up, now --lr-warmup 20 by default): use >= 200 steps.
 #
 # torchao is installed from .whl/ (downloaded on the dev machine; the GPU machine is
 # offline). Results: benchmarks/results/ and, when $OUT is set, copied under $OUT.
@@ -29,6 +35,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         || echo "run_gpu.sh: torchao wheel install failed; torchao rows will record the error"
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+    # .whl/ is git-ignored: it reaches the GPU machine only when carried explicitly.
+    echo "run_gpu.sh: no .whl/*.whl here (carry '.whl' to the GPU machine); torchao rows will be errors"
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . \
     || echo "run_gpu.sh: project install failed; loka rows will record the error"
@@ -38,7 +47,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 LOG="$OUT_DIR/train_${MODELS//,/_}.log"
 PYTHONUNBUFFERED=1 python3 -m benchmarks.train \
     --preset paper --batch 8192 --device cuda:0 --models "$MODELS" \
-    --steps 20 --warmup 5 --quality-steps 100 --eval-batches 4 \
+    --steps 20 --warmup 5 --quality-steps 200 --eval-batches 8 \
     --max-seconds 100 --total-seconds 360 \
     --out benchmarks/results --plot "$@" 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}

@@ -157,12 +157,18 @@ def _first_linear_weight(model: nn.Module) -> str:
     raise ValueError("dense arch has no Linear")
 
 
-def _torchao_version() -> str | None:
+def _torchao_import() -> tuple[str | None, str | None]:
+    """(version, None) when torchao imports, else (None, why not)."""
     try:
         import torchao
-        return getattr(torchao, "__version__", "unknown")
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return None
+        from torchao.float8 import convert_to_float8_training  # noqa: F401
+        return getattr(torchao, "__version__", "unknown"), None
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return None, _error_text(e)
+
+
+def _torchao_version() -> str | None:
+    return _torchao_import()[0]
 
 
 def prepare(model: nn.Module, cfg: Config, scope: str, loka_options: dict | None = None):
@@ -232,8 +238,13 @@ def _make_optimizer(model: nn.Module, args, device: torch.device):
     dense = [p for _, p in dense_parameters(model)]
     sparse = [p for p in model.sparse.parameters()]
     kw = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.Adam([{"params": dense, "lr": args.lr},
-                             {"params": sparse, "lr": args.sparse_lr}], **kw)
+    opt = torch.optim.Adam([{"params": dense, "lr": args.lr},
+                            {"params": sparse, "lr": args.sparse_lr}], **kw)
+    # Linear warmup: Adam's first updates are +-lr on every coordinate, which on the paper
+    # Wukong (fan-in 2048-10240) swung the loss to 13 at step 2 without it (CPU check).
+    warmup = max(1, args.lr_warmup)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+    return opt, sched
 
 
 def _relerr(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -307,7 +318,7 @@ def _base_row(setup: ModelSetup, cfg_name: str, args) -> dict:
         "out_relerr_init": None, "grad_relerr_init": None, "grad_relerr_first_init": None,
         "final_logloss": None, "final_ne": None, "final_auc": None,
         "logloss_rel_bf16": None, "ne_rel_bf16": None, "auc_rel_bf16": None, "quality_ref": None,
-        "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
+        "bf16_logloss_spread": None, "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
         "train_gflops_per_sample": setup.train_gflops_per_sample,
         "tflops": None, "wall_s": None, "error": None,
     }
@@ -318,20 +329,22 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
     device = setup.device
     cuda = device.type == "cuda"
     start = time.perf_counter()
-    model = opt = fn = runner = None
+    model = opt = sched = fn = runner = None
     try:
         if cfg_name not in CONFIGS:
             raise ValueError(f"unknown config {cfg_name!r}; valid: {', '.join(CONFIGS)}")
         cfg = CONFIGS[cfg_name]
         if deadline is not None and time.perf_counter() > deadline:
             raise BudgetExceeded("skipped: --total-seconds budget spent before this config")
-        if cfg.kind == "torchao" and _torchao_version() is None:
-            raise ModuleNotFoundError("torchao is not importable")
+        if cfg.kind == "torchao":
+            version, why = _torchao_import()
+            if version is None:
+                raise ModuleNotFoundError(f"torchao is not importable ({why})")
         torch._dynamo.reset()
         model = copy.deepcopy(setup.master)
         fn = prepare(model, cfg, args.compile_scope, args.loka_options)
         runner = Runner(model, args.compile_scope, fn, cudagraphs=cuda and cfg.mode == "reduce-overhead")
-        opt = _make_optimizer(model, args, device)
+        opt, sched = _make_optimizer(model, args, device)
 
         # Error at the shared initial weights (every config against the same fp32 model);
         # this first call also compiles.
@@ -357,6 +370,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sched.step()
             if timed:
                 if cuda:
                     ev[1].record()
@@ -398,7 +412,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
         log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}")
     finally:
         row["wall_s"] = round(time.perf_counter() - start, 2)
-        del model, opt, fn, runner
+        del model, opt, sched, fn, runner
         try:  # a broken CUDA context must not take the remaining configs' rows with it
             gc.collect()
             torch._dynamo.reset()
@@ -427,7 +441,13 @@ def fill_relative(rows: list[dict]) -> None:
         eager = by.get("eager_bf16")
         qref = next((by[c] for c in ("inductor_bf16", "inductor_bf16_ro", "eager_bf16")
                      if c in by and by[c].get("final_logloss") is not None), None)
+        # The bf16 rows compute the same function; their spread in held-out logloss is the
+        # run-to-run noise (GPU nondeterminism, kernel choice) any quality delta must beat.
+        bf16_ll = [by[c]["final_logloss"] for c in ("eager_bf16", "inductor_bf16", "inductor_bf16_ro")
+                   if c in by and by[c].get("final_logloss") is not None]
+        spread = (max(bf16_ll) - min(bf16_ll)) / min(bf16_ll) if len(bf16_ll) >= 2 else None
         for r in group:
+            r["bf16_logloss_spread"] = spread
             ref = ind.get(r["mode"])
             if ref and ref.get("step_ms") and r.get("step_ms"):
                 r["speedup_vs_inductor_bf16"] = ref["step_ms"] / r["step_ms"]
@@ -460,6 +480,7 @@ def environment(device: torch.device, args) -> dict:
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton_version, "torchao": _torchao_version(),
+        "torchao_import_error": _torchao_import()[1],
         "cuda": torch.version.cuda, "python": sys.version.split()[0],
         "date": _dt.date.today().isoformat(),
         "loka_registered": "loka" in torch._dynamo.list_backends(exclude_tags=()),
@@ -471,6 +492,7 @@ def environment(device: torch.device, args) -> dict:
             "errors": "*_init: at the shared initial weights; plain: after the timed steps, "
                       "vs an fp32 copy of the config's weights at that point",
             "first_step_s": "config start to end of first training step, compile included",
+            "bf16_logloss_spread": "(max-min)/min held-out logloss over eager/Inductor bf16 rows: noise floor",
             "compile_scope": "dense: EmbeddingBag lookups eager fp32, dense arch + loss compiled",
         },
     }
@@ -515,7 +537,12 @@ def format_table(rows: list[dict]) -> str:
             _fmt(None if r["logloss_rel_bf16"] is None else 100 * r["logloss_rel_bf16"], "+.2f"),
             err if len(err) <= 60 else err[:57] + "...",
         ])
-    return tabulate(table, headers=cols, tablefmt="github")
+    lines = [tabulate(table, headers=cols, tablefmt="github")]
+    spreads = {r["model"]: r["bf16_logloss_spread"] for r in rows if r.get("bf16_logloss_spread") is not None}
+    if spreads:
+        lines.append("noise floor, spread of held-out logloss over the bf16 rows: "
+                     + ", ".join(f"{m} {100 * v:.2f}%" for m, v in spreads.items()))
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -571,6 +598,7 @@ def parse_args(argv=None):
                    help='JSON dict passed as torch.compile(options=...) to loka rows, e.g. \'{"probe_steps": 10}\'')
     p.add_argument("--lr", type=float, default=1e-3, help="Adam lr of the dense arch")
     p.add_argument("--sparse-lr", type=float, default=1e-2, help="Adam lr of the embedding tables")
+    p.add_argument("--lr-warmup", type=int, default=20, help="steps of linear lr warmup (1 = none)")
     p.add_argument("--positive-rate", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=300.0,
@@ -608,7 +636,8 @@ def main(argv=None) -> Path:
     stem = args.name or f"{env['date']}_{device_tag(device)}_train"
     out_path = Path(args.out) / f"{stem}.json"
     deadline = None if args.total_seconds is None else _T0 + args.total_seconds
-    log(f"device {env['device']}, torch {env['torch']}, torchao {env['torchao']}, "
+    log(f"device {env['device']}, torch {env['torch']}, "
+        f"torchao {env['torchao'] or 'unavailable: ' + str(env['torchao_import_error'])}, "
         f"loka registered: {env['loka_registered']}; models {models}; configs {configs}; "
         f"preset {args.preset}, batch {args.batch}; writing {out_path}")
 
@@ -655,6 +684,7 @@ _ROW_KEYS = ["model", "preset", "config", "mode", "batch", "compile_scope", "ste
              "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_x_bf16", "out_relerr_init",
              "grad_relerr_init", "grad_relerr_first_init", "final_logloss",
              "final_ne", "final_auc", "logloss_rel_bf16", "ne_rel_bf16", "auc_rel_bf16", "quality_ref",
+             "bf16_logloss_spread",
              "dense_params", "sparse_params", "train_gflops_per_sample", "tflops", "wall_s", "error"]
 
 
