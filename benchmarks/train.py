@@ -20,6 +20,10 @@ batches, in one process:
   on `--eval-batches` held-out batches, also relative to the bf16 Inductor row (or eager
   bf16 when that one is missing).
 
+Training: BCE-with-logits, Adam (fused on CUDA) with lr --lr for the dense arch and
+--sparse-lr for the tables, linear warmup over --lr-warmup steps; every config gets the
+same schedule, initial weights and batches.
+
 Each configuration runs inside try/except: a failure (a crash, an unavailable backend, a
 time budget) becomes a row with `error` set, never an abort. Results go to
 `<out>/<date>_<device>_train.json` (merged with rows already there), rewritten after
