@@ -98,15 +98,20 @@ def select(request: GemmRequest) -> list[GemmProvider]:
 
 # ---- emulation: same quantized operands, fp32 matmul --------------------------------
 
+def _broadcasts(scale: torch.Tensor, operand: torch.Tensor) -> bool:
+    return scale.dim() == 0 or all(s in (1, d) for s, d in zip(scale.shape[::-1], operand.shape[::-1]))
+
+
+def _dequantize_operand(q: torch.Tensor, scale: torch.Tensor, block: tuple) -> torch.Tensor:
+    # Tensorwise and rowwise scales broadcast against the operand; blockwise ones, one per
+    # tile, broadcast only when a single tile spans a dimension, which is the same thing.
+    if _broadcasts(scale, q):
+        return dequantize(q, scale)
+    return q.float() * expand_block_scale(scale, tuple(q.shape), block)
+
+
 def _emulated_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
-    if a_scale.dim() == 2 and a_q.dim() == 2 and a_scale.shape[-1] > 1 and a_scale.shape != a_q.shape:
-        # blockwise: 1x128 tiles on A, 128x128 tiles on B
-        a = a_q.float() * expand_block_scale(a_scale, tuple(a_q.shape), (1, 128))
-        b = b_q.float() * expand_block_scale(b_scale, tuple(b_q.shape), (128, 128))
-    else:
-        a = dequantize(a_q, a_scale)
-        b = dequantize(b_q, b_scale)
-    out = torch.matmul(a, b)
+    out = torch.matmul(_dequantize_operand(a_q, a_scale, (1, 128)), _dequantize_operand(b_q, b_scale, (128, 128)))
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)

@@ -32,3 +32,13 @@ def _seed():
 def interpret_triton() -> bool:
     """Triton kernels run on CPU only under the interpreter."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def fresh_compile_state():
+    """Forget Dynamo's compiled code and loka's graph records around a test."""
+    import loka_compile
+
+    torch._dynamo.reset()
+    loka_compile.reset()
+    yield

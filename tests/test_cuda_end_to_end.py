@@ -9,7 +9,7 @@ import loka_compile
 from models import MLPWithNorm, WukongLikeBlock
 from numerics import sqnr_db
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_compile_state")]
 
 # bf16 models on the GPU: the reference is the fp32 copy. Floors as on CPU, less 3 dB for
 # bf16 activations between the GEMMs.
@@ -17,11 +17,6 @@ OUTPUT_SQNR_FLOOR_DB = 17.0
 GRAD_SQNR_FLOOR_DB = 7.0
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile_state():
-    torch._dynamo.reset()
-    loka_compile.reset()
-    yield
 
 
 def check_training_step(model, x, recipe, mode="default"):

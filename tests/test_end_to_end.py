@@ -16,15 +16,12 @@ from numerics import sqnr_db
 # 12.5-40 dB, the worst being the first layer's weight of the MLP, whose gradient passes
 # through two FP8 dgrads and two LayerNorm backwards before its own FP8 wgrad (the
 # compounding that the Probe exists to catch).
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
 OUTPUT_SQNR_FLOOR_DB = 20.0
 GRAD_SQNR_FLOOR_DB = 10.0
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile_state():
-    torch._dynamo.reset()
-    loka_compile.reset()
-    yield
 
 
 _TEACHER = torch.Generator().manual_seed(1234)

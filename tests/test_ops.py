@@ -58,6 +58,13 @@ def test_emulated_gemm_sqnr_against_fp64(scaling, m, k, n):
     assert sqnr_db(ref, out) > GEMM_SQNR_FLOOR_DB[scaling]
 
 
+@pytest.mark.parametrize("m, k, n", [(13, 96, 48), (16, 96, 200), (33, 256, 80), (8, 384, 272)])
+def test_emulated_blockwise_gemm(m, k, n):
+    a, b, _ = fp8_gemm_args(m, k, n)
+    out = torch.ops.loka.fp8_gemm(a, b, None, "blockwise", "e4m3", "e4m3", "emulated", "")
+    assert sqnr_db(a.double() @ b.double(), out) > GEMM_SQNR_FLOOR_DB[Scaling.BLOCKWISE]
+
+
 def test_emulated_batched_gemm():
     a, b, _ = fp8_gemm_args(16, 32, 48, batch=4)
     out = torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "emulated", "")
