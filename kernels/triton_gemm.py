@@ -383,7 +383,10 @@ PTR_CONFIGS = [
 INTERPRETER_CONFIG = GemmConfig(32, 32, 32, num_warps=4, num_stages=1, group_m=2, ctas_per_sm=1)
 INTERPRETER_SM_COUNT = 4
 
-_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "ACCUM", "A_K_MAJOR", "B_K_MAJOR", "HAS_BIAS", "HAS_RESIDUAL"]
+_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "ACCUM", "HAS_BIAS", "HAS_RESIDUAL"]
+# Only the TMA kernel takes the operand-major flags; triton >= 3.7 rejects key names
+# that are not arguments of the kernel being tuned.
+_TMA_AUTOTUNE_KEY = _AUTOTUNE_KEY + ["A_K_MAJOR", "B_K_MAJOR"]
 
 
 def _autotune_bench(kernel_call, quantiles):
@@ -430,7 +433,7 @@ _ptr_kernel_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_autotune_bench,
 )(_ptr_kernel)
 _tma_kernel_tuned = triton.autotune(
-    configs=[c.triton_config(tma=True) for c in TMA_CONFIGS], key=_AUTOTUNE_KEY,
+    configs=[c.triton_config(tma=True) for c in TMA_CONFIGS], key=_TMA_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_autotune_bench,
 )(_fp8_gemm_tma_kernel)
 
