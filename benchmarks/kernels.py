@@ -13,6 +13,9 @@ Sections:
   vs `torch._scaled_mm` with the same scaling and vs bf16 `torch.mm`; GEMM + bias + relu
   fused in the epilogue vs `_scaled_mm` followed by the same epilogue compiled by
   Inductor; the autotuner's timing of every candidate config; host launch overhead.
+- site: a loka GEMM site as `torch.ops.loka.fp8_gemm` runs it (operand casts + GEMM) for
+  the forward, grad-input and grad-weight layouts, against the bf16 GEMM it replaces;
+  reference casts vs fused Triton casts vs the GEMM alone.
 """
 
 from __future__ import annotations
@@ -389,9 +392,88 @@ def explore_table(rows: list) -> str:
         tablefmt="github")
 
 
+# ---- a loka site as fp8_gemm runs it: casts + GEMM ---------------------------------------
+
+# The three roles' operand layouts for a Linear y = x W^T + b with x [M, K], W [N, K]:
+# forward x @ W^T; grad-input dY [M, N] @ W; grad-weight dY^T [N, M] @ x (A column-major).
+SITE_ROLES = ("forward", "grad_input", "grad_weight")
+
+
+def _site_operands(role, m, k, n):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    if role == "forward":
+        return x, w.t(), torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    return (dy, w, None) if role == "grad_input" else (dy.t(), x, None)
+
+
+def site_section(ctx: Context) -> list:
+    """`torch.ops.loka.fp8_gemm` (rowwise e4m3, `scaled_mm_rowwise`) against the bf16 GEMM it
+    replaces, per role: with the PyTorch reference casts (loka before the fused casts) and
+    with the fused Triton casts, plus `_scaled_mm` on operands cast beforehand (the bound a
+    cast fused into the producer approaches). Plain timings include each call's host work,
+    as a step without CUDA graphs pays it; graph timings do not."""
+    from loka_compile.kernels import providers
+    from loka_compile.kernels.gemm_operands import quantize_gemm_operands
+    from loka_compile.kernels.quantize import Fp8Format, Scaling
+    e4m3, rowwise, provider = Fp8Format.E4M3, Scaling.ROWWISE, providers.get("scaled_mm_rowwise")
+    rows = []
+    for (m, k, n) in ctx.shapes:
+        if ctx.out_of_time():
+            break
+        for role in SITE_ROLES:
+            # GEMM dims as the op sees them: forward M x K x N; grad-input M x N x K;
+            # grad-weight N x M x K.
+            a, b, bias = _site_operands(role, m, k, n)
+            ref = (a.double() @ b.double()) + (0 if bias is None else bias.double())
+            casts = {
+                "reference_casts": lambda a=a, b=b: quantize_gemm_operands(a, b, rowwise, e4m3, e4m3, use_triton=False),
+                "fused_casts": lambda a=a, b=b: quantize_gemm_operands(a, b, rowwise, e4m3, e4m3),
+            }
+            pre = casts["fused_casts"]()
+            calls = {
+                "bf16": (lambda a=a, b=b, bias=bias: torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)),
+                "reference_casts": lambda a=a, b=b, bias=bias: provider.gemm(*casts["reference_casts"](a, b), bias,
+                                                                             torch.bfloat16),
+                "fused_casts": lambda a=a, b=b, bias=bias: torch.ops.loka.fp8_gemm(
+                    a, b, bias, "rowwise", "e4m3", "e4m3", "scaled_mm_rowwise", ""),
+                "gemm_only": lambda pre=pre, bias=bias: provider.gemm(*pre, bias, torch.bfloat16),
+            }
+            row = dict(section="site", role=role, M=a.shape[0], K=a.shape[1], N=b.shape[1], linear=[m, k, n])
+            try:
+                for name, fn in calls.items():
+                    row[f"{name}_us"] = _r(bench_us(fn, ctx), 1)
+                    row[f"{name}_graph_us"] = _r(bench_graph_us(fn, ctx), 1)
+                    if name != "bf16":
+                        row[f"{name}_sqnr_db"] = _r(sqnr_db(fn().double(), ref), 1)
+                for name in ("reference_casts", "fused_casts", "gemm_only"):
+                    row[f"{name}_vs_bf16"] = _r(row["bf16_us"] / row[f"{name}_us"], 3)
+                    row[f"{name}_vs_bf16_graph"] = _r(row["bf16_graph_us"] / row[f"{name}_graph_us"], 3)
+            except Exception as e:  # noqa: BLE001  (a failing shape is a result, not an abort)
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def site_table(rows: list) -> str:
+    from tabulate import tabulate
+    table = [[r["role"], r["M"], r["K"], r["N"], r.get("bf16_graph_us"), r.get("reference_casts_graph_us"),
+              r.get("fused_casts_graph_us"), r.get("gemm_only_graph_us"), r.get("reference_casts_vs_bf16_graph"),
+              r.get("fused_casts_vs_bf16_graph"), r.get("gemm_only_vs_bf16_graph"), r.get("fused_casts_vs_bf16"),
+              r.get("fused_casts_sqnr_db"), r.get("error", "")] for r in rows]
+    return ("### loka site (rowwise e4m3 on `scaled_mm_rowwise`): casts + GEMM vs the bf16 GEMM, CUDA-graph medians\n\n"
+            + tabulate(table, headers=["role", "M", "K", "N", "bf16 us", "reference casts us", "fused casts us",
+                                       "GEMM only us", "ref. casts vs bf16 (x)", "fused casts vs bf16 (x)",
+                                       "GEMM only vs bf16 (x)", "fused vs bf16, no graph (x)", "SQNR dB", "note"],
+                       tablefmt="github"))
+
+
 SECTIONS: dict[str, Callable[[Context], list]] = {
     "gemm": gemm_section,
     "gemm_explore": gemm_explore_section,
+    "site": site_section,
 }
 
 
@@ -483,7 +565,7 @@ def gemm_summary(rows: list) -> str:
                     tablefmt="plain")
 
 
-TABLES = {"gemm": gemm_table, "gemm_explore": explore_table}
+TABLES = {"gemm": gemm_table, "gemm_explore": explore_table, "site": site_table}
 SUMMARIES = {"gemm": gemm_summary}
 
 

@@ -2,8 +2,8 @@
 
 `fp8_gemm(a, b, bias, scaling, a_format, b_format, provider, site)` computes
 `a @ b (+ bias)` for a [.., M, K] and b [.., K, N] given in high precision: it quantizes
-both operands with scales along K (reference quantizers in `quantize.py`, identical on
-every provider) and calls the named provider. The output has a's dtype. A site that the
+both operands with scales along K (`gemm_operands.py`: fused Triton casts on FP8 GPUs,
+the references of `quantize.py` elsewhere, bit-identical) and calls the named provider. The output has a's dtype. A site that the
 Probe judged unsafe after its graph was compiled is listed with
 `set_high_precision_sites`; the op then computes it in high precision.
 
@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from . import providers
+from .gemm_operands import quantize_gemm_operands
 from .quantize import Fp8Format, Scaling, quantize_operands
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -72,7 +73,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], sca
     request = providers.GemmRequest(a.device, scaling_e, a_fmt, b_fmt, a.dtype, a.dim() == 3)
     if not impl.supports(request):
         raise ValueError(f"provider {provider!r} cannot run {request}")
-    a_q, a_s, b_q, b_s = quantize_operands(a, b, scaling_e, a_fmt, b_fmt)
+    a_q, a_s, b_q, b_s = quantize_gemm_operands(a, b, scaling_e, a_fmt, b_fmt)
     return impl.gemm(a_q, a_s, b_q, b_s, bias, a.dtype)
 
 

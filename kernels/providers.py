@@ -150,9 +150,13 @@ def _scaled_mm_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
     b_q = b_q.t().contiguous().t()
     # Rowwise scaling on sm90 produces bf16 only; other outputs are cast from it.
     mm_dtype = torch.bfloat16 if a_scale.numel() > 1 else out_dtype
+    # A bias vector of the output's dtype goes into cuBLASLt's epilogue (one kernel fewer);
+    # any other bias is added after.
+    fused_bias = (bias is not None and bias.dim() == 1 and bias.dtype == mm_dtype
+                  and mm_dtype in (torch.bfloat16, torch.float16))
     out = torch._scaled_mm(a_q, b_q, scale_a=a_scale.float().contiguous(), scale_b=b_scale.float().contiguous(),
-                           out_dtype=mm_dtype)
-    if bias is not None:
+                           bias=bias if fused_bias else None, out_dtype=mm_dtype)
+    if bias is not None and not fused_bias:
         out = out + bias.to(out.dtype)
     return out.to(out_dtype)
 

@@ -166,6 +166,52 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
+def _rows_amax_kernel(
+    x_ptr,          # [R, C] input, any strides
+    amax_ptr,       # [R] int32: bits of each row's running fp32 amax, zero-initialised
+    R, C, stride_xr, stride_xc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, C_TILES: tl.constexpr,
+):
+    """Split-reduction row amax: a program walks C_TILES tiles along C, then one atomic
+    per row (fp32 >= 0 orders like its int32 bits, so the integer max is exact)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    c0 = tl.program_id(1).to(tl.int64) * (BLOCK_C * C_TILES)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for t in range(C_TILES):
+        cols = c0 + t * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+        acc = tl.maximum(acc, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
+    tl.atomic_max(amax_ptr + rows, acc.to(tl.int32, bitcast=True), mask=row_mask)
+
+
+@triton.jit
+def _rows_cast_kernel(
+    x_ptr,          # [R, C] input, any strides
+    q_ptr,          # [R, C] uint8 view of the fp8 output, any strides
+    amax_ptr,       # [R] int32 bits from _rows_amax_kernel
+    scale_ptr,      # [R] fp32
+    R, C, stride_xr, stride_xc, stride_qr, stride_qc,
+    FP8_MAX, INV_FP8_MAX,
+    OUT_DTYPE: tl.constexpr, RECIPROCAL: tl.constexpr, POW2: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < R
+    amax = tl.load(amax_ptr + rows, mask=row_mask, other=0).to(tl.float32, bitcast=True)
+    scale = _scale_from_amax(amax, FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
+    mask = row_mask[:, None] & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+    q = _cast_to_fp8_bytes(x.to(tl.float32), scale[:, None], FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS)
+    tl.store(q_ptr + rows[:, None] * stride_qr + cols[None, :] * stride_qc, q, mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + rows, scale, mask=row_mask)
+
+
+@triton.jit
 def _amax_flat_kernel(
     x_ptr,          # [N] contiguous input
     amax_ptr,       # [1] int32: bits of the running fp32 amax, zero-initialised
@@ -382,9 +428,28 @@ def _empty_fp8_like(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return torch.empty_like(x, dtype=fmt.dtype)
 
 
-def _rows_config(view_stride_c: int, n_cols: int) -> dict:
-    """Tile shape for `_quantize_rows_kernel` on a logical [R, C] view."""
-    if view_stride_c == 1 and triton.next_power_of_2(n_cols) <= MAX_SINGLE_PASS_COLS:
+OUT_MAJORS = (None, "row", "column")
+
+
+def _empty_fp8(x: torch.Tensor, fmt: Fp8Format, out_major: Optional[str]) -> torch.Tensor:
+    """fp8 tensor of x's 2-D shape: x's layout (out_major None), row- or column-major."""
+    if out_major not in OUT_MAJORS:
+        raise ValueError(f"out_major must be one of {OUT_MAJORS}, got {out_major!r}")
+    if out_major is None:
+        return _empty_fp8_like(x, fmt)
+    rows, cols = x.shape
+    if out_major == "row":
+        return torch.empty((rows, cols), dtype=fmt.dtype, device=x.device)
+    return torch.empty((cols, rows), dtype=fmt.dtype, device=x.device).t()
+
+
+def _rows_config(view_stride_c: int, n_cols: int, out_stride_c: int = 1) -> Optional[dict]:
+    """Tile shape for `_quantize_rows_kernel` on a logical [R, C] view, or None where the
+    split-reduction kernels serve better: a strided reduction axis (columnwise on a
+    row-major tensor, or the grad-weight operand X^T), a transposing cast, or rows longer
+    than one program holds. A program per row (block) would leave few programs walking
+    long rows there: the grad-weight operand of a [32768, 256] activation has 256 rows."""
+    if view_stride_c == 1 and out_stride_c == 1 and triton.next_power_of_2(n_cols) <= MAX_SINGLE_PASS_COLS:
         block_c = triton.next_power_of_2(n_cols)
         # H100, 32768x4096 bf16 (2026-11-22): one 4096-wide row per program with 4 warps
         # ran 144 us (93% of copy bandwidth); 1 row/8 warps 155 us, 2 rows/8 warps 161 us,
@@ -392,17 +457,36 @@ def _rows_config(view_stride_c: int, n_cols: int) -> dict:
         block_r = max(1, min(64, 2048 // block_c))
         return dict(BLOCK_R=block_r, BLOCK_C=block_c, SINGLE_PASS=True,
                     num_warps=4 if block_c <= 4096 else 8)
-    if view_stride_c == 1:
-        return dict(BLOCK_R=1, BLOCK_C=4096, SINGLE_PASS=False, num_warps=8)
-    # Reduction axis strided (columnwise on a row-major tensor): tiles wide along the
-    # contiguous axis so loads coalesce; two passes down the reduction axis.
-    return dict(BLOCK_R=64, BLOCK_C=64, SINGLE_PASS=False, num_warps=4)
+    return None
+
+
+# Split-reduction tiles: 64x64 keeps loads and stores coalesced along whichever axis is
+# contiguous; the amax pass walks SPLIT_C_TILES tiles per program before its atomics.
+SPLIT_BLOCK = 64
+SPLIT_C_TILES = 8
+
+
+def _launch_rows_split(view_x, view_q, scale, fmt, power_of_two) -> None:
+    rows, cols = view_x.shape
+    amax_bits = torch.zeros(rows, dtype=torch.int32, device=view_x.device)
+    grid = (triton.cdiv(rows, SPLIT_BLOCK), triton.cdiv(cols, SPLIT_BLOCK * SPLIT_C_TILES))
+    _rows_amax_kernel[grid](view_x, amax_bits, rows, cols, view_x.stride(0), view_x.stride(1),
+                            BLOCK_R=SPLIT_BLOCK, BLOCK_C=SPLIT_BLOCK, C_TILES=SPLIT_C_TILES, num_warps=4)
+    grid = (triton.cdiv(rows, SPLIT_BLOCK), triton.cdiv(cols, SPLIT_BLOCK))
+    _rows_cast_kernel[grid](
+        view_x, view_q.view(torch.uint8), amax_bits, scale, rows, cols,
+        view_x.stride(0), view_x.stride(1), view_q.stride(0), view_q.stride(1),
+        POW2=power_of_two, BLOCK_R=SPLIT_BLOCK, BLOCK_C=SPLIT_BLOCK, num_warps=4,
+        **format_args(fmt, view_x.device))
 
 
 def _launch_rows(view_x: torch.Tensor, view_q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
                  power_of_two: bool, config: Optional[dict]) -> None:
     rows, cols = view_x.shape
-    cfg = dict(config) if config else _rows_config(view_x.stride(1), cols)
+    cfg = dict(config) if config else _rows_config(view_x.stride(1), cols, view_q.stride(1) if rows > 1 and cols > 1 else 1)
+    if cfg is None:
+        _launch_rows_split(view_x, view_q, scale, fmt, power_of_two)
+        return
     num_warps = cfg.pop("num_warps", 4)
     grid = (triton.cdiv(rows, cfg["BLOCK_R"]),)
     _quantize_rows_kernel[grid](
@@ -417,12 +501,13 @@ def _launch_rows(view_x: torch.Tensor, view_q: torch.Tensor, scale: torch.Tensor
 # ---------------------------------------------------------------------------------------
 
 def quantize_rowwise_triton(x: torch.Tensor, fmt, power_of_two: bool = False,
-                            config: Optional[dict] = None):
-    """x [M, K] -> (q [M, K] in x's layout, scale [M, 1] fp32)."""
+                            config: Optional[dict] = None, out_major: Optional[str] = None):
+    """x [M, K] -> (q [M, K], scale [M, 1] fp32). q has x's layout, or the one `out_major`
+    names ("row" / "column"): the cast then also does the transposition a GEMM needs."""
     fmt = parse_format(fmt)
     check_input(x, "quantize_rowwise")
     _check_row_or_column_major(x, "quantize_rowwise")
-    q = _empty_fp8_like(x, fmt)
+    q = _empty_fp8(x, fmt, out_major)
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.numel():
         _launch_rows(x, q, scale, fmt, power_of_two, config)
@@ -432,12 +517,13 @@ def quantize_rowwise_triton(x: torch.Tensor, fmt, power_of_two: bool = False,
 
 
 def quantize_columnwise_triton(x: torch.Tensor, fmt, power_of_two: bool = False,
-                               config: Optional[dict] = None):
-    """x [K, N] -> (q [K, N] in x's layout, scale [1, N] fp32): one scale per column."""
+                               config: Optional[dict] = None, out_major: Optional[str] = None):
+    """x [K, N] -> (q [K, N], scale [1, N] fp32): one scale per column. q has x's layout,
+    or the one `out_major` names ("row" / "column")."""
     fmt = parse_format(fmt)
     check_input(x, "quantize_columnwise")
     _check_row_or_column_major(x, "quantize_columnwise")
-    q = _empty_fp8_like(x, fmt)
+    q = _empty_fp8(x, fmt, out_major)
     scale = torch.empty((1, x.shape[1]), dtype=torch.float32, device=x.device)
     if x.numel():
         _launch_rows(x.t(), q.t(), scale, fmt, power_of_two, config)
@@ -485,9 +571,10 @@ def _check_group(n: int, what: str, allow_one: bool) -> None:
 
 
 def quantize_blockwise_triton(x: torch.Tensor, block_rows: int, block_cols: int, fmt,
-                              power_of_two: bool = False, tile_rows: int = 32):
-    """x [R, C] -> (q in x's layout, scale [ceil(R/br), ceil(C/bc)]). 1x128 on
-    activations, 128x128 on weights."""
+                              power_of_two: bool = False, tile_rows: int = 32,
+                              out_major: Optional[str] = None):
+    """x [R, C] -> (q, scale [ceil(R/br), ceil(C/bc)]). 1x128 on activations, 128x128 on
+    weights. q has x's layout, or the one `out_major` names ("row" / "column")."""
     fmt = parse_format(fmt)
     check_input(x, "quantize_blockwise")
     _check_row_or_column_major(x, "quantize_blockwise")
@@ -495,7 +582,7 @@ def quantize_blockwise_triton(x: torch.Tensor, block_rows: int, block_cols: int,
     _check_group(block_cols, "block_cols", allow_one=False)
     rows, cols = x.shape
     n_rb, n_cb = triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols)
-    q = _empty_fp8_like(x, fmt)
+    q = _empty_fp8(x, fmt, out_major)
     scale = torch.empty((n_rb, n_cb), dtype=torch.float32, device=x.device)
     if x.numel():
         tile_r = tile_rows if block_rows == 1 else block_rows

@@ -71,6 +71,22 @@ def test_rowwise_two_pass_wide_rows():
     assert_same(*tq.quantize_rowwise_triton(x, "e5m2", config=cfg), *quantize_along(x, -1, Fp8Format.E5M2))
 
 
+def test_rowwise_split_reduction_wide_rows_and_transposing_cast(monkeypatch):
+    # Rows longer than one program holds take the split-reduction kernels; shrink the
+    # single-pass limit so an interpreter-sized row exercises them.
+    monkeypatch.setattr(tq, "MAX_SINGLE_PASS_COLS", 64)
+    x = _wide_range(13, 272)
+    x[3, 200] = float("nan")
+    assert tq._rows_config(x.stride(1), x.shape[1]) is None
+    assert_same(*tq.quantize_rowwise_triton(x, "e4m3"), *quantize_along(x, -1, Fp8Format.E4M3))
+    for out_major, strides in (("column", (1, 272)), ("row", (13, 1))):
+        q, s = tq.quantize_columnwise_triton(x.t(), "e5m2", out_major=out_major)  # [272, 13]
+        assert q.stride() == strides
+        assert_same(q, s, *quantize_along(x.t(), -2, Fp8Format.E5M2))
+    with pytest.raises(ValueError, match="out_major"):
+        tq.quantize_rowwise_triton(x, "e4m3", out_major="k")
+
+
 @pytest.mark.parametrize("shape", B_SHAPES)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_columnwise_bit_exact_both_layouts(shape, fmt):
