@@ -71,8 +71,9 @@ def test_inference_and_dynamic_batch_on_gpu():
             x = torch.randn(batch, 256, device="cuda", dtype=torch.bfloat16)
             assert sqnr_db(model(x).float(), compiled(x).float()) > OUTPUT_SQNR_FLOOR_DB
     report = loka_compile.report(compiled)
-    # Inductor on CUDA may recompile once for a batch of other divisibility (seen on the
-    # H100 with 256/384 then 1024); every graph stays symbolic in M.
+    # On the H100 Dynamo first compiled batch 256 statically, then one graph symbolic in M
+    # (g1 256x256x512, g2 s77x256x512): at most two graphs, the last one symbolic.
     assert 1 <= len(report.graphs) <= 2, str(report)
-    assert all(s.fp8 and s.provider == "scaled_mm_rowwise" and isinstance(s.shape[0], str)
-               for s in report.sites), str(report)
+    assert all(s.fp8 and s.provider == "scaled_mm_rowwise" for s in report.sites), str(report)
+    last_graph = report.graphs[-1].name
+    assert all(isinstance(s.shape[0], str) for s in report.sites if s.graph == last_graph), str(report)
