@@ -71,6 +71,13 @@ class LokaConfig:
         observers before FP8 starts (0: no probe window).
     max_probe_error: a site whose observed FP8 relative error exceeds this after the
         probe window stays in high precision (`probe_unsafe`).
+    speed_check: on FP8 hardware, time each site's high-precision GEMM and loka's FP8 GEMM
+        (casts included) at the site's shape and layouts when the graph compiles, and keep
+        the site in high precision where FP8 is not faster (`slower_than_bf16`). Sites
+        with a symbolic dimension are not timed.
+    min_fp8_speedup: the speed FP8 must gain over the high-precision GEMM to be chosen,
+        as a ratio of times (1.05: at least 5% faster; FP8 costs accuracy, so a gain
+        within timing noise does not buy it).
     fallback: if loka fails on a graph, warn once and run it through Inductor in high
         precision instead of raising.
     mode: Inductor's mode (`reduce-overhead` = CUDA graphs). `torch.compile` refuses
@@ -84,13 +91,15 @@ class LokaConfig:
     exclude_modules: tuple = ()
     probe_steps: int = 0
     max_probe_error: float = 0.1
+    speed_check: bool = True
+    min_fp8_speedup: float = 1.05
     fallback: bool = True
     mode: str = "default"
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; valid recipes: {sorted(RECIPES)}")
-        for name in ("emulate", "fallback"):
+        for name in ("emulate", "fallback", "speed_check"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("min_gemm_dim", "probe_steps"):
@@ -100,6 +109,9 @@ class LokaConfig:
         if isinstance(self.max_probe_error, bool) or not isinstance(self.max_probe_error, (int, float)) \
                 or not 0 < self.max_probe_error:
             raise ValueError(f"max_probe_error must be a positive number, got {self.max_probe_error!r}")
+        if isinstance(self.min_fp8_speedup, bool) or not isinstance(self.min_fp8_speedup, (int, float)) \
+                or not self.min_fp8_speedup > 0:
+            raise ValueError(f"min_fp8_speedup must be a positive number, got {self.min_fp8_speedup!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; valid modes: {list(MODES)}")
         for name in ("providers", "exclude_modules"):

@@ -14,6 +14,9 @@ Rules, in order; the first that applies gives the reason:
   no provider supports the request            -> no_provider
   Probe measured error above the bound        -> probe_unsafe
   graph still in its probe window             -> probing
+  FP8 (casts included) not min_fp8_speedup faster than the high-precision GEMM, timed
+  at the site's shape and layouts (`speed.py`; FP8 hardware, concrete dims)
+                                              -> slower_than_bf16
   otherwise                                   -> fp8, on the first provider `select` gives
 Emulation is used only where the device has no FP8 hardware: on an FP8 GPU it would be
 slower than the high-precision GEMM it replaces.
@@ -24,7 +27,9 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+from torch._inductor import list_mode_options
 
+from loka_compile import speed
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import providers
 from loka_compile.passes import Decision, Reason, Site
@@ -74,4 +79,18 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
                         detail=f"rel. error {unsafe_sites[site.key]:.3g} > {config.max_probe_error}", **chosen)
     if phase == "probe":
         return Decision(fp8=False, reason=Reason.PROBING, **chosen)
-    return Decision(fp8=True, reason=Reason.FP8, **chosen)
+    shape = speed.site_shape(site) if hardware and config.speed_check else None
+    if shape is None:
+        return Decision(fp8=True, reason=Reason.FP8, **chosen)
+    timing = speed.site_timing(shape, chosen["scaling"], chosen["a_format"], chosen["b_format"],
+                               chosen["provider"], graphed=uses_cuda_graphs(config.mode))
+    measured = dict(bf16_us=round(timing.bf16_us, 2), fp8_us=round(timing.fp8_us, 2))
+    if timing.speedup < config.min_fp8_speedup:
+        return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, **chosen, **measured,
+                        detail=f"fp8 {timing.fp8_us:.1f} us vs {timing.bf16_us:.1f} us "
+                               f"({timing.speedup:.2f}x < {config.min_fp8_speedup})")
+    return Decision(fp8=True, reason=Reason.FP8, **chosen, **measured)
+
+
+def uses_cuda_graphs(mode: str) -> bool:
+    return bool(list_mode_options(mode).get("triton.cudagraphs", False))

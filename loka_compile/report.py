@@ -34,6 +34,9 @@ class SiteRecord:
     forward_site: str       # for backward sites: the forward site of the same op
     key: str
     probe: dict             # Probe summary, empty when the site was not observed
+    bf16_us: Optional[float] = None   # speed check: high-precision GEMM time at this shape
+    fp8_us: Optional[float] = None    # speed check: fp8_gemm time, casts included
+    detail: str = ""                  # the reason's particulars ("K=100", the timings, ...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +74,8 @@ def _site_records(record) -> list:
                 scaling=decision.scaling if fp8 else "", formats=f"{decision.a_format} x {decision.b_format}" if fp8 else "",
                 producers=site.producers, consumers=site.consumers,
                 forward_site=forward_names.get(site.seq_nr, "") if kind is GraphKind.BACKWARD else "",
-                key=site.key, probe=probe.STORE.summary(site.key)))
+                key=site.key, probe=probe.STORE.summary(site.key),
+                bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=decision.detail))
     return rows
 
 
@@ -100,10 +104,11 @@ class Report:
     def table(self) -> str:
         rows = [(s.graph, s.name, s.role, "x".join(map(str, s.shape)) + (f" (b={s.batch})" if s.batch else ""),
                  "yes" if s.fp8 else "no", s.provider, s.formats, s.reason,
-                 f"{s.probe['max_rel_error']:.3g}" if s.probe else "")
+                 f"{s.probe['max_rel_error']:.3g}" if s.probe else "",
+                 f"{s.bf16_us / s.fp8_us:.2f}x" if s.fp8_us else "")
                 for s in self.sites]
         return tabulate(rows, headers=["graph", "site", "role", "M x K x N", "fp8", "provider", "formats",
-                                       "reason", "probe err"])
+                                       "reason", "probe err", "fp8 speedup"])
 
     def __str__(self) -> str:
         return self.table() + "\n" + self.summary()

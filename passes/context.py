@@ -43,6 +43,7 @@ class Reason(str, enum.Enum):
     NO_PROVIDER = "no_provider"
     PROBING = "probing"
     PROBE_UNSAFE = "probe_unsafe"
+    SLOWER_THAN_BF16 = "slower_than_bf16"
     GRAPH_FALLBACK = "graph_fallback"
 
 
@@ -68,6 +69,8 @@ class Site:
     consumers: tuple         # ops that read the result
     seq_nr: Optional[int]    # autograd sequence number: forward and backward share it
     unit_scalars: bool = True  # addmm/baddbmm with beta == alpha == 1
+    a_major: str = "row"     # operand layouts: "row" (last dim contiguous) or "column"
+    b_major: str = "row"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,8 @@ class Decision:
     a_format: str = ""
     b_format: str = ""
     detail: str = ""
+    bf16_us: Optional[float] = None   # measured time of the high-precision GEMM (speed check)
+    fp8_us: Optional[float] = None    # measured time of fp8_gemm, casts included
 
 
 @dataclasses.dataclass

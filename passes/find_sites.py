@@ -167,6 +167,15 @@ def operands(node: torch.fx.Node):
     return node.args[0], node.args[1], None, True
 
 
+def operand_major(val: torch.Tensor) -> str:
+    """"row" when the last dim is contiguous, "column" when the one before is (a transposed
+    view, as weights and grad-weight operands arrive), else "row" (the kernels copy it)."""
+    strides = val.stride()[-2:]
+    if strides[-1] == 1:
+        return "row"
+    return "column" if strides[0] == 1 else "row"
+
+
 def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
     grads = gradient_nodes(graph) if ctx.kind is GraphKind.BACKWARD else set()
     wgrads = weight_gradient_gemms(graph, ctx.param_input_indices) if ctx.kind is GraphKind.BACKWARD else set()
@@ -203,5 +212,7 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
             consumers=tuple(consumers_of(node)),
             seq_nr=node.meta.get("seq_nr"),
             unit_scalars=unit,
+            a_major=operand_major(a_val),
+            b_major=operand_major(b_val),
         ))
     return len(ctx.sites)

@@ -1,12 +1,13 @@
 """Each pass on small AOTAutograd graphs, with a negative case each."""
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
-from loka_compile import LokaConfig, dispatch
+from loka_compile import LokaConfig, dispatch, speed
 from loka_compile.passes import GraphKind, PassContext, Reason, Role, graph_kind, run_passes
 from loka_compile.passes.dispatch_sites import dispatch_sites
 from loka_compile.passes.find_sites import clean_module_path, find_sites
@@ -68,6 +69,18 @@ class TestFindSites:
         for site in bctx.sites:
             assert site.a_is_grad and not site.b_is_grad  # the incoming gradient is always A here
         assert {s.seq_nr for s in bctx.sites} <= {s.seq_nr for s in fctx.sites}
+
+    def test_operand_layouts(self, mlp_graphs):
+        fwd, bwd = mlp_graphs
+        fctx = make_ctx(fwd.graph)
+        find_sites(fwd.graph, fctx)
+        # x @ W^T: W arrives as a transposed view
+        assert [(s.a_major, s.b_major) for s in fctx.sites] == [("row", "column"), ("row", "column")]
+        bctx = make_ctx(bwd.graph, params=frozenset({1, 2, 3}))
+        find_sites(bwd.graph, bctx)
+        layouts = {(s.role.value, s.shape): (s.a_major, s.b_major) for s in bctx.sites}
+        assert layouts[("wgrad", (128, 32, 64))][0] == "column"  # dY^T @ x
+        assert layouts[("dgrad", (32, 48, 128))] == ("row", "row")  # dY @ W
 
     def test_no_parameters_means_no_wgrad(self, mlp_graphs):
         _, bwd = mlp_graphs
@@ -163,3 +176,71 @@ class TestDispatch:
         assert reason(min_gemm_dim=64) is Reason.TOO_SMALL
         assert reason(exclude_modules=[site.module]) is Reason.EXCLUDED_BY_CONFIG
         assert reason(providers=["scaled_mm_rowwise"]) is Reason.NO_PROVIDER
+
+
+class TestSpeedCheck:
+    """The speed rule of Dispatch, with the hardware and the timings stood in for (CPU has
+    no FP8); the real timing path is exercised on CPU below and on the GPU in -m cuda."""
+
+    @pytest.fixture
+    def fp8_site(self, mlp_graphs, monkeypatch):
+        from loka_compile.kernels import providers
+        fwd, _ = mlp_graphs
+        ctx = make_ctx(fwd.graph)
+        find_sites(fwd.graph, ctx)
+        real = providers.get("scaled_mm_rowwise")
+        stand_in = dataclasses.replace(real, available=lambda device: True)
+        monkeypatch.setattr(dispatch.providers, "has_fp8_hardware", lambda device: True)
+        monkeypatch.setattr(dispatch.providers, "select", lambda request: [stand_in])
+        return ctx.sites[0]
+
+    def _decide(self, site, monkeypatch, bf16_us, fp8_us, **config):
+        calls = []
+
+        def timing(shape, *args, graphed):
+            calls.append((shape, graphed))
+            return speed.SiteTiming(bf16_us, fp8_us, graphed)
+
+        monkeypatch.setattr(dispatch.speed, "site_timing", timing)
+        return dispatch.decide(site, LokaConfig(recipe="rowwise", **config), "fp8", {}), calls
+
+    def test_slower_site_stays_in_high_precision_with_timings(self, fp8_site, monkeypatch):
+        decision, calls = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=12.0)
+        assert decision.reason is Reason.SLOWER_THAN_BF16 and not decision.fp8
+        assert (decision.bf16_us, decision.fp8_us) == (10.0, 12.0) and "0.83x" in decision.detail
+        shape, graphed = calls[0]
+        assert (shape.m, shape.k, shape.n, shape.a_major, shape.b_major, shape.has_bias) == \
+            (32, 64, 128, "row", "column", True)
+        assert not graphed
+
+    def test_faster_site_goes_fp8_and_margin_applies(self, fp8_site, monkeypatch):
+        decision, _ = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=8.0)
+        assert decision.fp8 and decision.reason is Reason.FP8 and decision.fp8_us == 8.0
+        decision, _ = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=9.8)  # 1.02x < 1.05
+        assert decision.reason is Reason.SLOWER_THAN_BF16
+        decision, _ = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=9.8, min_fp8_speedup=1.0)
+        assert decision.fp8
+
+    def test_speed_check_off_and_cuda_graph_modes(self, fp8_site, monkeypatch):
+        decision, calls = self._decide(fp8_site, monkeypatch, 10.0, 20.0, speed_check=False)
+        assert decision.fp8 and not calls
+        _, calls = self._decide(fp8_site, monkeypatch, 10.0, 5.0, mode="reduce-overhead")
+        assert calls[0][1] is True
+
+    def test_symbolic_or_batched_sites_are_not_timed(self, fp8_site):
+        assert speed.site_shape(dataclasses.replace(fp8_site, shape=("s0", 64, 128))) is None
+        assert speed.site_shape(dataclasses.replace(fp8_site, batch=4)) is None
+
+    def test_real_timing_on_cpu(self):
+        speed.clear_cache()
+        shape = speed.SiteShape(64, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
+        timing = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", "emulated", graphed=False)
+        assert 0 < timing.bf16_us < 1e6 and 0 < timing.fp8_us < 1e6
+        assert speed.site_timing(shape, "rowwise", "e4m3", "e4m3", "emulated", graphed=False) is timing
+        speed.clear_cache()
+
+    def test_config_validation(self):
+        with pytest.raises(ValueError, match="min_fp8_speedup"):
+            LokaConfig(min_fp8_speedup=0)
+        with pytest.raises(ValueError, match="speed_check"):
+            LokaConfig(speed_check="yes")
