@@ -52,7 +52,7 @@ PYTHONUNBUFFERED=1 python3 -m benchmarks.train \
     --out benchmarks/results --plot "$@" 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 
-cp benchmarks/results/*_train.json "$OUT_DIR"/ 2>/dev/null || true
-cp benchmarks/results/*_train.png "$OUT_DIR"/ 2>/dev/null || true
+cp benchmarks/results/*_train*.json "$OUT_DIR"/ 2>/dev/null || true
+cp benchmarks/results/*_train*.png "$OUT_DIR"/ 2>/dev/null || true
 echo "run_gpu.sh: harness exit status $status; results in benchmarks/results and $OUT_DIR"
 exit "$status"
