@@ -24,6 +24,7 @@ slower than the high-precision GEMM it replaces.
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import torch
@@ -33,6 +34,8 @@ from loka_compile import speed
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import providers
 from loka_compile.passes import Decision, Reason, Site
+
+log = logging.getLogger("loka")
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_ALIGNMENT = 16
@@ -82,8 +85,13 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     shape = speed.site_shape(site) if hardware and config.speed_check else None
     if shape is None:
         return Decision(fp8=True, reason=Reason.FP8, **chosen)
-    timing = speed.site_timing(shape, chosen["scaling"], chosen["a_format"], chosen["b_format"],
-                               chosen["provider"], graphed=uses_cuda_graphs(config.mode))
+    try:
+        timing = speed.site_timing(shape, chosen["scaling"], chosen["a_format"], chosen["b_format"],
+                                   chosen["provider"], graphed=uses_cuda_graphs(config.mode))
+    except Exception as error:  # noqa: BLE001  (a failed timing must not cost the graph its FP8)
+        log.warning("loka: could not time site %s (%s: %s); it goes FP8 unchecked", site.name,
+                    type(error).__name__, error)
+        return Decision(fp8=True, reason=Reason.FP8, detail=f"speed not measured: {type(error).__name__}", **chosen)
     measured = dict(bf16_us=round(timing.bf16_us, 2), fp8_us=round(timing.fp8_us, 2))
     if timing.speedup < config.min_fp8_speedup:
         return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, **chosen, **measured,

@@ -227,6 +227,16 @@ class TestSpeedCheck:
         _, calls = self._decide(fp8_site, monkeypatch, 10.0, 5.0, mode="reduce-overhead")
         assert calls[0][1] is True
 
+    def test_a_failed_timing_leaves_the_site_fp8_with_a_warning(self, fp8_site, monkeypatch, caplog):
+        def broken(*args, **kwargs):
+            raise RuntimeError("CUDA out of memory")
+
+        monkeypatch.setattr(dispatch.speed, "site_timing", broken)
+        with caplog.at_level("WARNING", logger="loka"):
+            decision = dispatch.decide(fp8_site, LokaConfig(recipe="rowwise"), "fp8", {})
+        assert decision.fp8 and "speed not measured" in decision.detail
+        assert "could not time" in caplog.text
+
     def test_symbolic_or_batched_sites_are_not_timed(self, fp8_site):
         assert speed.site_shape(dataclasses.replace(fp8_site, shape=("s0", 64, 128))) is None
         assert speed.site_shape(dataclasses.replace(fp8_site, batch=4)) is None
