@@ -32,19 +32,13 @@ def _triton_quant():
     return triton_quant
 
 
-def _row_or_column_major(x: torch.Tensor) -> bool:
-    rows, cols = x.shape
-    return ((x.stride(1) == 1 and (x.stride(0) == cols or rows <= 1))
-            or (x.stride(0) == 1 and (x.stride(1) == rows or cols <= 1)))
-
-
 def fused_cast_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `quantize_gemm_operands` takes the Triton path for these operands."""
     if a.device.type != "cuda" or a.dim() != 2 or b.dim() != 2:
         return False
     tq = _triton_quant()
     return (tq is not None and not tq.interpreting() and tq.use_triton(a)
-            and _row_or_column_major(a) and _row_or_column_major(b))
+            and tq.is_row_or_column_major(a) and tq.is_row_or_column_major(b))
 
 
 def _tensorwise(tq, x: torch.Tensor, fmt: Fp8Format, k_major_dim: int):

@@ -414,11 +414,17 @@ def check_input(x: torch.Tensor, what: str, dims: Optional[int] = 2) -> None:
         raise ValueError(f"{what}: expects a {dims}-D tensor, got shape {tuple(x.shape)}")
 
 
-def _check_row_or_column_major(x: torch.Tensor, what: str) -> None:
+def is_row_or_column_major(x: torch.Tensor) -> bool:
+    """Whether a 2-D x is dense in row-major or column-major order (the layouts these
+    kernels read)."""
     rows, cols = x.shape
     row_major = x.stride(1) == 1 and (x.stride(0) == cols or rows <= 1)
     col_major = x.stride(0) == 1 and (x.stride(1) == rows or cols <= 1)
-    if not (row_major or col_major):
+    return row_major or col_major
+
+
+def _check_row_or_column_major(x: torch.Tensor, what: str) -> None:
+    if not is_row_or_column_major(x):
         raise ValueError(f"{what}: x must be row-major or column-major contiguous, got strides "
                          f"{x.stride()} for shape {tuple(x.shape)}; call .contiguous() first")
 
