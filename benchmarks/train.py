@@ -18,16 +18,48 @@ batches, in one process:
   `grad_relerr_first` is the weight gradient of the first Linear of the dense arch;
 - quality: after max(--quality-steps, warmup + steps) training steps, logloss, NE and AUC
   on `--eval-batches` held-out batches, also relative to the bf16 Inductor row (or eager
-  bf16 when that one is missing).
+  bf16 when that one is missing);
+- the FP8 ceiling (`ceiling` in the JSON, a second table when printed), for the rows of
+  `--ceiling-configs` (default inductor_bf16): right after the timed steps, one more
+  forward + backward (no optimizer step, so training is unchanged) runs under
+  torch.profiler. Each kernel is classified GEMM or not by name
+  (`benchmarks.ceiling.is_gemm_kernel`); `gemm_share` g is the GEMMs' part of the summed
+  kernel time, and `ceiling_1p6x` / `ceiling_2x` = 1 / ((1 - g) + g / s) for s = 1.6, 2:
+  the step speedup if every GEMM ran s times faster in FP8 and the casts were free. The
+  ten largest kernels (`top_kernels`, each with its GEMM verdict) and the largest non-GEMM
+  kernel come with it. On CUDA these are device kernel times; on CPU there are none, and
+  each op's self CPU time stands in (`source` says which).
+
+Configurations (`--configs`; `all` = every named one):
+- eager_bf16, eager_fp32; inductor_bf16 (default mode), inductor_bf16_ro (reduce-overhead,
+  CUDA graphs); torchao_{tensorwise,rowwise}[_ro] (torchao float8 training);
+- loka, loka_ro: the loka backend with its defaults (Dispatch speed check on);
+- loka_all_fp8, loka_all_fp8_ro: loka with {"speed_check": False}, every eligible site FP8
+  whether or not it pays (what the Mods must make fast);
+- per-Mod ablation, `<loka config>_no_<mod>` (e.g. loka_ro_no_pad): the loka config with
+  the loka option `disabled_mods=(mod,)`, for each Mod of `loka_compile.passes.MODS`.
+  `--ablate-mods` adds them after loka_ro (or loka) when present, or after the configs it
+  names; a loka without that option makes them error rows.
+Loka rows take --loka-options under their own options; the JSON records both
+(`loka_options`).
 
 Training: BCE-with-logits, Adam (fused on CUDA) with lr --lr for the dense arch and
 --sparse-lr for the tables, linear warmup over --lr-warmup steps; every config gets the
-same schedule, initial weights and batches.
+same schedule, initial weights and batches. Tables with sparse gradients
+(`--sparse-embeddings on`, or the preset's choice: the dlrm_dcnv2 paper preset has them)
+are updated by torch.optim.SparseAdam at --sparse-lr instead: the Adam rule applied lazily,
+to the rows a batch looked up only (dense Adam also keeps moving untouched rows by their
+momentum), so --sparse-lr and the schedule keep their meaning; Adagrad, the usual DLRM
+choice, would change the optimizer along with the gradient format.
+Sparse gradients need --compile-scope dense (the default): with `model`, Inductor itself
+fails on them ("Cannot access storage of SparseTensorImpl", CPU check), so use
+--sparse-embeddings off there.
 
-Each configuration runs inside try/except: a failure (a crash, an unavailable backend, a
-time budget) becomes a row with `error` set, never an abort. Results go to
+Each configuration runs inside try/except: a failure (a crash, an unavailable backend, an
+option the installed loka does not know, a time budget) becomes a row with `error` set,
+never an abort. Results go to
 `<out>/<date>_<device>_train.json` (merged with rows already there), rewritten after
-every row, and a table is printed last.
+every row, and the tables are printed last.
 
 By default only the dense arch is compiled (`--compile-scope dense`); the EmbeddingBag
 lookups run eagerly in fp32 in front of it, as TorchRec/FBGEMM lookups do in production
@@ -38,6 +70,7 @@ whole model instead.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import datetime as _dt
@@ -56,8 +89,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.ceiling import CPU_SOURCE, profile_kernels, summarize_kernels
 from benchmarks.zoo import (MODEL_NAMES, SyntheticRecsysData, build_model, count_parameters,
-                            dense_parameters, quality_metrics, to_dense_dtype)
+                            dense_parameters, quality_metrics, sparse_grad_parameters, to_dense_dtype)
 
 _T0 = time.perf_counter()
 ERROR_CHARS = 300
@@ -73,14 +107,20 @@ def log(msg: str) -> None:
 @dataclass(frozen=True)
 class Config:
     """How one row trains: `kind` eager | inductor | torchao | loka; `mode` is the
-    torch.compile mode (\"eager\" for eager rows); `recipe` the torchao float8 recipe."""
+    torch.compile mode (\"eager\" for eager rows); `recipe` the torchao float8 recipe;
+    `options` the loka options of the row as (key, value) pairs (merged over --loka-options);
+    `ablated` the Mod a `<base>_no_<mod>` row switches off."""
 
     name: str
     kind: str
     mode: str
     dtype: torch.dtype = torch.bfloat16
     recipe: str | None = None
+    options: tuple = ()
+    ablated: str | None = None
 
+
+_ALL_FP8 = (("speed_check", False),)  # every eligible site FP8, whether or not it pays
 
 CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config("eager_bf16", "eager", "eager"),
@@ -93,9 +133,76 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config("torchao_rowwise_ro", "torchao", "reduce-overhead", recipe="rowwise"),
     Config("loka", "loka", "default"),
     Config("loka_ro", "loka", "reduce-overhead"),
+    Config("loka_all_fp8", "loka", "default", options=_ALL_FP8),
+    Config("loka_all_fp8_ro", "loka", "reduce-overhead", options=_ALL_FP8),
 ]}
 DEFAULT_CONFIGS = ("eager_bf16", "inductor_bf16", "inductor_bf16_ro", "torchao_tensorwise",
-                   "torchao_rowwise", "loka", "loka_ro")
+                   "torchao_rowwise", "loka", "loka_ro", "loka_all_fp8_ro")
+# Per-Mod ablation rows are named `<loka config>_no_<mod>` (loka_ro_no_pad, ...): the base
+# loka config with `disabled_mods=(mod,)`. They are made on demand (`lookup_config`), for
+# the Mods in `loka_compile.passes.MODS`, read when a row runs.
+_ABLATION = re.compile(r"^(?P<base>loka\w*?)_no_(?P<mod>\w+)$")
+CEILING_CONFIGS = ("inductor_bf16",)
+
+
+def lookup_config(name: str) -> Config | None:
+    """The Config named `name`: one of CONFIGS, or an ablation row `<loka config>_no_<mod>`
+    (not checked against MODS here: `resolve_config` does that); None if neither."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    m = _ABLATION.match(name)
+    base = CONFIGS.get(m.group("base")) if m else None
+    if base is None or base.kind != "loka" or base.ablated:
+        return None
+    mod = m.group("mod")
+    return dataclasses.replace(base, name=name, options=base.options + (("disabled_mods", (mod,)),),
+                               ablated=mod)
+
+
+def loka_mods() -> tuple[str, ...]:
+    """`loka_compile.passes.MODS`: the Mods the config can switch off (raises when loka
+    cannot be imported)."""
+    from loka_compile.passes import MODS
+    return tuple(MODS)
+
+
+def resolve_config(name: str) -> Config:
+    """lookup_config, raising ValueError for an unknown name or an unknown Mod."""
+    cfg = lookup_config(name)
+    if cfg is None:
+        raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}, "
+                         f"or <loka config>_no_<mod> (--ablate-mods)")
+    if cfg.ablated is not None:
+        mods = loka_mods()
+        if cfg.ablated not in mods:
+            raise ValueError(f"unknown Mod {cfg.ablated!r} in {name!r}; loka_compile.passes.MODS: {list(mods)}")
+    return cfg
+
+
+def ablation_configs(configs: list[str], bases: str, cuda: bool) -> list[str]:
+    """`configs` with a `<base>_no_<mod>` row per Mod after each ablated base. `bases`:
+    "auto" ablates loka_ro when the run has it, else loka when it has that, else loka_ro on
+    CUDA and loka on CPU (CUDA graphs matter for LRMs); or a comma list of loka configs.
+    When MODS cannot be read, each base gets one `<base>_no_mods` row, whose run records
+    why."""
+    if bases == "auto":
+        chosen = next((b for b in ("loka_ro", "loka") if b in configs), "loka_ro" if cuda else "loka")
+        wanted = [chosen]
+    else:
+        wanted = [b.strip() for b in bases.split(",") if b.strip()]
+    try:
+        mods = loka_mods()
+    except Exception as e:  # noqa: BLE001 - loka not importable: rows record it
+        log(f"--ablate-mods: loka_compile.passes.MODS unavailable ({_error_text(e)})")
+        mods = ("mods",)
+    out = list(configs)
+    for base in wanted:
+        if base not in out:
+            out.append(base)
+        at = out.index(base) + 1
+        new = [f"{base}_no_{m}" for m in mods if f"{base}_no_{m}" not in out]
+        out[at:at] = new
+    return out
 
 
 class BudgetExceeded(RuntimeError):
@@ -154,6 +261,30 @@ def _fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
             and module.out_features % 16 == 0)
 
 
+def loka_site_summary(model: nn.Module) -> dict:
+    """What loka decided for the model: FP8 sites / all sites per role, counts by reason,
+    how the FP8 operands were cast, and every site (name, role, M x K x N, provider,
+    reason, casts, detail)."""
+    import loka_compile
+
+    report = loka_compile.report(model.dense)
+    by_role: dict = {}
+    for s in report.sites:
+        fp8_total = by_role.setdefault(s.role, [0, 0])
+        fp8_total[0] += s.fp8
+        fp8_total[1] += 1
+    casts = [c.split(" (")[0].split(" into ")[0] for s in report.sites for c in s.casts.values()]
+    return {
+        "fp8_per_role": by_role,
+        "reasons": dict(collections.Counter(s.reason for s in report.sites)),
+        "casts": dict(collections.Counter(casts)),
+        "fallbacks": [g.fallback for g in report.graphs if g.fallback],
+        "sites": [{"name": s.name, "role": s.role, "shape": [str(d) for d in s.shape], "fp8": s.fp8,
+                   "provider": s.provider, "reason": s.reason, "casts": s.casts, "detail": s.detail}
+                  for s in report.sites],
+    }
+
+
 def _first_linear_weight(model: nn.Module) -> str:
     for name, mod in model.dense.named_modules():
         if isinstance(mod, nn.Linear):
@@ -175,6 +306,12 @@ def _torchao_version() -> str | None:
     return _torchao_import()[0]
 
 
+def loka_options_for(cfg: Config, loka_options: dict | None = None) -> dict:
+    """The options a loka row compiles with: --loka-options, then the config's own options
+    (which win: they define the row), then the mode."""
+    return {**(loka_options or {}), **dict(cfg.options), "mode": cfg.mode}
+
+
 def prepare(model: nn.Module, cfg: Config, scope: str, loka_options: dict | None = None):
     """Apply cfg to a fresh fp32 model in place; return the callable that maps
     (labels, *inputs) to (loss, logits)."""
@@ -184,6 +321,13 @@ def prepare(model: nn.Module, cfg: Config, scope: str, loka_options: dict | None
         convert_to_float8_training(model.dense, config=Float8LinearConfig.from_recipe_name(cfg.recipe),
                                    module_filter_fn=_fp8_linear_filter)
     unit = DenseWithLoss(model.dense) if scope == "dense" else ModelWithLoss(model)
+    return compile_unit(unit, cfg, loka_options)
+
+
+def compile_unit(unit: nn.Module, cfg: Config, loka_options: dict | None = None):
+    """`unit` compiled the way cfg says: itself for eager rows, torch.compile in cfg.mode for
+    inductor and torchao rows (torchao's conversion is the caller's), the loka backend with
+    loka_options_for(cfg, loka_options) for loka rows (shared with benchmarks.infer)."""
     if cfg.kind == "eager":
         return unit
     mode = None if cfg.mode == "default" else cfg.mode
@@ -192,8 +336,13 @@ def prepare(model: nn.Module, cfg: Config, scope: str, loka_options: dict | None
     if cfg.kind == "loka":
         if "loka" not in torch._dynamo.list_backends(exclude_tags=()):
             raise RuntimeError("backend 'loka' is not registered (pip install -e . to register it)")
-        if loka_options:  # torch.compile takes mode or options, not both: mode goes inside
-            return torch.compile(unit, backend="loka", options={**loka_options, "mode": cfg.mode})
+        options = loka_options_for(cfg, loka_options)
+        if len(options) > 1:  # torch.compile takes mode or options, not both: mode goes inside
+            # Validate now, so an option this loka does not know (e.g. disabled_mods before
+            # LokaConfig has it) is this row's error, not a failure deep inside compile.
+            from loka_compile import LokaConfig
+            LokaConfig.from_options(options)
+            return torch.compile(unit, backend="loka", options=options)
         return torch.compile(unit, backend="loka", mode=mode)
     raise ValueError(f"unknown config kind {cfg.kind!r}")
 
@@ -207,8 +356,10 @@ class ModelSetup:
 
     def __init__(self, name: str, args, device: torch.device):
         self.name, self.args, self.device = name, args, device
+        sparse = {"auto": None, "on": True, "off": False}[args.sparse_embeddings]
         self.master, self.spec = build_model(name, args.preset, positive_rate=args.positive_rate,
-                                             seed=args.seed, device=device)
+                                             seed=args.seed, device=device, sparse=sparse)
+        self.sparse_grads = bool(sparse_grad_parameters(self.master))
         self.train_data = SyntheticRecsysData(self.spec, seed=1000 + args.seed)
         self.heldout_data = SyntheticRecsysData(self.spec, seed=2000 + args.seed)
         # Every training batch is made before the first config runs: no data generation
@@ -238,17 +389,42 @@ class ModelSetup:
         return counter.get_total_flops() / b / 1e9
 
 
+class _Each:
+    """Several optimizers (or lr schedulers) stepped as one."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def step(self):
+        for x in self.items:
+            x.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for x in self.items:
+            x.zero_grad(set_to_none=set_to_none)
+
+
 def _make_optimizer(model: nn.Module, args, device: torch.device):
+    """Adam (fused on CUDA) with lr --lr for the dense arch and --sparse-lr for the tables;
+    tables with sparse gradients get torch.optim.SparseAdam at --sparse-lr instead (Adam
+    rejects sparse gradients). SparseAdam rather than Adagrad (DLRM's usual choice): it is
+    the same Adam update on the rows a batch touched (lazy: untouched rows and their moments
+    stay as they are), so --sparse-lr and the schedule keep their meaning between sparse and
+    dense tables, and only looked-up rows are read and written."""
     dense = [p for _, p in dense_parameters(model)]
-    sparse = [p for p in model.sparse.parameters()]
+    sparse_grad = {id(p) for _, p in sparse_grad_parameters(model)}
+    tables = [p for p in model.sparse.parameters() if id(p) not in sparse_grad]
+    sparse = [p for p in model.sparse.parameters() if id(p) in sparse_grad]
     kw = {"fused": True} if device.type == "cuda" else {}
-    opt = torch.optim.Adam([{"params": dense, "lr": args.lr},
-                            {"params": sparse, "lr": args.sparse_lr}], **kw)
+    groups = [{"params": dense, "lr": args.lr}] + ([{"params": tables, "lr": args.sparse_lr}] if tables else [])
+    opts = [torch.optim.Adam(groups, **kw)]
+    if sparse:
+        opts.append(torch.optim.SparseAdam(sparse, lr=args.sparse_lr))
     # Linear warmup: Adam's first updates are +-lr on every coordinate, which on the paper
     # Wukong (fan-in 2048-10240) swung the loss to 13 at step 2 without it (CPU check).
     warmup = max(1, args.lr_warmup)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
-    return opt, sched
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / warmup)) for o in opts]
+    return _Each(opts), _Each(scheds)
 
 
 def _relerr(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -306,15 +482,36 @@ def _evaluate(setup: ModelSetup, runner: Runner) -> dict:
     return {"final_logloss": m["logloss"], "final_ne": m["ne"], "final_auc": m["auc"]}
 
 
+def _profile_ceiling(setup: ModelSetup, model: nn.Module, runner: Runner, batch, cfg_name: str,
+                     after_steps: int, cuda: bool) -> dict:
+    """Profile one forward + backward (no optimizer step, weights unchanged) of the warm
+    compiled model, the way the row trains (eager lookups and their backward included under
+    --compile-scope dense), and summarize it into the ceiling record (benchmarks.ceiling)."""
+    def step():
+        loss, _ = runner.loss_and_logits(batch)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    model.zero_grad(set_to_none=True)
+    times, source = profile_kernels(step, cuda)
+    out = summarize_kernels(times, source, top=setup.args.profile_top)
+    out["profiled"] = (f"{cfg_name}: one forward+backward (no optimizer step) after {after_steps} "
+                       f"training steps, batch {setup.args.batch}")
+    return out
+
+
 # ------------------------------------------------------------------ one config
 
 
 def _base_row(setup: ModelSetup, cfg_name: str, args) -> dict:
-    cfg = CONFIGS.get(cfg_name)
+    cfg = lookup_config(cfg_name)
     return {
         "model": setup.name, "preset": args.preset, "config": cfg_name,
         "mode": cfg.mode if cfg else None, "batch": args.batch,
-        "compile_scope": args.compile_scope, "steps": args.steps, "train_steps": None,
+        "compile_scope": args.compile_scope, "sparse_embeddings": setup.sparse_grads,
+        "loka_options": (loka_options_for(cfg, args.loka_options) if cfg and cfg.kind == "loka" else None),
+        "disabled_mods": [cfg.ablated] if cfg and cfg.ablated else None,
+        "steps": args.steps, "train_steps": None,
         "step_ms": None, "step_ms_min": None, "speedup_vs_inductor_bf16": None,
         "peak_mem_gb": None, "first_step_s": None,
         "out_relerr": None, "grad_relerr": None, "grad_relerr_first": None,
@@ -324,7 +521,7 @@ def _base_row(setup: ModelSetup, cfg_name: str, args) -> dict:
         "logloss_rel_bf16": None, "ne_rel_bf16": None, "auc_rel_bf16": None, "quality_ref": None,
         "bf16_logloss_spread": None, "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
         "train_gflops_per_sample": setup.train_gflops_per_sample,
-        "tflops": None, "wall_s": None, "error": None,
+        "tflops": None, "ceiling": None, "wall_s": None, "error": None,
     }
 
 
@@ -335,9 +532,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
     start = time.perf_counter()
     model = opt = sched = fn = runner = None
     try:
-        if cfg_name not in CONFIGS:
-            raise ValueError(f"unknown config {cfg_name!r}; valid: {', '.join(CONFIGS)}")
-        cfg = CONFIGS[cfg_name]
+        cfg = resolve_config(cfg_name)
         if deadline is not None and time.perf_counter() > deadline:
             raise BudgetExceeded("skipped: --total-seconds budget spent before this config")
         if cfg.kind == "torchao":
@@ -403,7 +598,19 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
                 # GFLOP per step / ms per step = TFLOP/s
                 row["tflops"] = setup.train_gflops_per_sample * args.batch / row["step_ms"]
                 log(f"  {setup.name}/{cfg_name}: step {row['step_ms']:.3f} ms (median of {len(ms)})")
+                if cfg_name in args.ceiling_configs:
+                    try:  # a profiler failure costs the ceiling, not the row
+                        row["ceiling"] = _profile_ceiling(setup, model, runner, batch, cfg_name, done, cuda)
+                        c = row["ceiling"]
+                        log(f"  {setup.name}/{cfg_name}: GEMM share {100 * c['gemm_share']:.0f}% of "
+                            f"{c['total_ms']:.3f} ms{' (CPU op time)' if c['source'] == CPU_SOURCE else ''}, "
+                            f"FP8 ceiling {c['ceiling_1p6x']:.2f}x at 1.6x GEMMs, {c['ceiling_2x']:.2f}x at 2x")
+                    except Exception as e:  # noqa: BLE001
+                        row["ceiling"] = {"error": _error_text(e)}
+                        log(f"  {setup.name}/{cfg_name}: ceiling profile failed: {row['ceiling']['error']}")
                 row.update(_measure_errors(setup, model, runner, args.compile_scope))
+                if cfg.kind == "loka":
+                    row["loka_sites"] = loka_site_summary(model)
             if time.perf_counter() > budget_end and i + 1 < total:
                 raise BudgetExceeded(f"--max-seconds {args.max_seconds} spent after {i + 1}/{total} steps")
         row["train_steps"] = done
@@ -498,13 +705,24 @@ def environment(device: torch.device, args) -> dict:
             "first_step_s": "config start to end of first training step, compile included",
             "bf16_logloss_spread": "(max-min)/min held-out logloss over eager/Inductor bf16 rows: noise floor",
             "compile_scope": "dense: EmbeddingBag lookups eager fp32, dense arch + loss compiled",
+            "sparse_embeddings": "tables with sparse gradients, updated by torch.optim.SparseAdam",
+            "ceiling": "rows of --ceiling-configs: one profiled forward+backward (no optimizer) after the "
+                       "timed steps; gemm_share = GEMM kernels' share of summed kernel time (CUDA: device "
+                       "kernels; CPU: op self time, a host-side stand-in); ceiling_1p6x / ceiling_2x = "
+                       "1 / ((1 - g) + g / s), the step speedup if every GEMM ran s times faster and casts "
+                       "were free; top_kernels lists the 10 largest with their GEMM verdict",
+            "disabled_mods": "per-Mod ablation rows (<loka config>_no_<mod>): loka with that Mod off",
         },
     }
 
 
-def write_json(path: Path, env: dict, rows: list[dict]) -> None:
-    """Rows replace rows with the same key already in the file; others are kept."""
-    key = lambda r: (r["model"], r["preset"], r["config"], r["batch"], r.get("compile_scope"))
+def _train_row_key(r: dict) -> tuple:
+    return (r["model"], r["preset"], r["config"], r["batch"], r.get("compile_scope"), r.get("sparse_embeddings"))
+
+
+def write_json(path: Path, env: dict, rows: list[dict], key=_train_row_key) -> None:
+    """Rows replace rows with the same key (a hashable function of a row) already in the
+    file; others are kept."""
     kept = []
     if path.exists():
         try:
@@ -546,7 +764,40 @@ def format_table(rows: list[dict]) -> str:
     if spreads:
         lines.append("noise floor, spread of held-out logloss over the bf16 rows: "
                      + ", ".join(f"{m} {100 * v:.2f}%" for m, v in spreads.items()))
+    ceiling = format_ceiling_table(rows)
+    if ceiling:
+        lines += ["", ceiling]
     return "\n".join(lines)
+
+
+def format_ceiling_table(rows: list[dict]) -> str:
+    """One line per profiled row: GEMM share, FP8 ceilings, largest non-GEMM kernel ('' when
+    no row has a ceiling)."""
+    from tabulate import tabulate
+    table, cpu = [], False
+    for r in rows:
+        c = r.get("ceiling")
+        if not c:
+            continue
+        if c.get("error"):
+            table.append([r["model"], r["config"], "", "", "", "", "", "error: " + c["error"][:60]])
+            continue
+        cpu = cpu or c["source"] == CPU_SOURCE
+        big = c.get("largest_non_gemm") or {}
+        name = big.get("name", "")
+        name = name if len(name) <= 60 else name[:57] + "..."
+        table.append([r["model"], r["config"], _fmt(c["total_ms"], ".3f"), _fmt(100 * c["gemm_share"], ".0f"),
+                      _fmt(c["ceiling_1p6x"], ".2f"), _fmt(c["ceiling_2x"], ".2f"),
+                      _fmt(big.get("ms"), ".3f"), name])
+    if not table:
+        return ""
+    head = ("FP8 ceiling: one profiled forward+backward; if every GEMM ran 1.6x (2x) faster and casts were "
+            "free, 1 / ((1 - g) + g / s)")
+    if cpu:
+        head += "; CPU rows: op self time on the host, not device kernels"
+    cols = ["model", "config", "kernel_ms", "gemm%", "ceil_1.6x", "ceil_2x", "top_non_gemm_ms",
+            "largest non-GEMM kernel"]
+    return head + "\n" + tabulate(table, headers=cols, tablefmt="github")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -593,7 +844,19 @@ def parse_args(argv=None):
                    help="train max(this, warmup + steps) steps, then evaluate held out; 0 skips evaluation")
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma list, or 'all'; known: {', '.join(CONFIGS)}")
+                   help=f"comma list, or 'all' (every config below); known: {', '.join(CONFIGS)}, "
+                        "and <loka config>_no_<mod> for a Mod of loka_compile.passes.MODS")
+    p.add_argument("--ablate-mods", nargs="?", const="auto", default=None, metavar="BASES",
+                   help="add a row per Mod of loka_compile.passes.MODS with that Mod off "
+                        "(<base>_no_<mod>, loka option disabled_mods), after its base row; BASES: "
+                        "comma list of loka configs, default loka_ro if in --configs, else loka")
+    p.add_argument("--profile-top", type=int, default=10, help="kernels listed per profiled row")
+    p.add_argument("--ceiling-configs", default=",".join(CEILING_CONFIGS),
+                   help="configs whose warm step is profiled for the GEMM share and FP8 ceiling "
+                        "(comma list; 'none' for none)")
+    p.add_argument("--sparse-embeddings", default="auto", choices=["auto", "on", "off"],
+                   help="embedding tables with sparse gradients (SparseAdam): auto = the preset's choice "
+                        "(on for the dlrm_dcnv2 paper preset)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads on CPU (1 is fastest for tiny presets on a shared box)")
@@ -617,13 +880,15 @@ def parse_args(argv=None):
         args.batch = 8192 if args.preset == "paper" else 256
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1 (the first step compiles)")
+    args.ceiling_configs = () if args.ceiling_configs.strip() in ("", "none") else tuple(
+        c.strip() for c in args.ceiling_configs.split(",") if c.strip())
     return args
 
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
     if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     else:
         device = torch.device(args.device)
     if device.type == "cuda":
@@ -636,6 +901,8 @@ def main(argv=None) -> Path:
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     configs = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.ablate_mods:
+        configs = ablation_configs(configs, args.ablate_mods, device.type == "cuda")
     env = environment(device, args)
     stem = args.name or f"{env['date']}_{device_tag(device)}_train"
     out_path = Path(args.out) / f"{stem}.json"
@@ -652,8 +919,9 @@ def main(argv=None) -> Path:
         except Exception as e:  # noqa: BLE001 - a model that cannot be built still gets rows
             log(f"{name}: setup failed: {_error_text(e)}")
             for c in configs:
+                cfg = lookup_config(c)
                 row = {"model": name, "preset": args.preset, "config": c,
-                       "mode": CONFIGS[c].mode if c in CONFIGS else None, "batch": args.batch,
+                       "mode": cfg.mode if cfg else None, "batch": args.batch,
                        "compile_scope": args.compile_scope, "error": f"setup: {_error_text(e)}"}
                 rows.append({**{k: None for k in _ROW_KEYS}, **row})
             write_json(out_path, env, rows)
@@ -683,13 +951,15 @@ def main(argv=None) -> Path:
     return out_path
 
 
-_ROW_KEYS = ["model", "preset", "config", "mode", "batch", "compile_scope", "steps", "train_steps",
+_ROW_KEYS = ["model", "preset", "config", "mode", "batch", "compile_scope", "sparse_embeddings", "loka_options",
+             "disabled_mods", "steps", "train_steps",
              "step_ms", "step_ms_min", "speedup_vs_inductor_bf16", "peak_mem_gb", "first_step_s",
              "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_x_bf16", "out_relerr_init",
              "grad_relerr_init", "grad_relerr_first_init", "final_logloss",
              "final_ne", "final_auc", "logloss_rel_bf16", "ne_rel_bf16", "auc_rel_bf16", "quality_ref",
              "bf16_logloss_spread",
-             "dense_params", "sparse_params", "train_gflops_per_sample", "tflops", "wall_s", "error"]
+             "dense_params", "sparse_params", "train_gflops_per_sample", "tflops", "ceiling", "loka_sites", "wall_s",
+             "error"]
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ def main(argv=None) -> loka_compile.Report:
     print("held-out: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     report = loka_compile.report(compiled)
-    print(f"\nloka site report ({args.model}/{args.preset}, recipe {args.recipe}, {device.type}):")
-    print(report)
+    print(f"\nloka ({args.model}/{args.preset}, recipe {args.recipe}, {device.type}):")
+    print(report)  # the overview; report.table() lists every site
     return report
 
 

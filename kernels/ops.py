@@ -1,11 +1,16 @@
-"""The ops loka's lowering emits: `torch.ops.loka.fp8_gemm` and `torch.ops.loka.observe_gemm`.
+"""loka's ops: `torch.ops.loka.fp8_gemm`, `torch.ops.loka.quantize_operand` and
+`torch.ops.loka.observe_gemm`.
 
-`fp8_gemm(a, b, bias, scaling, a_format, b_format, provider, site)` computes
-`a @ b (+ bias)` for a [.., M, K] and b [.., K, N] given in high precision: it quantizes
-both operands with scales along K (`gemm_operands.py`: fused Triton casts on FP8 GPUs,
-the references of `quantize.py` elsewhere, bit-identical) and calls the named provider. The output has a's dtype. A site that the
-Probe judged unsafe after its graph was compiled is listed with
-`set_high_precision_sites`; the op then computes it in high precision.
+`fp8_gemm(a, b, bias, scaling, a_format, b_format, provider)` computes `a @ b (+ bias)`
+for a [.., M, K] and b [.., K, N] given in high precision, through FP8: the eager form of
+what the `lower` pass puts in a graph (`scaled_gemm.scaled_gemm`: operand casts, then the
+provider's GEMM). Compiled graphs never call it; they hold the casts and the GEMM as
+nodes of their own. The output has a's dtype.
+
+`quantize_operand(x, operand, scaling, format)` is one operand's cast as a single opaque
+node, K-major (`scaled_gemm.quantize_operand_aten` gives the same values and layouts as
+ATen ops): loka's Triton casts on FP8 GPUs, the references elsewhere. Graphs use it only
+with the `fused_casts` Mod off (the unfused baseline).
 
 `observe_gemm(a, b, site, scaling, a_format, b_format)` is the Probe's observer: it leaves
 the graph's values alone and hands operand statistics and the FP8 error of this GEMM to
@@ -19,8 +24,9 @@ from typing import Callable, Optional
 import torch
 
 from . import providers
-from .gemm_operands import quantize_gemm_operands
-from .quantize import Fp8Format, Scaling, quantize_operands
+from .gemm_operands import quantize_gemm_operand
+from .quantize import Fp8Format, Scaling
+from .scaled_gemm import GemmSpec, padding_for, scaled_gemm
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
@@ -45,42 +51,34 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tenso
         raise ValueError(f"fp8_gemm bias of shape {tuple(bias.shape)} does not broadcast to the output")
 
 
-def fp8_gemm_reference(a, b, bias, scaling, a_format, b_format):
-    """Pure-PyTorch meaning of fp8_gemm: reference quantization, fp32 product."""
-    return providers.get("emulated").gemm(*quantize_operands(a, b, *_parse(scaling, a_format, b_format)),
-                                           bias, a.dtype)
-
-
-_high_precision_sites: set = set()
-
-
-def set_high_precision_sites(keys) -> None:
-    """Sites that fp8_gemm computes in high precision from now on (Probe verdicts)."""
-    _high_precision_sites.update(keys)
+def gemm_spec(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: str, b_format: str,
+              provider: str) -> GemmSpec:
+    """The spec of an eager FP8 GEMM, K and N padded to 16 for real FP8 kernels."""
+    scaling_e, a_fmt, b_fmt = _parse(scaling, a_format, b_format)
+    impl = providers.get(provider)
+    request = providers.GemmRequest(a.device, scaling_e, a_fmt, b_fmt, a.dtype, a.dim() == 3)
+    if not impl.supports(request):
+        raise ValueError(f"provider {provider!r} cannot run {request}")
+    pad_k, pad_n = (0, 0) if impl.emulated else padding_for(a.shape[-1], b.shape[-1])
+    return GemmSpec(scaling_e, a_fmt, b_fmt, provider, a.dtype, pad_k, pad_n)
 
 
 @torch.library.custom_op("loka::fp8_gemm", mutates_args=())
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], scaling: str,
-             a_format: str, b_format: str, provider: str, site: str = "") -> torch.Tensor:
+             a_format: str, b_format: str, provider: str) -> torch.Tensor:
     _check_operands(a, b, bias)
-    scaling_e, a_fmt, b_fmt = _parse(scaling, a_format, b_format)
-    impl = providers.get(provider)
-    # Vetoed by the Probe, or a symbolic K/N that came out misaligned for FP8 kernels.
-    misaligned = not impl.emulated and (a.shape[-1] % 16 or b.shape[-1] % 16)
-    if (site and site in _high_precision_sites) or misaligned:
-        out = torch.matmul(a, b)
-        return out if bias is None else out + bias
-    request = providers.GemmRequest(a.device, scaling_e, a_fmt, b_fmt, a.dtype, a.dim() == 3)
-    if not impl.supports(request):
-        raise ValueError(f"provider {provider!r} cannot run {request}")
-    a_q, a_s, b_q, b_s = quantize_gemm_operands(a, b, scaling_e, a_fmt, b_fmt)
-    return impl.gemm(a_q, a_s, b_q, b_s, bias, a.dtype)
+    return scaled_gemm(a, b, bias, gemm_spec(a, b, scaling, a_format, b_format, provider))
 
 
 @fp8_gemm.register_fake
-def _(a, b, bias, scaling, a_format, b_format, provider, site=""):
+def _(a, b, bias, scaling, a_format, b_format, provider):
     _check_operands(a, b, bias)
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+def fp8_gemm_reference(a, b, bias, scaling, a_format, b_format):
+    """Pure-PyTorch meaning of fp8_gemm: reference quantization, fp32 product."""
+    return scaled_gemm(a, b, bias, GemmSpec(*_parse(scaling, a_format, b_format), "emulated", a.dtype))
 
 
 def _fp8_gemm_setup(ctx, inputs, output):
@@ -90,8 +88,7 @@ def _fp8_gemm_setup(ctx, inputs, output):
 
 
 def _fp8_gemm_backward(ctx, grad):
-    # Straight-through: gradients of the high-precision product. Inside a loka-compiled
-    # graph the backward GEMMs are sites of their own; this serves direct calls.
+    # Straight-through: gradients of the high-precision product (eager use only).
     a, b = ctx.saved_tensors
     grad_a = grad @ b.transpose(-1, -2)
     grad_b = a.transpose(-1, -2) @ grad
@@ -103,10 +100,26 @@ def _fp8_gemm_backward(ctx, grad):
         for dim, size in enumerate(ctx.bias_shape):
             if size == 1 and grad_bias.shape[dim] != 1:
                 grad_bias = grad_bias.sum(dim, keepdim=True)
-    return grad_a, grad_b, grad_bias, None, None, None, None, None
+    return grad_a, grad_b, grad_bias, None, None, None, None
 
 
 fp8_gemm.register_autograd(_fp8_gemm_backward, setup_context=_fp8_gemm_setup)
+
+
+@torch.library.custom_op("loka::quantize_operand", mutates_args=())
+def quantize_operand(x: torch.Tensor, operand: str, scaling: str, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if operand not in ("a", "b"):
+        raise ValueError(f"operand must be 'a' or 'b', got {operand!r}")
+    scaling_e, fmt_e, _ = _parse(scaling, fmt, fmt)
+    return quantize_gemm_operand(x, operand, scaling_e, fmt_e)
+
+
+@quantize_operand.register_fake
+def _(x, operand, scaling, fmt):
+    from .scaled_gemm import quantize_operand_aten
+
+    scaling_e, fmt_e, _ = _parse(scaling, fmt, fmt)
+    return quantize_operand_aten(x, operand, scaling_e, fmt_e)
 
 
 # ---- Probe observer --------------------------------------------------------------------

@@ -4,6 +4,10 @@ A provider computes `a @ b (+ bias)` from FP8 operands already quantized with sc
 along K (see `quantize.py` for the scale convention). It declares what it supports, and
 `select` returns the providers that can run a given request. The high-precision path is
 not a provider here: a site that does not go FP8 keeps its original ATen op.
+
+Each `gemm` is traceable: the `lower` pass traces it (with the operand casts) into the
+ATen graph, so it must not branch on symbolic sizes; it learns the scaling from its
+`scaling` argument, never from scale shapes.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ class GemmRequest:
 class GemmProvider:
     """One FP8 GEMM implementation.
 
-    `gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype)` takes a_q [.., M, K], b_q [.., K, N]
-    and returns [.., M, N] in out_dtype. `available(device)` says whether the hardware
+    `gemm(a_q, a_scale, b_q, b_scale, scaling, bias, out_dtype, fast_accum=False)` takes
+    a_q [.., M, K] row-major and b_q [.., K, N] column-major (the layout the casts write)
+    and returns [.., M, N] in out_dtype. `fast_accum` lets the kernel accumulate in the
+    tensor cores' faster, less precise mode (where it has one). `available(device)` says whether the hardware
     and libraries are there; `supports(request)` whether this kind of call is.
     """
 
@@ -98,20 +104,18 @@ def select(request: GemmRequest) -> list[GemmProvider]:
 
 # ---- emulation: same quantized operands, fp32 matmul --------------------------------
 
-def _broadcasts(scale: torch.Tensor, operand: torch.Tensor) -> bool:
-    return scale.dim() == 0 or all(s in (1, d) for s, d in zip(scale.shape[::-1], operand.shape[::-1]))
+def _dequantize_operand(q: torch.Tensor, scale: torch.Tensor, scaling: Scaling, block: tuple) -> torch.Tensor:
+    # Tensorwise and rowwise scales broadcast against the operand; blockwise ones hold one
+    # value per tile.
+    if scaling is Scaling.BLOCKWISE:
+        return q.float() * expand_block_scale(scale, tuple(q.shape), block)
+    return dequantize(q, scale)
 
 
-def _dequantize_operand(q: torch.Tensor, scale: torch.Tensor, block: tuple) -> torch.Tensor:
-    # Tensorwise and rowwise scales broadcast against the operand; blockwise ones, one per
-    # tile, broadcast only when a single tile spans a dimension, which is the same thing.
-    if _broadcasts(scale, q):
-        return dequantize(q, scale)
-    return q.float() * expand_block_scale(scale, tuple(q.shape), block)
-
-
-def _emulated_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
-    out = torch.matmul(_dequantize_operand(a_q, a_scale, (1, 128)), _dequantize_operand(b_q, b_scale, (128, 128)))
+def _emulated_gemm(a_q, a_scale, b_q, b_scale, scaling, bias, out_dtype, fast_accum=False):
+    # fp32 accumulation whatever fast_accum says: emulation has no faster mode to mimic.
+    out = torch.matmul(_dequantize_operand(a_q, a_scale, scaling, (1, 128)),
+                       _dequantize_operand(b_q, b_scale, scaling, (128, 128)))
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
@@ -144,18 +148,16 @@ def has_fp8_hardware(device: torch.device) -> bool:
     return _cuda_fp8_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _scaled_mm_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
-    # cuBLASLt wants A row-major and B column-major.
-    a_q = a_q.contiguous()
-    b_q = b_q.t().contiguous().t()
+def _scaled_mm_gemm(a_q, a_scale, b_q, b_scale, scaling, bias, out_dtype, fast_accum=False):
+    # Operands arrive as cuBLASLt wants them: A row-major, B column-major.
     # Rowwise scaling on sm90 produces bf16 only; other outputs are cast from it.
-    mm_dtype = torch.bfloat16 if a_scale.numel() > 1 else out_dtype
+    mm_dtype = torch.bfloat16 if scaling is Scaling.ROWWISE else out_dtype
     # A bias vector of the output's dtype goes into cuBLASLt's epilogue (one kernel fewer);
     # any other bias is added after.
     fused_bias = (bias is not None and bias.dim() == 1 and bias.dtype == mm_dtype
                   and mm_dtype in (torch.bfloat16, torch.float16))
-    out = torch._scaled_mm(a_q, b_q, scale_a=a_scale.float().contiguous(), scale_b=b_scale.float().contiguous(),
-                           bias=bias if fused_bias else None, out_dtype=mm_dtype)
+    out = torch._scaled_mm(a_q, b_q, scale_a=a_scale, scale_b=b_scale,
+                           bias=bias if fused_bias else None, out_dtype=mm_dtype, use_fast_accum=fast_accum)
     if bias is not None and not fused_bias:
         out = out + bias.to(out.dtype)
     return out.to(out_dtype)

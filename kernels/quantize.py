@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 
 import torch
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 
 class Fp8Format(str, enum.Enum):
@@ -44,8 +46,11 @@ class Scaling(str, enum.Enum):
     BLOCKWISE = "blockwise"
 
 
-# Floor on amax so that tiny groups do not produce a denormal or infinite reciprocal.
-AMAX_EPS = 1e-12
+# Floor on amax so that tiny groups do not produce a denormal scale or an infinite
+# reciprocal: 2^-100 keeps amax / fp8_max a normal fp32 for e4m3 and e5m2 (>= 2^-116), so
+# scales follow the data's range down to there. (1e-12 flushed gradients of a loss scaled
+# by 1e-15 to zero.) The Triton casts use the same literal.
+AMAX_EPS = 2.0 ** -100
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> torch.Tensor:
@@ -68,12 +73,27 @@ def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> tor
     return y.to(fmt.dtype)
 
 
+def amax_along(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """fp32 max |x| along `dim` (all of x when None), keepdim; NaN if the slice holds a NaN
+    (amax ignores NaN on some backends; the policy needs NaN to win); 0 for an empty
+    slice. The reduction runs over exactly the slice, so Inductor fuses it with the cast
+    that reads the same slice (and with the op that produced x)."""
+    xf = x.detach().float()
+    whole = dim is None
+    if whole:
+        xf, dim = xf.reshape(-1), 0
+    if guard_or_false(xf.shape[dim] == 0):  # a symbolic size is never assumed empty
+        amax = torch.zeros_like(xf.sum(dim=dim, keepdim=True))
+    else:
+        amax = xf.abs().amax(dim=dim, keepdim=True)
+    amax = torch.where(torch.isnan(xf).any(dim=dim, keepdim=True), torch.full_like(amax, float("nan")), amax)
+    return amax.reshape(()) if whole else amax
+
+
 def quantize_tensorwise(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False):
     """One scale for the whole tensor; amax stays on the device (no host sync).
     Returns (q, scale) with scale a 0-d fp32 tensor."""
-    amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-    amax = torch.where(torch.isnan(x).any(), torch.full_like(amax, float("nan")), amax) if x.numel() else amax
-    scale = scale_from_amax(amax, fmt, power_of_two)
+    scale = scale_from_amax(amax_along(x), fmt, power_of_two)
     return cast_with_scale(x, scale, fmt), scale
 
 
@@ -82,11 +102,7 @@ def quantize_along(x: torch.Tensor, dim: int, fmt: Fp8Format, power_of_two: bool
 
     For A [M, K] use dim=-1 (one scale per row, shape [M, 1]); for B [K, N] use dim=-2
     (one scale per column, shape [1, N]). Returns (q, scale) with keepdim scales."""
-    xf = x.detach().float()
-    amax = xf.abs().amax(dim=dim, keepdim=True)
-    # amax ignores NaN on some backends; the policy needs NaN to win.
-    amax = torch.where(torch.isnan(xf).any(dim=dim, keepdim=True), torch.full_like(amax, float("nan")), amax)
-    scale = scale_from_amax(amax, fmt, power_of_two)
+    scale = scale_from_amax(amax_along(x, dim), fmt, power_of_two)
     return cast_with_scale(x, scale, fmt), scale
 
 
@@ -99,8 +115,7 @@ def quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int, fmt: F
     rows, cols = x.shape
     n_rb, n_cb = -(-rows // block_rows), -(-cols // block_cols)
     xf = x.detach().float()
-    padded = torch.zeros(n_rb * block_rows, n_cb * block_cols, dtype=torch.float32, device=x.device)
-    padded[:rows, :cols] = xf
+    padded = F.pad(xf, (0, n_cb * block_cols - cols, 0, n_rb * block_rows - rows))
     tiles = padded.view(n_rb, block_rows, n_cb, block_cols)
     amax = tiles.abs().amax(dim=(1, 3))
     has_nan = torch.isnan(tiles).any(dim=3).any(dim=1)

@@ -810,12 +810,13 @@ def _provider_available(device: torch.device) -> bool:
     return has_fp8_hardware(device) and not interpreting()
 
 
-def _provider_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype):
+def _provider_gemm(a_q, a_scale, b_q, b_scale, scaling, bias, out_dtype, fast_accum=False):
     if a_q.dim() != 2 or b_q.dim() != 2:
         raise ValueError(f"the triton provider takes 2-D operands, got {tuple(a_q.shape)} @ {tuple(b_q.shape)}")
-    # Called from inside loka's fp8_gemm op: the launcher directly, not a second op.
-    return fp8_gemm(a_q, a_scale, b_q, b_scale, infer_scaling(a_q, a_scale, b_q, b_scale), bias, None, "none",
-                    out_dtype)
+    # The op, not the launcher: lowering traces this into the graph as one node, which the
+    # epilogue Mod can then extend with an activation and a residual.
+    return torch.ops.loka.triton_fp8_gemm(a_q, a_scale, b_q, b_scale, Scaling(scaling).value, bias,
+                                          out_dtype=out_dtype, fast_accum=fast_accum)
 
 
 if "triton" not in provider_names():

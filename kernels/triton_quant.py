@@ -72,7 +72,7 @@ def _scale_from_amax(amax, FP8_MAX, INV_FP8_MAX, RECIPROCAL: tl.constexpr, POW2:
     Power of two: the scale is rounded up from its bits (exact). The reference rounds
     through ceil(log2(s)), which for s a hair above a power of two can round down; only
     scales within a few ulp of a power of two can differ."""
-    clamped = tl.maximum(amax, 1e-12)
+    clamped = tl.maximum(amax, 7.888609052210118e-31)  # quantize.AMAX_EPS = 2**-100
     if RECIPROCAL:
         scale = clamped * INV_FP8_MAX
     else:

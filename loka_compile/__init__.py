@@ -19,6 +19,7 @@ from loka_compile.config import MODES, RECIPES, LokaConfig, Recipe
 from loka_compile.passes import Reason, Role
 from loka_compile.backend import loka_backend, reset
 from loka_compile.report import Report, SiteRecord, report
+from loka_compile.modules import BlockNorm, apply_arch_mods
 
 __all__ = ["LokaConfig", "Recipe", "RECIPES", "MODES", "Reason", "Role", "loka_backend", "report", "Report",
            "SiteRecord", "reset"]

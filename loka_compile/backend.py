@@ -5,30 +5,37 @@ shapes all stay Inductor's; loka's passes see the forward and backward ATen grap
 before lowering.
 
 With `probe_steps > 0` each graph is compiled twice: a probe variant (observers in, GEMMs
-in high precision) that runs for the first `probe_steps` calls, and the FP8 variant that
-runs after. Sites the Probe judges unsafe then run in high precision.
+in high precision) that runs for the first `probe_steps` calls, and, when that window
+closes, the FP8 variant, compiled then with the Probe's verdicts so that unsafe sites
+keep their high-precision GEMM. The second compile runs in the tracing context Dynamo
+gave the first (same fake mode and shape environment, so symbolic sizes stay symbolic).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
 import itertools
 import logging
+import operator
 import pathlib
 import weakref
 from typing import Optional
 
 import torch
 from torch._inductor import list_mode_options
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor import config as inductor_config
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from loka_compile import dispatch, passes, probe
 from loka_compile.config import LokaConfig
-from loka_compile.kernels import ops
 from loka_compile.passes import GraphKind, PassContext, graph_kind, run_passes
+from loka_compile.passes.arch_mods import apply_arch_mods
+from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
 log = logging.getLogger("loka")
 
@@ -55,6 +62,8 @@ class GraphRecord:
     phase: str = "fp8"
     unsafe: dict = dataclasses.field(default_factory=dict)          # site key -> observed error
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
+    arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
+    fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     warned: bool = False
 
     def reads(self, param: torch.Tensor) -> bool:
@@ -75,35 +84,34 @@ class LokaPostGradPass(CustomGraphPass):
         self.param_input_indices = param_input_indices
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        # A failure here reaches `_inner_compile`, which compiles the untouched graph.
         record = self.record
         kind = graph_kind(graph)
         decide = functools.partial(dispatch.decide, config=record.config, phase=self.phase, unsafe_sites=record.unsafe)
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
-                          param_input_indices=self.param_input_indices, decide=decide)
-        try:
-            run_passes(graph, ctx)
-        except Exception as error:  # a model never crashes because loka could not rewrite it
-            if not record.config.fallback or _is_dynamo_control(error):
-                raise
-            _warn_fallback(record, f"{kind.value} graph: {type(error).__name__}: {error}")
-            return
+                          param_input_indices=self.param_input_indices, decide=decide,
+                          disabled_mods=frozenset(record.config.disabled_mods))
+        run_passes(graph, ctx)
         record.contexts[(self.phase, kind)] = ctx
         record.graph_modules[(self.phase, kind)] = graph.owning_module
         fp8 = sum(d.fp8 for d in ctx.decisions.values())
         log.info("%s/%s (%s): %d GEMM sites, %d in FP8", record.name, kind.value, self.phase, len(ctx.sites), fp8)
 
     def uuid(self) -> str:
-        return hashlib.sha256(f"{_passes_digest()}|{self.record.config}|{self.phase}".encode()).hexdigest()
+        unsafe = sorted(self.record.unsafe.items())
+        return hashlib.sha256(f"{_passes_digest()}|{self.record.config}|{self.phase}|{unsafe}".encode()).hexdigest()
 
 
 def _is_dynamo_control(error: Exception) -> bool:
     """Dynamo steers compilation with exceptions (restart analysis, skip frame); they
-    are not failures and must reach Dynamo."""
-    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
+    are not failures and must reach Dynamo. (Inductor's own failures arrive wrapped in
+    InductorError, also a Dynamo exception type, and are failures.)"""
+    return isinstance(error, (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame))
 
 
-def _warn_fallback(record: GraphRecord, why: str) -> None:
-    record.fallback = why
+def _warn_fallback(record: GraphRecord, why: str, whole_graph: bool = True) -> None:
+    if whole_graph:
+        record.fallback = why
     if not record.warned:
         record.warned = True
         log.warning("loka could not handle graph %s (%s); it runs through Inductor in high precision", record.name, why)
@@ -119,23 +127,93 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     return patches
 
 
+def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, **kwargs):
+    """Inductor's compile of one ATen graph (forward, backward, inference), made whole or
+    not at all: if it fails once loka's pass has rewritten the graph (in the pass or in
+    Inductor after it, e.g. on sparse gradients), the untouched copy is compiled again
+    without loka, and only that graph's sites are reported as fallen back. Inductor calls
+    this for the lazily compiled backward too, so the fallback covers every graph."""
+    pristine = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node meta is shared, not copied
+    try:
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    except Exception as error:
+        if not record.config.fallback or _is_dynamo_control(error):
+            raise
+        kind = graph_kind(pristine.graph)
+        why = f"{kind.value} graph: {type(error).__name__}: {error}"
+        record.fallen_back[kind] = why
+        for key in [key for key in record.graph_modules if key[1] is kind]:
+            record.graph_modules.pop(key)  # the rewritten graph did not run
+        _warn_fallback(record, why, whole_graph=False)
+        with inductor_config.patch(post_grad_custom_post_pass=None):
+            return compile_fx_inner(pristine, example_inputs, **kwargs)
+    ctx = next((record.contexts[key] for key, module in record.graph_modules.items() if module is gm), None)
+    if ctx is not None and ctx.cached_weights:
+        return RefreshingGraph(compiled, WeightCache(ctx.cached_weights))
+    return compiled
+
+
+# Dynamo-graph ops that take a weight as their second argument, and ops a weight passes
+# through on its way there.
+_WEIGHT_TAKERS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, operator.matmul}
+_WEIGHT_VIEWS = {"t", "transpose", "permute", "to", "float", "half", "bfloat16", "contiguous", "view", "reshape"}
+
+
+def _used_as_weight(node: torch.fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "call_function" and user.target in _WEIGHT_TAKERS and len(user.args) > 1 \
+                    and user.args[1] is current:
+                return True
+            name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+            if user.op in ("call_method", "call_function") and name in _WEIGHT_VIEWS:
+                stack.append(user)
+    return False
+
+
+def weight_input_indices(gm: torch.fx.GraphModule, example_inputs) -> frozenset:
+    """Inputs of a Dynamo graph that are weights, whose gradients are wgrad: parameters,
+    and leaf tensors that require grad and reach a linear's or a matmul's second operand
+    (`torch.func.functional_call` passes parameters as plain tensors), with at most 2 dims
+    (a 3-D leaf multiplied by its own transpose is an interaction, not a weight)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = set()
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, torch.nn.Parameter):
+            found.add(i)
+        elif isinstance(value, torch.Tensor) and value.is_leaf and value.requires_grad and value.dim() <= 2 \
+                and _used_as_weight(node):
+            found.add(i)
+    return frozenset(found)
+
+
 class LokaCompiledGraph:
     """What the backend returns to Dynamo for one graph."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, record: GraphRecord):
         self.record = record
-        config = record.config
-        param_input_indices = frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter))
-        phases = ("probe", "fp8") if config.probe_steps else ("fp8",)
-        self.variants = {phase: self._compile(gm, example_inputs, phase, param_input_indices) for phase in phases}
-        record.phase = phases[0]
+        self.param_input_indices = weight_input_indices(gm, example_inputs)
         self.calls = 0
+        if record.config.probe_steps:
+            # Kept until the probe window closes, to compile the FP8 variant then.
+            self._pending = (gm, example_inputs, torch._guards.TracingContext.try_get())
+            record.phase = "probe"
+        else:
+            self._pending = None
+            record.phase = "fp8"
+        self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
 
-    def _compile(self, gm, example_inputs, phase, param_input_indices):
+    def _compile(self, gm, example_inputs, phase):
         record = self.record
-        custom_pass = LokaPostGradPass(record, phase, param_input_indices)
+        custom_pass = LokaPostGradPass(record, phase, self.param_input_indices)
         try:
-            return compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, custom_pass))
+            return compile_fx(gm, example_inputs, inner_compile=functools.partial(_inner_compile, record=record),
+                              config_patches=_inductor_patches(record.config, custom_pass))
         except Exception as error:
             if not record.config.fallback or _is_dynamo_control(error):
                 raise
@@ -156,11 +234,14 @@ class LokaCompiledGraph:
         unsafe = probe.unsafe_sites(keys, record.config.max_probe_error)
         # Probe-variant keys name the same nodes as the FP8 variant's (same trace).
         record.unsafe.update(unsafe)
-        ops.set_high_precision_sites(unsafe)
-        record.phase = "fp8"
         for key, error in unsafe.items():
             log.warning("loka probe: %s keeps high precision (FP8 relative error %.3g > %g)",
                         key, error, record.config.max_probe_error)
+        gm, example_inputs, tracing_context = self._pending
+        self._pending = None
+        with torch._guards.tracing(tracing_context) if tracing_context is not None else contextlib.nullcontext():
+            self.variants["fp8"] = self._compile(gm, example_inputs, "fp8")
+        record.phase = "fp8"
         log.info("%s: probe window closed after %d calls; %d of %d observed sites unsafe",
                  record.name, self.calls, len(unsafe), len(keys))
 
@@ -173,6 +254,9 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
     params = {id(t): weakref.ref(t) for t in [*example_inputs, *gm.parameters()] if isinstance(t, torch.nn.Parameter)}
     record = GraphRecord(name=f"g{next(_graph_ids)}", config=config, params=params,
                          param_shapes=tuple(sorted(tuple(ref().shape) for ref in params.values())))
+    if config.arch_mods:
+        record.arch_mod_counts = apply_arch_mods(gm, config.arch_mods)
+        log.info("%s: architecture Mods %s", record.name, record.arch_mod_counts)
     compiled = LokaCompiledGraph(gm, example_inputs, record)
     GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
     return compiled

@@ -12,23 +12,33 @@ e4m3 operands only).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Mapping
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
+from loka_compile.passes import MODS
+from loka_compile.passes.arch_mods import ARCH_MODS
 from loka_compile.passes.context import Role
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A named FP8 recipe: one scaling, operand formats per role (A, B of `a @ b`; for
-    backward roles the gradient operand takes `grad_format`), and the roles kept in high
-    precision."""
+    backward roles the gradient operand takes `grad_format`), the roles kept in high
+    precision, and the roles whose GEMMs accumulate in the tensor cores' fast mode.
+
+    Fast accumulation for the forward only, as torchao's float8 recipes do: on the H100 it
+    makes rowwise FP8 GEMMs 1.50-1.81x bf16 instead of 1.30-1.63x at LRM shapes
+    (benchmarks/results/2026-11-23_H100_gemm_variants.json); gradients, whose sums over
+    the batch are longer and hold smaller values, keep precise accumulation."""
 
     name: str
     scaling: Scaling
     grad_format: Fp8Format
     high_precision_roles: frozenset = frozenset()
     description: str = ""
+    fast_accum_roles: frozenset = frozenset({Role.FWD})
 
     def formats(self, a_is_grad: bool, b_is_grad: bool) -> tuple[Fp8Format, Fp8Format]:
         a = self.grad_format if a_is_grad else Fp8Format.E4M3
@@ -82,6 +92,14 @@ class LokaConfig:
         precision instead of raising.
     mode: Inductor's mode (`reduce-overhead` = CUDA graphs). `torch.compile` refuses
         `mode=` together with `options=`, so it can be given here too.
+    disabled_mods: names in `loka_compile.passes.MODS` of Mods switched off (ablations).
+    arch_mods: names in ARCH_MODS of opt-in architecture changes applied to the Dynamo
+        graph (they change the model): `blocknorm` (LayerNorm -> BlockNorm), `no_bias`
+        (linears lose their bias, except the heads), `hardswish` (SiLU -> hard-swish).
+
+    Every bad value raises ValueError naming the valid ones, here at construction. Given
+    as a dict to `torch.compile`, options are parsed at the first call, inside Dynamo,
+    which wraps the ValueError in `torch._dynamo.exc.BackendCompilerFailed`.
     """
 
     recipe: str = "default"
@@ -95,35 +113,27 @@ class LokaConfig:
     min_fp8_speedup: float = 1.05
     fallback: bool = True
     mode: str = "default"
+    disabled_mods: tuple = ()
+    arch_mods: tuple = ()
 
     def __post_init__(self):
-        if self.recipe not in RECIPES:
-            raise ValueError(f"unknown recipe {self.recipe!r}; valid recipes: {sorted(RECIPES)}")
-        for name in ("emulate", "fallback", "speed_check"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("min_gemm_dim", "probe_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if isinstance(self.max_probe_error, bool) or not isinstance(self.max_probe_error, (int, float)) \
-                or not 0 < self.max_probe_error:
-            raise ValueError(f"max_probe_error must be a positive number, got {self.max_probe_error!r}")
-        if isinstance(self.min_fp8_speedup, bool) or not isinstance(self.min_fp8_speedup, (int, float)) \
-                or not self.min_fp8_speedup > 0:
-            raise ValueError(f"min_fp8_speedup must be a positive number, got {self.min_fp8_speedup!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; valid modes: {list(MODES)}")
-        for name in ("providers", "exclude_modules"):
-            value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"{name} must be a sequence of strings, got {value!r}")
-            object.__setattr__(self, name, tuple(value))
         from loka_compile.kernels import providers as provider_registry
 
-        unknown = [p for p in self.providers if p not in provider_registry.names()]
-        if unknown:
-            raise ValueError(f"unknown providers {unknown}; registered: {provider_registry.names()}")
+        _check_choice("recipe", self.recipe, sorted(RECIPES))
+        _check_choice("mode", self.mode, list(MODES))
+        for name in ("emulate", "fallback", "speed_check"):
+            _check_bool(name, getattr(self, name))
+        for name in ("min_gemm_dim", "probe_steps"):
+            self._set(name, _check_non_negative_int(name, getattr(self, name)))
+        for name in ("max_probe_error", "min_fp8_speedup"):
+            self._set(name, _check_positive_number(name, getattr(self, name)))
+        self._set("providers", _check_names("providers", self.providers, provider_registry.names()))
+        self._set("exclude_modules", _check_names("exclude_modules", self.exclude_modules))
+        self._set("disabled_mods", _check_names("disabled_mods", self.disabled_mods, MODS))
+        self._set("arch_mods", _check_names("arch_mods", self.arch_mods, ARCH_MODS))
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
 
     @property
     def recipe_spec(self) -> Recipe:
@@ -138,7 +148,43 @@ class LokaConfig:
         if not isinstance(options, Mapping):
             raise ValueError(f"loka options must be a dict or a LokaConfig, got {type(options).__name__}")
         valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(valid))
+        unknown = [key for key in options if key not in valid]
         if unknown:
             raise ValueError(f"unknown loka options {unknown}; valid options: {valid}")
         return cls(**options)
+
+
+# Validators: each raises ValueError naming the option and its valid values, and returns
+# the value normalized (plain int/float, tuple of names) so the config's repr is stable.
+
+def _check_choice(name: str, value, valid: list) -> None:
+    if not isinstance(value, str) or value not in valid:
+        raise ValueError(f"{name} must be one of the valid {name}s {valid}, got {value!r}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _check_non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def _check_positive_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _check_names(name: str, value, valid=None) -> tuple:
+    """A list or tuple of strings, each in `valid` when given."""
+    what = f"names from {list(valid)}" if valid is not None else "strings"
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a list or tuple of {what}, got {value!r}")
+    unknown = [v for v in value if valid is not None and v not in valid]
+    if unknown:
+        raise ValueError(f"unknown {name} {unknown}; valid {name}: {list(valid)}")
+    return tuple(value)

@@ -1,11 +1,14 @@
 """Dispatch: for each site, FP8 or not, and on which provider, with the reason.
 
 Rules, in order; the first that applies gives the reason:
+  a linear Inductor's freezing packed for mkl/mkldnn before loka saw it
+                                              -> packed_by_freezing
   dtype not bf16/fp16/fp32                    -> unsupported_dtype
-  K or N not a multiple of 16 (FP8 kernels need 16-byte rows of operands)
+  K or N not a multiple of 16 (FP8 kernels need 16-byte rows of operands): padded with
+  zeros to the next multiple by the `pad` Mod; with it off, or for a batched site
                                               -> k_/n_not_multiple_of_16
-    (a symbolic K or N, such as the batch in a wgrad under dynamic shapes, is checked
-    by the op at run time: a misaligned call runs in high precision)
+  K or N symbolic on FP8 hardware (its alignment is unknown until run time)
+                                              -> symbolic_k_or_n
   M, K or N below config.min_gemm_dim         -> too_small
   addmm/baddbmm with beta or alpha != 1       -> unsupported_variant
   module under config.exclude_modules         -> excluded_by_config
@@ -14,10 +17,12 @@ Rules, in order; the first that applies gives the reason:
   no provider supports the request            -> no_provider
   Probe measured error above the bound        -> probe_unsafe
   graph still in its probe window             -> probing
-  FP8 (casts included) not min_fp8_speedup faster than the high-precision GEMM, timed
-  at the site's shape and layouts (`speed.py`; FP8 hardware, concrete dims)
+  the site's FP8 form (casts as they will run, fused or standalone, plus the fastest
+  provider's GEMM) not min_fp8_speedup faster than the high-precision GEMM, timed at the
+  site's shape and layouts (`speed.py`; FP8 hardware, concrete dims)
                                               -> slower_than_bf16
-  otherwise                                   -> fp8, on the first provider `select` gives
+  otherwise                                   -> fp8, on the fastest timed provider (the
+                                                 first `select` gives when not timed)
 Emulation is used only where the device has no FP8 hardware: on an FP8 GPU it would be
 slower than the high-precision GEMM it replaces.
 """
@@ -33,7 +38,8 @@ from torch._inductor import list_mode_options
 from loka_compile import speed
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import providers
-from loka_compile.passes import Decision, Reason, Site
+from loka_compile.kernels.scaled_gemm import padding_for
+from loka_compile.passes import Decision, GraphKind, Reason, Site
 
 log = logging.getLogger("loka")
 
@@ -45,16 +51,33 @@ def _fallback(reason: Reason, detail: str = "") -> Decision:
     return Decision(fp8=False, reason=reason, detail=detail)
 
 
+def _alignment(site: Site, config: LokaConfig, hardware: bool):
+    """(pad_k, pad_n), or the fallback Decision when K or N cannot be aligned."""
+    _, k, n = site.shape
+    if hardware and not (isinstance(k, int) and isinstance(n, int)):
+        return _fallback(Reason.SYMBOLIC_K_OR_N, f"K={k}, N={n}")
+    k_pad, n_pad = padding_for(k if isinstance(k, int) else 0, n if isinstance(n, int) else 0, FP8_ALIGNMENT)
+    if (k_pad or n_pad) and ("pad" in config.disabled_mods or site.batch is not None):
+        if k_pad:
+            return _fallback(Reason.K_NOT_MULTIPLE_OF_16, f"K={k}")
+        return _fallback(Reason.N_NOT_MULTIPLE_OF_16, f"N={n}")
+    return k_pad, n_pad
+
+
 def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str, float]) -> Decision:
     m, k, n = site.shape
+    if site.op == "packed_linear":
+        return _fallback(Reason.PACKED_BY_FREEZING, "Inductor's freezing packed the weight for a CPU library "
+                         "before loka's pass; compile without freezing to run this linear in FP8")
     if site.dtype not in SUPPORTED_DTYPES:
         return _fallback(Reason.UNSUPPORTED_DTYPE, str(site.dtype))
-    if isinstance(k, int) and k % FP8_ALIGNMENT:
-        return _fallback(Reason.K_NOT_MULTIPLE_OF_16, f"K={k}")
-    if isinstance(n, int) and n % FP8_ALIGNMENT:
-        return _fallback(Reason.N_NOT_MULTIPLE_OF_16, f"N={n}")
+    hardware = providers.has_fp8_hardware(site.device)
+    padding = _alignment(site, config, hardware)
+    if isinstance(padding, Decision):
+        return padding
+    pad_k, pad_n = padding
     dims = [d for d in (m, k, n) if isinstance(d, int)]
-    if min(dims) < config.min_gemm_dim:
+    if dims and min(dims) < config.min_gemm_dim:
         return _fallback(Reason.TOO_SMALL, f"min dim {min(dims)} < {config.min_gemm_dim}")
     if not site.unit_scalars:
         return _fallback(Reason.UNSUPPORTED_VARIANT, f"{site.op} with beta/alpha != 1")
@@ -64,40 +87,47 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     if site.role in recipe.high_precision_roles:
         return _fallback(Reason.RECIPE_HIGH_PRECISION, f"{recipe.name} keeps {site.role.value}")
 
-    hardware = providers.has_fp8_hardware(site.device)
     if not hardware and not config.emulate:
         return _fallback(Reason.NO_FP8_HARDWARE, f"{site.device} has no FP8 and emulate=False")
     a_format, b_format = recipe.formats(site.a_is_grad, site.b_is_grad)
     request = providers.GemmRequest(site.device, recipe.scaling, a_format, b_format, site.dtype,
                                     site.batch is not None)
-    candidates = [p for p in providers.select(request)
+    candidates = [p.name for p in providers.select(request)
                   if (not config.providers or p.name in config.providers) and p.emulated != hardware]
     if not candidates:
         return _fallback(Reason.NO_PROVIDER, f"none for {request.scaling.value} {a_format.value}x{b_format.value}"
                          f"{' batched' if request.batched else ''} on {site.device.type}")
-    chosen = dict(provider=candidates[0].name, scaling=recipe.scaling.value,
-                  a_format=a_format.value, b_format=b_format.value)
+    padded = ", ".join(f"{dim} padded {size}->{size + pad}" for dim, size, pad in (("K", k, pad_k), ("N", n, pad_n))
+                       if pad)
+    chosen = dict(provider=candidates[0], scaling=recipe.scaling.value, a_format=a_format.value,
+                  b_format=b_format.value, pad_k=pad_k, pad_n=pad_n, fast_accum=site.role in recipe.fast_accum_roles)
     if site.key in unsafe_sites:
         return Decision(fp8=False, reason=Reason.PROBE_UNSAFE,
                         detail=f"rel. error {unsafe_sites[site.key]:.3g} > {config.max_probe_error}", **chosen)
     if phase == "probe":
-        return Decision(fp8=False, reason=Reason.PROBING, **chosen)
-    shape = speed.site_shape(site) if hardware and config.speed_check else None
+        return Decision(fp8=False, reason=Reason.PROBING, detail=padded, **chosen)
+    b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.disabled_mods
+    shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached) \
+        if hardware and config.speed_check else None
     if shape is None:
-        return Decision(fp8=True, reason=Reason.FP8, **chosen)
+        return Decision(fp8=True, reason=Reason.FP8, detail=padded, **chosen)
     try:
         timing = speed.site_timing(shape, chosen["scaling"], chosen["a_format"], chosen["b_format"],
-                                   chosen["provider"], graphed=uses_cuda_graphs(config.mode))
+                                   tuple(candidates), graphed=uses_cuda_graphs(config.mode),
+                                   fast_accum=chosen["fast_accum"])
     except Exception as error:  # noqa: BLE001  (a failed timing must not cost the graph its FP8)
         log.warning("loka: could not time site %s (%s: %s); it goes FP8 unchecked", site.name,
                     type(error).__name__, error)
         return Decision(fp8=True, reason=Reason.FP8, detail=f"speed not measured: {type(error).__name__}", **chosen)
+    chosen["provider"] = timing.provider
     measured = dict(bf16_us=round(timing.bf16_us, 2), fp8_us=round(timing.fp8_us, 2))
+    others = ", ".join(f"{name} GEMM {us:.1f} us" for name, us in timing.gemm_us.items())
+    timings = f"fp8 {timing.fp8_us:.1f} us ({others}; casts {timing.cast_us:.1f} us) vs {timing.bf16_us:.1f} us"
+    detail = "; ".join(filter(None, (padded, timings)))
     if timing.speedup < config.min_fp8_speedup:
         return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, **chosen, **measured,
-                        detail=f"fp8 {timing.fp8_us:.1f} us vs {timing.bf16_us:.1f} us "
-                               f"({timing.speedup:.2f}x < {config.min_fp8_speedup})")
-    return Decision(fp8=True, reason=Reason.FP8, **chosen, **measured)
+                        detail=f"{detail} ({timing.speedup:.2f}x < {config.min_fp8_speedup})")
+    return Decision(fp8=True, reason=Reason.FP8, detail=detail, **chosen, **measured)
 
 
 def uses_cuda_graphs(mode: str) -> bool:

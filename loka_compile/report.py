@@ -35,8 +35,11 @@ class SiteRecord:
     key: str
     probe: dict             # Probe summary, empty when the site was not observed
     bf16_us: Optional[float] = None   # speed check: high-precision GEMM time at this shape
-    fp8_us: Optional[float] = None    # speed check: fp8_gemm time, casts included
+    fp8_us: Optional[float] = None    # speed check: the FP8 form's time, casts included
     detail: str = ""                  # the reason's particulars ("K=100", the timings, ...)
+    casts: dict = dataclasses.field(default_factory=dict)  # FP8 sites: "a"/"b" -> how it is cast
+    fast_accum: bool = False          # FP8 sites: the GEMM accumulates in the fast mode
+    padding: tuple = (0, 0)           # FP8 sites: zeros appended to K and N (the pad Mod)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +66,8 @@ def _site_records(record) -> list:
         for site in ctx.sites:
             decision = ctx.decisions.get(site.key)
             fp8, reason = decision.fp8, decision.reason
-            if fp8 and site.key in record.unsafe:  # vetoed by the Probe after compilation
-                fp8, reason = False, Reason.PROBE_UNSAFE
-            if record.fallback:
+            fell_back = record.fallback or record.fallen_back.get(kind)
+            if fell_back:
                 fp8, reason = False, Reason.GRAPH_FALLBACK
             rows.append(SiteRecord(
                 name=site.name, module=site.module, role=site.role.value, shape=site.shape, fp8=fp8,
@@ -75,20 +77,57 @@ def _site_records(record) -> list:
                 producers=site.producers, consumers=site.consumers,
                 forward_site=forward_names.get(site.seq_nr, "") if kind is GraphKind.BACKWARD else "",
                 key=site.key, probe=probe.STORE.summary(site.key),
-                bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=decision.detail))
+                bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
+                casts=dict(site.casts) if fp8 else {}, fast_accum=fp8 and decision.fast_accum,
+                padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0)))
     return rows
+
+
+def _flops(site: SiteRecord) -> Optional[int]:
+    """2 M K N (times the batch of a bmm), or None when a dim is symbolic."""
+    dims = (*site.shape, site.batch if site.batch is not None else 1)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    m, k, n, batch = dims
+    return 2 * m * k * n * batch
 
 
 class Report:
     """`report.sites`: one SiteRecord per GEMM site of every matching graph;
     `report.graphs`: per Dynamo graph, its phase, fallback and rewritten GraphModules;
-    `str(report)`: a table of the sites."""
+    `str(report)`: the overview (summary, FP8 per role and FLOP share, why the rest stays
+    in high precision); `report.table()`: every site."""
 
     def __init__(self, records):
-        self.graphs = [GraphReport(r.name, r.phase, r.fallback,
+        self.graphs = [GraphReport(r.name, r.phase, r.fallback or "; ".join(r.fallen_back.values()) or None,
                                    {kind.value: gm for (phase, kind), gm in r.graph_modules.items() if phase == r.phase},
                                    r.config) for r in records]
         self.sites = [row for r in records for row in _site_records(r)]
+        self._arch_mods = collections.Counter()
+        for r in records:
+            self._arch_mods.update(r.arch_mod_counts)
+        self.cached_weights = [w for r in records for (phase, kind), ctx in r.contexts.items()
+                                if phase == r.phase and not (r.fallback or r.fallen_back.get(kind))
+                                for w in ctx.cached_weights]
+
+    @property
+    def cached_weight_bytes(self) -> tuple:
+        """(bytes of the FP8 weight copies that inference GEMMs read, bytes the same
+        operands take in bf16). The bf16 parameters stay with the model."""
+        return sum(w.nbytes for w in self.cached_weights), sum(w.bf16_nbytes for w in self.cached_weights)
+
+    @property
+    def mods(self) -> dict:
+        """What each Mod did across the FP8 sites: operand casts fused into their producer,
+        standalone, or replaced by a cached FP8 weight (`cached_weights`), sites padded, GEMMs with fast accumulation, and the opt-in
+        architecture Mods' rewrites."""
+        casts = [c for s in self.sites for c in s.casts.values()]
+        fused = sum(c.startswith("fused") for c in casts)
+        cached = sum(c.startswith("cached") for c in casts)
+        counts = {"fused_casts": fused, "standalone_casts": len(casts) - fused - cached, "cached_weights": cached,
+                  "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites)}
+        counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})
+        return counts
 
     @property
     def graph_modules(self) -> dict:
@@ -99,19 +138,53 @@ class Report:
         fp8 = sum(s.fp8 for s in self.sites)
         fallbacks = [f"{g.name}: {g.fallback}" for g in self.graphs if g.fallback]
         line = f"{len(self.sites)} GEMM sites in {len(self.graphs)} graph(s), {fp8} in FP8"
+        mods = ", ".join(f"{name} {n}" for name, n in self.mods.items() if n)
+        line += f"; Mods: {mods}" if mods else ""
         return line + ("; fallbacks: " + "; ".join(fallbacks) if fallbacks else "")
 
     def table(self) -> str:
         rows = [(s.graph, s.name, s.role, "x".join(map(str, s.shape)) + (f" (b={s.batch})" if s.batch else ""),
-                 "yes" if s.fp8 else "no", s.provider, s.formats, s.reason,
+                 "yes" if s.fp8 else "no", s.provider, s.formats,
+                 " ".join(f"{op}:{c.split(' ')[0]}" for op, c in s.casts.items()), s.reason,
                  f"{s.probe['max_rel_error']:.3g}" if s.probe else "",
                  f"{s.bf16_us / s.fp8_us:.2f}x" if s.fp8_us else "")
                 for s in self.sites]
         return tabulate(rows, headers=["graph", "site", "role", "M x K x N", "fp8", "provider", "formats",
-                                       "reason", "probe err", "fp8 speedup"])
+                                       "casts", "reason", "probe err", "fp8 speedup"])
+
+    def overview(self, largest: int = 5) -> str:
+        """What a user reads first: the summary line, FP8 sites per role and their share
+        of GEMM FLOPs, counts of the reasons the other sites stay in high precision, and
+        the largest of those sites. `table()` has every site."""
+        flops = {id(s): _flops(s) for s in self.sites}
+        known = [s for s in self.sites if flops[id(s)] is not None]
+        total = sum(flops[id(s)] for s in known)
+        fp8_share = sum(flops[id(s)] for s in known if s.fp8) / total if total else 0.0
+        roles = collections.OrderedDict()
+        for s in self.sites:
+            fp8_all = roles.setdefault(s.role, [0, 0])
+            fp8_all[0] += s.fp8
+            fp8_all[1] += 1
+        lines = [f"loka: {self.summary()}",
+                 f"FP8 per role: " + ", ".join(f"{role} {n}/{all_}" for role, (n, all_) in roles.items())
+                 + f"; {100 * fp8_share:.0f}% of GEMM FLOPs (sites of concrete shape)"]
+        fp8_bytes, bf16_bytes = self.cached_weight_bytes
+        if self.cached_weights:
+            lines.append(f"weights cached in FP8: {len(self.cached_weights)} operands, {fp8_bytes / 2**20:.2f} MiB "
+                         f"read per call instead of {bf16_bytes / 2**20:.2f} MiB in bf16 "
+                         f"(the copies are extra memory: the bf16 parameters stay with the model)")
+        kept = [s for s in self.sites if not s.fp8]
+        if kept:
+            reasons = collections.Counter(s.reason for s in kept)
+            lines.append("kept in high precision: " + ", ".join(f"{r} {n}" for r, n in reasons.most_common()))
+            biggest = sorted((s for s in kept if flops[id(s)]), key=lambda s: -flops[id(s)])[:largest]
+            lines += [f"  {s.graph} {s.name} {'x'.join(map(str, s.shape))}: {s.reason}"
+                      + (f" ({s.detail})" if s.detail else "") for s in biggest]
+        lines.append("every site: print(report.table())")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
-        return self.table() + "\n" + self.summary()
+        return self.overview()
 
     def __repr__(self) -> str:
         return f"<loka Report: {self.summary()}>"

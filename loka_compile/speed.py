@@ -1,17 +1,31 @@
-"""Speed verdicts: does FP8 pay at this site, on this device, at this shape?
+"""Speed verdicts: does FP8 pay at this site, on this device, at this shape, and with
+which provider?
 
 Dispatch asks `site_timing` for the time of the site's high-precision GEMM (the ATen op it
-replaces) and of `torch.ops.loka.fp8_gemm` (operand casts + FP8 GEMM) on fresh random
-operands of the site's shape, dtype and operand layouts, on the site's device. A site goes
-FP8 only where `bf16_us / fp8_us >= config.min_fp8_speedup`.
+replaces) and of the form the site will have in the graph once lowered, for each
+candidate provider, on fresh random operands of the site's shape, dtype and layouts:
+
+    fp8_us = provider GEMM on K-major FP8 operands (bias in its epilogue, padding included)
+           + each operand's cast: a standalone cast (a weight, a graph input, a GEMM
+             output) costs what loka's one-kernel cast (`loka::quantize_operand`) takes;
+             a cast Inductor fuses into its producer (a norm, an activation, an add)
+             costs what it adds to that kernel. Rows of K <= 1024 fit one persistent
+             reduction (Inductor's `should_use_persistent_reduction` threshold for inner
+             reductions): the row is read once for the value, its amax and the cast, so
+             the cast adds only its FP8 byte per element, 1 / (input bytes + 1) of the
+             standalone time. Longer rows take a looped reduction that re-reads the row
+             for the cast after the amax pass: the standalone cast's bytes, so its time
+             (measured on the H100: MaskNet's K = 3456 casts fused into threshold_backward
+             and relu added 0.6-0.9x of a standalone cast, not 1/3). A weight whose
+             FP8 copy is cached (inference, the `cached_weights` Mod) costs nothing.
 
 How it times (medians of `TIMING_REPEATS` runs of `CALLS_PER_RUN` back-to-back calls):
 - compiled with CUDA graphs (`reduce-overhead`, `max-autotune`): each run replays a CUDA
   graph of the calls, so host launch work is excluded, as it is in the model;
 - otherwise: CUDA events around plain calls, so a call that is bound by host work (Python
   dispatch of a small GEMM) is timed as the model will pay it.
-Timings are cached per (shape, layouts, dtype, device, recipe, provider, graphed) for the
-life of the process.
+Timings are cached per (shape, layouts, casts, dtype, device, recipe, providers, graphed)
+for the life of the process.
 """
 
 from __future__ import annotations
@@ -33,7 +47,8 @@ WARMUP_CALLS = 3
 
 @dataclasses.dataclass(frozen=True)
 class SiteShape:
-    """What timing a site needs to know: GEMM dims, operand layouts, bias, dtype, device."""
+    """What timing a site needs to know: GEMM dims, operand layouts, how each operand is
+    cast (fused into its producer or standalone), padding, bias, dtype, device."""
 
     m: int
     k: int
@@ -43,12 +58,20 @@ class SiteShape:
     has_bias: bool
     dtype: torch.dtype
     device: torch.device
+    a_fused: bool = False
+    b_fused: bool = False
+    b_cached: bool = False  # B is a weight whose FP8 copy is cached: no cast per call
+    pad_k: int = 0
+    pad_n: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class SiteTiming:
-    bf16_us: float           # the high-precision ATen GEMM (bf16 for bf16 models)
-    fp8_us: float            # loka's fp8_gemm: casts + FP8 GEMM
+    bf16_us: float            # the high-precision ATen GEMM (bf16 for bf16 models)
+    fp8_us: float             # the fastest provider's FP8 form, casts included
+    provider: str             # that provider
+    gemm_us: dict             # provider -> its FP8 GEMM alone
+    cast_us: float            # the two operand casts as charged (fused or standalone)
     graphed: bool
 
     @property
@@ -106,31 +129,64 @@ def _time_calls_us(fn, device: torch.device, graphed: bool) -> float:
         return statistics.median(runs)
 
 
-def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, provider: str,
-                graphed: bool) -> SiteTiming:
-    """Time the site's ATen GEMM and loka's fp8_gemm (cached)."""
-    key = (shape, scaling, a_format, b_format, provider, graphed)
+# Longest row Inductor reduces in one persistent pass (inner reductions, torch 2.11-2.13).
+PERSISTENT_ROW_MAX = 1024
+
+
+def _fused_fraction(dtype: torch.dtype, row: int) -> float:
+    """Share of a standalone cast's time that a cast fused into its producer still costs
+    (module docstring): its FP8 byte out of the bytes a standalone cast moves when the row
+    fits a persistent reduction, else all of it."""
+    return 1.0 / (torch.finfo(dtype).bits // 8 + 1) if row <= PERSISTENT_ROW_MAX else 1.0
+
+
+def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
+                graphed: bool, fast_accum: bool = False) -> SiteTiming:
+    """Time the site's ATen GEMM and its FP8 form on each provider (cached)."""
+    key = (shape, scaling, a_format, b_format, providers, graphed, fast_accum)
     if key in _cache:
         return _cache[key]
     # Compile passes run under a fake-tensor mode: timing needs real tensors.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from loka_compile.kernels.quantize import Fp8Format, Scaling
+    from loka_compile.kernels.scaled_gemm import GemmSpec, gemm_quantized
+
+    device = shape.device
     with unset_fake_temporarily(), torch.no_grad():
-        a = _operand(shape.m, shape.k, shape.a_major, shape.dtype, shape.device)
-        b = _operand(shape.k, shape.n, shape.b_major, shape.dtype, shape.device)
-        bias = torch.randn(shape.n, dtype=shape.dtype, device=shape.device) if shape.has_bias else None
+        a = _operand(shape.m, shape.k, shape.a_major, shape.dtype, device)
+        b = _operand(shape.k, shape.n, shape.b_major, shape.dtype, device)
+        bias = torch.randn(shape.n, dtype=shape.dtype, device=device) if shape.has_bias else None
 
         def high_precision():
             return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
 
-        def fp8():
-            return torch.ops.loka.fp8_gemm(a, b, bias, scaling, a_format, b_format, provider, "")
-
-        timing = SiteTiming(bf16_us=_time_calls_us(high_precision, shape.device, graphed),
-                            fp8_us=_time_calls_us(fp8, shape.device, graphed), graphed=graphed)
+        bf16_us = _time_calls_us(high_precision, device, graphed)
+        a_p = torch.nn.functional.pad(a, (0, shape.pad_k))
+        b_p = torch.nn.functional.pad(b, (0, shape.pad_n, 0, shape.pad_k))
+        cast_us = 0.0
+        quantized = {}
+        for operand, x, fmt, fused in (("a", a_p, a_format, shape.a_fused), ("b", b_p, b_format, shape.b_fused)):
+            quantized[operand] = torch.ops.loka.quantize_operand(x, operand, scaling, fmt)
+            if operand == "b" and shape.b_cached:
+                continue
+            standalone = _time_calls_us(lambda: torch.ops.loka.quantize_operand(x, operand, scaling, fmt),
+                                        device, graphed)
+            cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k) if fused else 1.0)
+        (a_q, a_s), (b_q, b_s) = quantized["a"], quantized["b"]
+        gemm_us = {}
+        for name in providers:
+            spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), name, shape.dtype,
+                            shape.pad_k, shape.pad_n, fast_accum=fast_accum)
+            gemm_us[name] = _time_calls_us(lambda spec=spec: gemm_quantized(a_q, a_s, b_q, b_s, bias, spec),
+                                           device, graphed)
+        best = min(gemm_us, key=gemm_us.get)
+        timing = SiteTiming(bf16_us=bf16_us, fp8_us=gemm_us[best] + cast_us, provider=best, gemm_us=gemm_us,
+                            cast_us=cast_us, graphed=graphed)
     _cache[key] = timing
-    log.debug("loka speed: %s %s/%s/%s on %s: aten %.1f us, fp8 %.1f us (%.2fx)%s", shape, scaling, a_format,
-              b_format, provider, timing.bf16_us, timing.fp8_us, timing.speedup, " in CUDA graphs" if graphed else "")
+    log.debug("loka speed: %s %s/%s/%s: aten %.1f us, fp8 %.1f us on %s (%.2fx; GEMMs %s, casts %.1f us)%s",
+              shape, scaling, a_format, b_format, timing.bf16_us, timing.fp8_us, best, timing.speedup,
+              gemm_us, cast_us, " in CUDA graphs" if graphed else "")
     return timing
 
 
@@ -142,9 +198,14 @@ def cached_timings() -> dict:
     return dict(_cache)
 
 
-def site_shape(site) -> Optional[SiteShape]:
+def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: bool = False) -> Optional[SiteShape]:
     """The timing key of a 2-D site with concrete dims, else None (symbolic or batched)."""
+    from loka_compile.passes.find_sites import operand_casts
+
     m, k, n = site.shape
     if site.batch is not None or not all(isinstance(d, int) for d in (m, k, n)):
         return None
-    return SiteShape(m, k, n, site.a_major, site.b_major, site.op == "addmm", site.dtype, site.device)
+    casts = operand_casts(site, scaling)
+    return SiteShape(m, k, n, site.a_major, site.b_major, site.op == "addmm", site.dtype, site.device,
+                     a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
+                     b_cached=b_cached, pad_k=pad_k, pad_n=pad_n)

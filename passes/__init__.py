@@ -19,6 +19,14 @@ from .probe import probe
 
 log = logging.getLogger("loka.passes")
 
+# Mods that are on unless named in `LokaConfig.disabled_mods` (the harness ablates each):
+#   fused_casts  FP8 casts as ATen ops Inductor fuses into their producers (off: one
+#                opaque cast op per operand, the unfused baseline)
+#   pad          K or N padded to a multiple of 16 instead of keeping the site in bf16
+#   cached_weights  inference graphs: each weight's FP8 copy made once per weight version
+#                and read as a constant, instead of cast on every call
+MODS = ("fused_casts", "pad", "cached_weights")
+
 PIPELINE = (
     ("find_sites", find_sites),
     ("dispatch_sites", dispatch_sites),
@@ -38,4 +46,4 @@ def run_passes(graph: torch.fx.Graph, ctx: PassContext) -> PassContext:
     return ctx
 
 
-__all__ = ["PIPELINE", "run_passes", "graph_kind", "Decision", "GraphKind", "PassContext", "Reason", "Role", "Site"]
+__all__ = ["MODS", "PIPELINE", "run_passes", "graph_kind", "Decision", "GraphKind", "PassContext", "Reason", "Role", "Site"]

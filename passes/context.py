@@ -33,8 +33,10 @@ class Reason(str, enum.Enum):
 
     FP8 = "fp8"
     UNSUPPORTED_DTYPE = "unsupported_dtype"
+    PACKED_BY_FREEZING = "packed_by_freezing"
     K_NOT_MULTIPLE_OF_16 = "k_not_multiple_of_16"
     N_NOT_MULTIPLE_OF_16 = "n_not_multiple_of_16"
+    SYMBOLIC_K_OR_N = "symbolic_k_or_n"
     TOO_SMALL = "too_small"
     UNSUPPORTED_VARIANT = "unsupported_variant"
     EXCLUDED_BY_CONFIG = "excluded_by_config"
@@ -56,7 +58,7 @@ class Site:
     graph: str
     kind: GraphKind
     node: torch.fx.Node
-    op: str                  # mm | addmm | bmm | baddbmm
+    op: str                  # mm | addmm | bmm | baddbmm | packed_linear
     role: Role
     module: str
     shape: tuple             # (M, K, N), Dim each
@@ -71,6 +73,8 @@ class Site:
     unit_scalars: bool = True  # addmm/baddbmm with beta == alpha == 1
     a_major: str = "row"     # operand layouts: "row" (last dim contiguous) or "column"
     b_major: str = "row"
+    b_is_weight: bool = False  # B is a weight input of a forward/inference graph (through views)
+    casts: dict = dataclasses.field(default_factory=dict)  # FP8 sites: operand -> how it is cast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +89,10 @@ class Decision:
     b_format: str = ""
     detail: str = ""
     bf16_us: Optional[float] = None   # measured time of the high-precision GEMM (speed check)
-    fp8_us: Optional[float] = None    # measured time of fp8_gemm, casts included
+    fp8_us: Optional[float] = None    # measured time of the FP8 form, casts included
+    pad_k: int = 0                    # zeros appended to K / N to reach a multiple of 16
+    pad_n: int = 0
+    fast_accum: bool = False          # the GEMM accumulates in the tensor cores' fast mode
 
 
 @dataclasses.dataclass
@@ -97,6 +104,8 @@ class PassContext:
     phase: str                                   # "probe" or "fp8"
     param_input_indices: frozenset               # forward inputs that are parameters
     decide: Callable[[Site], Decision]
+    disabled_mods: frozenset = frozenset()      # names from MODS switched off
     sites: list = dataclasses.field(default_factory=list)
     decisions: dict = dataclasses.field(default_factory=dict)   # site key -> Decision
     changes: dict = dataclasses.field(default_factory=dict)     # pass name -> count
+    cached_weights: list = dataclasses.field(default_factory=list)  # weight_cache.CachedWeight, inference

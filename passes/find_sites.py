@@ -4,7 +4,9 @@ Matches:
     aten.mm(A, B)            aten.addmm(bias, A, B, beta, alpha)
     aten.bmm(A, B)           aten.baddbmm(bias, A, B, beta, alpha)
 (`linear`, `matmul` and `x @ w` with 2-D or 3-D inputs, transposed or not, reach the
-post-grad graph as these after AOTAutograd's decompositions.)
+post-grad graph as these after AOTAutograd's decompositions.) Also records, as
+`packed_linear` sites that Dispatch keeps in high precision, the linears Inductor's
+freezing has already packed for a CPU library (mkl/mkldnn), so the report shows them.
 
 Records for each: role (fwd in forward/inference graphs; in the backward graph, wgrad
 when the result flows, through views, casts, adds and batch sums only, into the
@@ -46,7 +48,9 @@ VIEW_LIKE = {
 # Ops through which a GEMM result may still be (part of) a parameter's gradient. A sum
 # counts only over a batched GEMM (a weight broadcast over the batch); a sum over a 2-D
 # GEMM's rows is a bias gradient computed from a dgrad result.
-GRAD_ACCUMULATE = VIEW_LIKE | {aten.add.Tensor}
+# weight_norm's backward takes the gradient of the whole weight and returns those of its
+# parameters (g, v) as a tuple.
+GRAD_ACCUMULATE = VIEW_LIKE | {aten.add.Tensor, operator.getitem, aten._weight_norm_interface_backward.default}
 GRAD_SUMS = {aten.sum.dim_IntList, aten.sum.default}
 BATCHED_GEMMS = {aten.bmm.default, aten.baddbmm.default}
 
@@ -61,8 +65,11 @@ def graph_kind(graph: torch.fx.Graph) -> GraphKind:
 
 
 def clean_module_path(path: str) -> str:
-    """Dynamo's "L['self'].layers[0].fc" -> "layers.0.fc" (root -> "")."""
+    """Dynamo's "L['self'].layers[0].fc" -> "layers.0.fc" (root -> ""); a module reached
+    through a global, "getattr(G.m, '0')", -> "m.0"."""
+    path = re.sub(r"getattr\(([^,]*), '([^']*)'\)", r"\1.\2", path)
     path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"^G\.", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     path = re.sub(r"_modules\.|_parameters\.", "", path)
@@ -105,6 +112,48 @@ def skip_views_up(node: torch.fx.Node) -> torch.fx.Node:
             and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     return node
+
+
+# Producers whose output comes from a library kernel or a custom op: a cast cannot join it.
+_LIBRARY_PRODUCERS = {*GEMM_OPS, aten._scaled_mm.default, aten.embedding.default,
+                      aten._embedding_bag.default, aten._embedding_bag_forward_only.default,
+                      aten.convolution.default, aten.index_select.default}
+
+
+def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fused_casts: bool = True) -> str:
+    """How the FP8 cast of GEMM operand `which` ("a" or "b") runs once Inductor compiles
+    the graph: "fused into <op>" where its producer is an ATen op Inductor generates a
+    kernel for (a norm, an activation, a residual add; decomposed ops are named by their
+    original op) and the cast's scales run along the producer's rows (A row-major, B
+    column-major: the K axis contiguous), so one kernel computes the value, its amax and
+    its FP8 copy; else "standalone (<why>)": a graph input (a weight, a saved
+    activation), a library kernel's or custom op's output, scales across the producer's
+    rows (a transposed operand: the cast re-reads it column by column), or tensorwise
+    scaling (the whole tensor's amax comes first)."""
+    if not fused_casts:
+        return "standalone (loka.quantize_operand)"
+    producer = skip_views_up(operand)
+    if producer.op == "placeholder":
+        return f"standalone (graph input {producer.name})"
+    if producer.op != "call_function":
+        return f"standalone ({producer.op} {producer.name})"
+    target = producer.target
+    if target in _LIBRARY_PRODUCERS or not isinstance(target, torch._ops.OpOverload) \
+            or target.namespace != "aten":
+        return f"standalone (after {getattr(target, '__name__', target)})"
+    name = (producer.meta.get("original_aten") or target).__name__.split(".")[0]
+    if scaling == "tensorwise":
+        return f"standalone (tensorwise amax of {name}'s output)"
+    if major != ("row" if which == "a" else "column"):
+        return f"standalone (scales across {name}'s rows)"
+    return f"fused into {name}"
+
+
+def operand_casts(site: Site, scaling: str, fused_casts: bool = True) -> dict:
+    """`cast_origin` of both operands of a site: {"a": ..., "b": ...}."""
+    a, b, _, _ = operands(site.node)
+    return {"a": cast_origin(a, "a", site.a_major, scaling, fused_casts),
+            "b": cast_origin(b, "b", site.b_major, scaling, fused_casts)}
 
 
 def consumers_of(node: torch.fx.Node) -> list:
@@ -157,6 +206,27 @@ def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset)
     return found
 
 
+def weight_source(operand: torch.fx.Node, weight_inputs: dict):
+    """(input index, its placeholder, [the views from it to `operand`]) when `operand` is a
+    weight input of the graph (`weight_inputs`: placeholder -> index) seen through views
+    and dtype casts only, else None."""
+    chain, node = [], operand
+    while node.op == "call_function" and node.target in VIEW_LIKE:
+        if len(node.all_input_nodes) != 1:
+            return None
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    if node.op != "placeholder" or node not in weight_inputs:
+        return None
+    return weight_inputs[node], node, chain[::-1]
+
+
+def weight_placeholders(graph: torch.fx.Graph, param_input_indices: frozenset) -> dict:
+    """Placeholder -> input index of the forward/inference graph's weight inputs."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return {placeholders[i]: i for i in param_input_indices if i < len(placeholders)}
+
+
 def operands(node: torch.fx.Node):
     """(A, B, bias, unit_scalars) of a GEMM node."""
     if node.target in (aten.addmm.default, aten.baddbmm.default):
@@ -176,11 +246,38 @@ def operand_major(val: torch.Tensor) -> str:
     return "column" if strides[0] == 1 else "row"
 
 
+# Linears that Inductor's freezing (`torch._inductor.config.freezing`) packs for a CPU
+# library before post-grad passes run: the weight is no longer an operand loka can cast.
+PACKED_LINEAR_PREFIXES = ("mkl._mkl_linear", "mkldnn._linear_pointwise", "onednn.qlinear_pointwise")
+
+
+def is_packed_linear(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith(PACKED_LINEAR_PREFIXES)
+
+
+def _packed_linear_site(node: torch.fx.Node, ctx: PassContext, name: str) -> Site:
+    x_val, out_val = node.args[0].meta["val"], node.meta["val"]
+    rows = as_dim(x_val.numel() // x_val.shape[-1]) if x_val.shape[-1] else 0
+    return Site(key=f"{ctx.graph}/{ctx.kind.value}/{node.name}", name=name, graph=ctx.graph, kind=ctx.kind,
+                node=node, op="packed_linear", role=Role.FWD, module=module_path(node),
+                shape=(rows, as_dim(x_val.shape[-1]), as_dim(out_val.shape[-1])), batch=None, dtype=x_val.dtype,
+                device=x_val.device, a_is_grad=False, b_is_grad=False,
+                producers=(short_target(skip_views_up(node.args[0])), "packed weight"),
+                consumers=tuple(consumers_of(node)), seq_nr=node.meta.get("seq_nr"))
+
+
 def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
     grads = gradient_nodes(graph) if ctx.kind is GraphKind.BACKWARD else set()
     wgrads = weight_gradient_gemms(graph, ctx.param_input_indices) if ctx.kind is GraphKind.BACKWARD else set()
+    weights = weight_placeholders(graph, ctx.param_input_indices) if ctx.kind is not GraphKind.BACKWARD else {}
     names_seen: dict = {}
     for node in graph.nodes:
+        if is_packed_linear(node):
+            base = f"{module_path(node) or '<root>'}:fwd"
+            names_seen[base] = names_seen.get(base, 0) + 1
+            ctx.sites.append(_packed_linear_site(
+                node, ctx, base if names_seen[base] == 1 else f"{base}#{names_seen[base]}"))
+            continue
         if node.op != "call_function" or node.target not in GEMM_OPS:
             continue
         a, b, _, unit = operands(node)
@@ -214,5 +311,6 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
             unit_scalars=unit,
             a_major=operand_major(a_val),
             b_major=operand_major(b_val),
+            b_is_weight=weight_source(b, weights) is not None,
         ))
     return len(ctx.sites)

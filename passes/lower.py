@@ -1,12 +1,25 @@
-"""lower: replace each GEMM that Dispatch sent to FP8 with `loka.fp8_gemm`.
+"""lower: replace each GEMM that Dispatch sent to FP8 with its operand casts and an FP8
+GEMM on the quantized operands (`kernels/scaled_gemm.py`).
 
 Matches:
     C = aten.mm(A, B)               C = aten.addmm(bias, A, B)
     C = aten.bmm(A, B)              C = aten.baddbmm(bias, A, B)
-Becomes:
-    C = loka.fp8_gemm(A, B, bias | None, scaling, a_format, b_format, provider, site_key)
-The op quantizes A and B with scales along K and runs the chosen provider; the bias is
-added in its epilogue.
+Becomes (rowwise, `fused_casts` on; tensorwise and blockwise alike with their scales):
+    a_q, a_s = amax(|A|, K) -> scale -> A / a_s -> clamp -> fp8          (ATen ops)
+    b_q, b_s = the same over B^T, written [N, K] and viewed [K, N]       (ATen ops)
+    C = provider GEMM(a_q, a_s, b_q, b_s, bias)   aten._scaled_mm | loka.triton_fp8_gemm
+                                                  | dequantize + fp32 matmul (emulated)
+With K or N padded (the `pad` Mod) the operands are zero-padded inside the casts and C
+is sliced back. Inductor then fuses each cast into the kernel that produced its operand.
+
+In inference graphs with the `cached_weights` Mod on, a B operand that is a weight is
+not cast in the graph: the GEMM reads its FP8 copy and scales as constants, made once
+and refreshed when the weight changes (`weight_cache.py`).
+
+Records on each lowered site how each operand is cast (`site.casts`, from
+`find_sites.cast_origin`): "fused into <op>" where Inductor computes the cast in the
+kernel of the op that produced the operand, else "standalone (<why>)". With
+`fused_casts` off every cast is "standalone (loka.quantize_operand)".
 
 Declines: sites whose decision is not FP8 (they keep their ATen op, and the reason is in
 the report), addmm/baddbmm with beta or alpha other than 1 (Dispatch marks those).
@@ -14,27 +27,63 @@ the report), addmm/baddbmm with beta or alpha other than 1 (Dispatch marks those
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .context import PassContext
-from .find_sites import operands
+from loka_compile.kernels.quantize import Fp8Format, Scaling
+from loka_compile.kernels.scaled_gemm import GemmSpec, cast_operand, gemm_quantized, scaled_gemm
+
+from .context import GraphKind, PassContext
+from .find_sites import VIEW_LIKE, operand_casts, operands
+from .rewrite import replace_with_traced
+from .weight_cache import cached_operand
+
+CACHED_WEIGHT = "cached weight (FP8 copy made once per weight version)"
 
 
 def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     lowered = 0
+    fused_casts = "fused_casts" not in ctx.disabled_mods
+    cache_weights = ctx.kind is GraphKind.INFERENCE and "cached_weights" not in ctx.disabled_mods
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
         if not decision.fp8:
             continue
         node = site.node
         a, b, bias, _ = operands(node)
-        with graph.inserting_before(node):
-            new = graph.call_function(
-                torch.ops.loka.fp8_gemm.default,
-                (a, b, bias, decision.scaling, decision.a_format, decision.b_format, decision.provider, site.key))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        site.node = new
+        spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
+                        decision.provider, site.dtype, decision.pad_k, decision.pad_n, fused_casts,
+                        decision.fast_accum)
+        site.casts = operand_casts(site, decision.scaling, fused_casts)
+        cached = cached_operand(node, b, spec, ctx) if cache_weights else None
+        if cached is not None:
+            site.casts["b"] = CACHED_WEIGHT
+            args, fn = [a, *cached], functools.partial(_gemm_on_cached_b, spec=spec)
+        else:
+            args, fn = [a, b], functools.partial(_gemm, spec=spec)
+        args += [] if bias is None else [bias]
+        inserted = replace_with_traced(node, fn, args)
+        if cached is not None:
+            _erase_unused_views(b)
+        site.node = next(n for n in reversed(inserted) if n.op == "call_function")
         lowered += 1
     return lowered
+
+
+def _erase_unused_views(node: torch.fx.Node) -> None:
+    """Drop the views that led a cached weight to its GEMM once nothing reads them."""
+    while node.op == "call_function" and node.target in VIEW_LIKE and not node.users:
+        source = node.all_input_nodes[0]
+        node.graph.erase_node(node)
+        node = source
+
+
+def _gemm(a, b, bias=None, *, spec: GemmSpec):
+    return scaled_gemm(a, b, bias, spec)
+
+
+def _gemm_on_cached_b(a, b_q, b_scale, bias=None, *, spec: GemmSpec):
+    if spec.scaling is Scaling.TENSORWISE:
+        b_scale = b_scale.reshape(())  # cached as [1, 1]
+    return gemm_quantized(*cast_operand(a, "a", spec), b_q, b_scale, bias, spec)

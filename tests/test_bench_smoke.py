@@ -63,6 +63,12 @@ def test_harness_runs_every_model_and_records_failures(tmp_path, one_thread, cap
         assert 0.2 < e / i < 5
         for c in failing:
             assert rows[m, c]["error"] and rows[m, c]["step_ms"] is None
+        # The FP8 ceiling of the bf16 Inductor step (CPU: op self time stands in for kernels).
+        ceil = rows[m, "inductor_bf16"]["ceiling"]
+        assert ceil["source"].startswith("CPU") and 0 < ceil["gemm_share"] < 1
+        assert 1 < ceil["ceiling_1p6x"] < ceil["ceiling_2x"] < 2
+        assert 0 < len(ceil["top_kernels"]) <= 10 and ceil["largest_non_gemm"]["ms"] > 0
+        assert rows[m, "eager_bf16"]["ceiling"] is None
 
     table = capsys.readouterr().out
-    assert "| model" in table and "no_such_config" in table
+    assert "| model" in table and "no_such_config" in table and "FP8 ceiling" in table

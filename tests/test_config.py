@@ -1,3 +1,4 @@
+import dataclasses
 import importlib.metadata
 
 import pytest
@@ -21,26 +22,81 @@ def test_named_recipes():
     assert RECIPES["rowwise"].grad_format.value == "e4m3"
 
 
-@pytest.mark.parametrize("options, message", [
+FIELDS = [f.name for f in dataclasses.fields(LokaConfig)]
+
+# One or more bad values for every option; each error names the option or its valid values.
+BAD_OPTIONS = [
     ({"recipie": "rowwise"}, "valid options"),
-    ({"recipe": "blocky"}, "valid recipes"),
-    ({"min_gemm_dim": -1}, "non-negative int"),
-    ({"probe_steps": 1.5}, "non-negative int"),
-    ({"emulate": "yes"}, "bool"),
-    ({"providers": ["no_such_kernel"]}, "registered"),
-    ({"exclude_modules": "fc1"}, "sequence of strings"),
-    ({"max_probe_error": 0}, "positive"),
+    ({1: "rowwise"}, "valid options"),
+    ({"recipe": "blocky"}, r"valid recipes \['default', 'rowwise', 'tensorwise'\]"),
+    ({"recipe": ["rowwise"]}, "valid recipes"),
+    ({"recipe": None}, "valid recipes"),
+    ({"emulate": "yes"}, r"emulate must be a bool \(True or False\)"),
+    ({"emulate": 1}, "emulate must be a bool"),
+    ({"min_gemm_dim": -1}, "min_gemm_dim must be a non-negative int"),
+    ({"min_gemm_dim": True}, "min_gemm_dim must be a non-negative int"),
+    ({"min_gemm_dim": "16"}, "min_gemm_dim must be a non-negative int"),
+    ({"providers": ["no_such_kernel"]}, r"unknown providers \['no_such_kernel'\]; valid providers: \[.*'emulated'"),
+    ({"providers": None}, r"providers must be a list or tuple of names from \[.*'emulated'"),
+    ({"providers": "emulated"}, "providers must be a list or tuple"),
+    ({"providers": [["emulated"]]}, "providers must be a list or tuple"),
+    ({"exclude_modules": "fc1"}, "exclude_modules must be a list or tuple of strings"),
+    ({"exclude_modules": None}, "exclude_modules must be a list or tuple of strings"),
+    ({"exclude_modules": [1]}, "exclude_modules must be a list or tuple of strings"),
+    ({"probe_steps": 1.5}, "probe_steps must be a non-negative int"),
+    ({"probe_steps": None}, "probe_steps must be a non-negative int"),
+    ({"max_probe_error": 0}, "max_probe_error must be a positive finite number"),
+    ({"max_probe_error": float("nan")}, "max_probe_error must be a positive finite number"),
+    ({"max_probe_error": "0.1"}, "max_probe_error must be a positive finite number"),
+    ({"speed_check": None}, "speed_check must be a bool"),
+    ({"min_fp8_speedup": float("inf")}, "min_fp8_speedup must be a positive finite number"),
+    ({"min_fp8_speedup": True}, "min_fp8_speedup must be a positive finite number"),
+    ({"fallback": "no"}, "fallback must be a bool"),
     ({"mode": "turbo"}, "valid modes"),
-])
+    ({"mode": None}, "valid modes"),
+    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cached_weights'\]"),
+    ({"disabled_mods": "pad"}, r"disabled_mods must be a list or tuple of names from \['fused_casts'"),
+    ({"disabled_mods": None}, "disabled_mods must be a list or tuple"),
+    ({"arch_mods": ["layernorm"]}, r"valid arch_mods: \['blocknorm', 'no_bias', 'hardswish'\]"),
+    ({"arch_mods": "blocknorm"}, r"arch_mods must be a list or tuple of names from \['blocknorm'"),
+    ({"arch_mods": {"blocknorm"}}, "arch_mods must be a list or tuple"),
+]
+
+
+@pytest.mark.parametrize("options, message", BAD_OPTIONS)
 def test_bad_options_raise_naming_valid_ones(options, message):
     with pytest.raises(ValueError, match=message):
         LokaConfig.from_options(options)
+    if all(isinstance(key, str) and key in FIELDS for key in options):
+        with pytest.raises(ValueError, match=message):
+            LokaConfig(**options)
 
 
-def test_bad_options_raise_through_torch_compile():
+def test_every_option_has_a_bad_value_case():
+    assert set(FIELDS) <= {key for options, _ in BAD_OPTIONS for key in options}
+
+
+def test_good_values_are_normalized():
+    config = LokaConfig(providers=["emulated"], exclude_modules=["head"], disabled_mods=["pad"],
+                        arch_mods=["blocknorm", "hardswish"], max_probe_error=1, min_fp8_speedup=2)
+    assert config.providers == ("emulated",) and config.exclude_modules == ("head",)
+    assert config.disabled_mods == ("pad",) and config.arch_mods == ("blocknorm", "hardswish")
+    assert config.max_probe_error == 1.0 and isinstance(config.max_probe_error, float)
+    assert LokaConfig().disabled_mods == () and LokaConfig().arch_mods == ()
+    assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == {"fused_casts", "pad", "cached_weights"}
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_bad_options_through_torch_compile_raise_at_first_call():
+    """A dict reaches the backend only at the first call, inside Dynamo, which wraps the
+    ValueError (torch 2.13: raised `from None`, the ValueError kept as inner_exception)."""
     compiled = torch.compile(torch.nn.Linear(16, 16), backend="loka", options={"recipe": "nope"})
-    with pytest.raises(Exception, match="valid recipes"):
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as caught:
         compiled(torch.randn(16, 16))
+    inner = caught.value.inner_exception
+    assert isinstance(inner, ValueError) and "valid recipes" in str(inner)
+    assert f"ValueError: {inner}" in str(caught.value)
+    assert caught.value.__cause__ is None and caught.value.__context__ is inner
 
 
 def test_config_is_frozen_and_accepts_itself():
@@ -54,5 +110,5 @@ def test_config_is_frozen_and_accepts_itself():
 
 
 def test_public_names():
-    for name in ("report", "LokaConfig", "reset", "Reason"):
+    for name in ("report", "LokaConfig", "reset", "Reason", "BlockNorm", "apply_arch_mods"):
         assert hasattr(loka_compile, name)

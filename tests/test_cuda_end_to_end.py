@@ -1,6 +1,7 @@
 """The end-to-end checks on an FP8 GPU: real FP8 kernels through torch._scaled_mm."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -81,9 +82,8 @@ def test_inference_and_dynamic_batch_on_gpu():
 
 
 def test_speed_check_keeps_sites_where_fp8_does_not_pay_in_bf16():
-    # In CUDA graphs on the H100: 8192x4096x4096 FP8 with its casts 1.17x bf16; 8192x4096x64
-    # 0.44x (the casts of A alone cost more than the bf16 GEMM). Without CUDA graphs both
-    # lose: fp8_gemm costs about 250 us of host time per call (Triton launches + custom op).
+    # The 4096-wide layer pays in FP8 in CUDA graphs; 8192x4096x64 does not: the GEMM is
+    # too thin for FP8 to gain what the casts cost.
     model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 64))
     model = model.cuda().bfloat16().eval()
     compiled = torch.compile(model, backend="loka", mode="reduce-overhead")
@@ -96,3 +96,51 @@ def test_speed_check_keeps_sites_where_fp8_does_not_pay_in_bf16():
     assert big.fp8 and big.reason == "fp8" and big.bf16_us / big.fp8_us >= 1.05, str(report)
     assert not small.fp8 and small.reason == "slower_than_bf16" and small.fp8_us > small.bf16_us, str(report)
     assert "slower_than_bf16" in str(report)
+
+
+def _generated_kernels(code: list) -> int:
+    """Pointwise and reduction kernels Inductor generated (GEMM templates excluded: a
+    template may win the FP8 GEMM's autotuning where bf16 calls cuBLAS)."""
+    return sum(len(re.findall(r"def triton_(?:poi|red|per)_", src)) for src in code)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_casts_of_norm_and_activation_outputs_are_fused_into_their_kernels(training):
+    """The kernels Inductor generates for loka's graph are bf16's kernels plus one per cast
+    the report calls standalone: every cast it calls fused adds no kernel."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.LayerNorm(512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 256))
+    model = model.cuda().bfloat16().train(training)
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(fn):
+        with torch.set_grad_enabled(training):
+            out = fn(x)
+            if training:
+                out.float().square().mean().backward()
+            return out
+
+    _, bf16_code = run_and_get_code(step, torch.compile(model))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise", "speed_check": False})
+    _, loka_code = run_and_get_code(step, compiled)
+    report = loka_compile.report(compiled)
+    casts = [c for s in report.sites for c in s.casts.values()]
+    fused = [c for c in casts if c.startswith("fused into")]
+    # fused: forward, the casts of relu and LayerNorm outputs; backward, of the LayerNorm
+    # backward's output into the next dgrad (the other backward operands are graph inputs
+    # or read across their producer's rows)
+    assert len(fused) == (3 if training else 2), str(casts)
+    assert any("layer_norm" in c for c in fused), str(casts)
+    standalone = len(casts) - len(fused)
+    extra = _generated_kernels(loka_code) - _generated_kernels(bf16_code)
+    print(f"\nkernels: bf16 {_generated_kernels(bf16_code)}, loka {_generated_kernels(loka_code)}, "
+          f"casts fused {len(fused)}, standalone {standalone}")
+    if training:
+        # A standalone cast is one kernel, or two where Inductor splits a long reduction
+        # across rows (the wgrad operands' casts along the batch: H100, 28 = 11 + 13 + 4).
+        assert standalone <= extra <= 2 * standalone
+    else:
+        assert extra == standalone

@@ -28,9 +28,9 @@ def fp8_gemm_args(m, k, n, batch=None, dtype=torch.float32, device="cpu", bias=F
 @pytest.mark.parametrize("bias", [False, True])
 def test_opcheck_fp8_gemm(batch, bias):
     a, b, c = fp8_gemm_args(32, 64, 48, batch=batch, bias=bias)
-    torch.library.opcheck(torch.ops.loka.fp8_gemm.default, (a, b, c, "rowwise", "e4m3", "e4m3", "emulated", ""))
+    torch.library.opcheck(torch.ops.loka.fp8_gemm.default, (a, b, c, "rowwise", "e4m3", "e4m3", "emulated"))
     a.requires_grad_(True)
-    torch.library.opcheck(torch.ops.loka.fp8_gemm.default, (a, b, c, "tensorwise", "e5m2", "e4m3", "emulated", ""))
+    torch.library.opcheck(torch.ops.loka.fp8_gemm.default, (a, b, c, "tensorwise", "e5m2", "e4m3", "emulated"))
 
 
 def test_opcheck_observe_gemm():
@@ -52,7 +52,7 @@ def test_opcheck_observe_gemm():
 @pytest.mark.parametrize("m, k, n", SMALL_SHAPES)
 def test_emulated_gemm_sqnr_against_fp64(scaling, m, k, n):
     a, b, c = fp8_gemm_args(m, k, n, bias=True)
-    out = torch.ops.loka.fp8_gemm(a, b, c, scaling.value, "e4m3", "e4m3", "emulated", "")
+    out = torch.ops.loka.fp8_gemm(a, b, c, scaling.value, "e4m3", "e4m3", "emulated")
     ref = a.double() @ b.double() + c.double()
     assert out.shape == (m, n) and out.dtype == a.dtype
     assert sqnr_db(ref, out) > GEMM_SQNR_FLOOR_DB[scaling]
@@ -61,20 +61,20 @@ def test_emulated_gemm_sqnr_against_fp64(scaling, m, k, n):
 @pytest.mark.parametrize("m, k, n", [(13, 96, 48), (16, 96, 200), (33, 256, 80), (8, 384, 272)])
 def test_emulated_blockwise_gemm(m, k, n):
     a, b, _ = fp8_gemm_args(m, k, n)
-    out = torch.ops.loka.fp8_gemm(a, b, None, "blockwise", "e4m3", "e4m3", "emulated", "")
+    out = torch.ops.loka.fp8_gemm(a, b, None, "blockwise", "e4m3", "e4m3", "emulated")
     assert sqnr_db(a.double() @ b.double(), out) > GEMM_SQNR_FLOOR_DB[Scaling.BLOCKWISE]
 
 
 def test_emulated_batched_gemm():
     a, b, _ = fp8_gemm_args(16, 32, 48, batch=4)
-    out = torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "emulated", "")
+    out = torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "emulated")
     assert sqnr_db(a.double() @ b.double(), out) > GEMM_SQNR_FLOOR_DB[Scaling.ROWWISE]
 
 
 def test_fp8_gemm_propagates_nan():
     a, b, _ = fp8_gemm_args(16, 32, 16)
     a[3, 5] = float("nan")
-    out = torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "emulated", "")
+    out = torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "emulated")
     assert torch.isnan(out[3]).all()          # the poisoned row, loudly
     assert torch.isfinite(out[:3]).all() and torch.isfinite(out[4:]).all()
 
@@ -86,22 +86,36 @@ def test_fp8_gemm_propagates_nan():
 ])
 def test_fp8_gemm_rejects_bad_operands(args, message):
     with pytest.raises(ValueError, match=message):
-        torch.ops.loka.fp8_gemm(*args, None, "rowwise", "e4m3", "e4m3", "emulated", "")
+        torch.ops.loka.fp8_gemm(*args, None, "rowwise", "e4m3", "e4m3", "emulated")
 
 
 def test_fp8_gemm_rejects_unknown_names():
     a, b, _ = fp8_gemm_args(16, 32, 16)
     with pytest.raises(ValueError, match="scalings"):
-        torch.ops.loka.fp8_gemm(a, b, None, "columnwise", "e4m3", "e4m3", "emulated", "")
+        torch.ops.loka.fp8_gemm(a, b, None, "columnwise", "e4m3", "e4m3", "emulated")
     with pytest.raises(ValueError, match="registered"):
-        torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "nope", "")
+        torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "nope")
 
 
-def test_high_precision_override():
-    a, b, _ = fp8_gemm_args(16, 32, 16)
-    ops.set_high_precision_sites({"test/forward/mm"})
-    out = torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "emulated", "test/forward/mm")
-    torch.testing.assert_close(out, a @ b)
+@pytest.mark.parametrize("operand", ["a", "b"])
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise", "blockwise"])
+def test_opcheck_quantize_operand(operand, scaling):
+    x = torch.randn(48, 160)
+    torch.library.opcheck(torch.ops.loka.quantize_operand.default, (x, operand, scaling, "e4m3"))
+    q, _ = torch.ops.loka.quantize_operand(x, operand, scaling, "e4m3")
+    assert q.stride(-1 if operand == "a" else -2) == 1  # K-major
+
+
+def test_empty_operands_give_empty_or_zero_results():
+    """A data-dependent selection that selects nothing: M = 0 gives an empty product, K = 0
+    (the weight gradient of an empty batch) a zero one, as in high precision."""
+    for scaling in ("rowwise", "tensorwise"):
+        out = torch.ops.loka.fp8_gemm(torch.randn(0, 32), torch.randn(32, 16), None, scaling, "e4m3", "e4m3",
+                                      "emulated")
+        assert out.shape == (0, 16)
+        out = torch.ops.loka.fp8_gemm(torch.randn(16, 0), torch.randn(0, 32), None, scaling, "e4m3", "e4m3",
+                                      "emulated")
+        assert out.shape == (16, 32) and not out.any()
 
 
 class TestQuantizationPolicy:
@@ -164,7 +178,7 @@ def test_provider_registry():
 def test_scaled_mm_providers_match_emulation(scaling, provider, m, k, n):
     a, b, c = fp8_gemm_args(m, k, n, dtype=torch.bfloat16, device="cuda", bias=True)
     b = b.t().contiguous().t()  # weights arrive as a transposed view
-    out = torch.ops.loka.fp8_gemm(a, b, c, scaling, "e4m3", "e4m3", provider, "")
+    out = torch.ops.loka.fp8_gemm(a, b, c, scaling, "e4m3", "e4m3", provider)
     emulated = ops.fp8_gemm_reference(a, b, c, scaling, "e4m3", "e4m3")
     ref = a.double() @ b.double() + c.double()
     assert out.dtype == torch.bfloat16
@@ -176,11 +190,11 @@ def test_scaled_mm_providers_match_emulation(scaling, provider, m, k, n):
 @pytest.mark.cuda
 def test_scaled_mm_e5m2_gradient_operand():
     a, b, _ = fp8_gemm_args(256, 512, 256, dtype=torch.bfloat16, device="cuda")
-    out = torch.ops.loka.fp8_gemm(a, b, None, "tensorwise", "e5m2", "e4m3", "scaled_mm_tensorwise", "")
+    out = torch.ops.loka.fp8_gemm(a, b, None, "tensorwise", "e5m2", "e4m3", "scaled_mm_tensorwise")
     assert sqnr_db(a.double() @ b.double(), out) > 18
 
 
 @pytest.mark.cuda
 def test_opcheck_on_cuda():
     a, b, c = fp8_gemm_args(64, 128, 64, dtype=torch.bfloat16, device="cuda", bias=True)
-    torch.library.opcheck(torch.ops.loka.fp8_gemm.default, (a, b, c, "rowwise", "e4m3", "e4m3", "scaled_mm_rowwise", ""))
+    torch.library.opcheck(torch.ops.loka.fp8_gemm.default, (a, b, c, "rowwise", "e4m3", "e4m3", "scaled_mm_rowwise"))

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.zoo import (MODEL_NAMES, SyntheticRecsysData, auc, build_model, count_parameters,
-                            data_spec, logloss, normalized_entropy, quality_metrics, to_dense_dtype)
+                            data_spec, logloss, normalized_entropy, quality_metrics, sparse_grad_parameters,
+                            to_dense_dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +58,47 @@ def test_bf16_dense_arch_keeps_fp32_tables(name):
     batch = SyntheticRecsysData(spec, seed=0).batch(0, 16)
     out = model(*batch.model_inputs())
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("name", ["dlrm_dcnv2", "hstu"])
+def test_sparse_tables_give_sparse_grads(name):
+    """sparse=True: every table's gradient is a sparse tensor over the looked-up rows, the
+    same function as dense tables, and SparseAdam takes a finite step with it."""
+    model, spec = build_model(name, "tiny", sparse=True)
+    dense_model, _ = build_model(name, "tiny", sparse=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), dense_model.parameters()))
+    batch = SyntheticRecsysData(spec, seed=0).batch(0, 32)
+    loss = F.binary_cross_entropy_with_logits(model(*batch.model_inputs()), batch.labels)
+    dense_loss = F.binary_cross_entropy_with_logits(dense_model(*batch.model_inputs()), batch.labels)
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(dense_loss.item(), rel=1e-6)
+    loss.backward()
+    dense_loss.backward()
+    tables = [n for n, _ in sparse_grad_parameters(model)]
+    assert len(tables) == spec.num_tables + (1 if spec.seq_len else 0)
+    params = dict(model.named_parameters())
+    dense_params = dict(dense_model.named_parameters())
+    for n in tables:
+        g = params[n].grad
+        assert g.is_sparse, n
+        torch.testing.assert_close(g.to_dense(), dense_params[n].grad)
+    assert all(not p.grad.is_sparse for _, p in model.dense.named_parameters())
+    before = [p.detach().clone() for _, p in sparse_grad_parameters(model)]
+    opt = torch.optim.SparseAdam([p for _, p in sparse_grad_parameters(model)], lr=1e-2)
+    opt.step()
+    after = [p for _, p in sparse_grad_parameters(model)]
+    assert all(torch.isfinite(p).all() for p in after)
+    touched = batch.ids[0].unique()
+    changed = (after[0] != before[0]).any(dim=1)
+    assert changed[touched].all() and changed.sum() == touched.numel()  # lazy: only looked-up rows
+
+
+def test_dlrm_paper_preset_has_sparse_tables():
+    dlrm, _ = build_model("dlrm_dcnv2", "paper", device="meta")
+    assert all(t.sparse for t in dlrm.sparse.tables)
+    dense, _ = build_model("dlrm_dcnv2", "paper", device="meta", sparse=False)
+    assert not any(t.sparse for t in dense.sparse.tables)
+    wukong, _ = build_model("wukong", "paper", device="meta")
+    assert not any(t.sparse for t in wukong.sparse.tables)
 
 
 def test_init_is_deterministic_and_seeded():

@@ -3,10 +3,10 @@
 from .data import (Batch, DataSpec, SyntheticRecsysData, auc, criteo_like_spec, logloss,
                    normalized_entropy, quality_metrics)
 from .models import (MODEL_NAMES, PRESETS, RecModel, build_model, data_spec, count_parameters,
-                     dense_parameters, sparse_parameters, to_dense_dtype)
+                     dense_parameters, sparse_grad_parameters, sparse_parameters, to_dense_dtype)
 
 __all__ = [
     "Batch", "DataSpec", "SyntheticRecsysData", "auc", "criteo_like_spec", "logloss",
     "normalized_entropy", "quality_metrics", "MODEL_NAMES", "PRESETS", "RecModel", "build_model", "data_spec",
-    "count_parameters", "dense_parameters", "sparse_parameters", "to_dense_dtype",
+    "count_parameters", "dense_parameters", "sparse_grad_parameters", "sparse_parameters", "to_dense_dtype",
 ]

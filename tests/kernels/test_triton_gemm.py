@@ -281,7 +281,7 @@ def test_provider_matches_emulation(scaling):
     a_q, a_s, b_q, b_s = make_operands(67, 272, 144, scaling)
     bias = torch.randn(144)
     assert tg.infer_scaling(a_q, a_s, b_q, b_s) is scaling
-    out = provider.gemm(a_q, a_s, b_q, b_s, bias, torch.float32)
+    out = provider.gemm(a_q, a_s, b_q, b_s, scaling, bias, torch.float32)
     ref = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, bias=bias, out_dtype=torch.float64)
     assert sqnr_db(out, ref) >= 60.0
 
@@ -373,7 +373,7 @@ def test_cuda_autotuned_provider(scaling):
     assert provider.available(torch.device("cuda"))
     a_q, a_s, b_q, b_s = make_operands(4096, 1024, 2048, scaling, device="cuda")
     bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
-    out = provider.gemm(a_q, a_s, b_q, b_s, bias, torch.bfloat16)
+    out = provider.gemm(a_q, a_s, b_q, b_s, scaling, bias, torch.bfloat16)
     ref = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, bias=bias, out_dtype=torch.float64)
     assert torch.isfinite(out).all() and sqnr_db(out, ref) >= 40.0
     assert tg.last_launch_config() is not None and tg.tuned_configs()

@@ -1,0 +1,105 @@
+"""An FP8 site as graph nodes: each operand's cast, then the provider's GEMM on the
+quantized operands. The `lower` pass traces `scaled_gemm` into the ATen graph in place of
+the site's `mm`/`addmm`/`bmm`/`baddbmm`, so:
+
+- with `fused_casts`, each cast is ordinary ATen ops (amax, scale, divide, clamp,
+  convert): Inductor fuses them into the kernel of whatever produced the operand (a
+  LayerNorm, an activation, a residual add), forward and backward alike;
+- without it, each cast is one opaque `loka::quantize_operand` node (loka's Triton casts on
+  FP8 GPUs), the unfused baseline the ablation measures;
+- the GEMM is the provider's node: `aten._scaled_mm` (Inductor autotunes it against its
+  own Triton templates, which take pointwise epilogues), `loka::triton_fp8_gemm` (whose
+  epilogue carries bias, activation and residual), or the emulation's dequantize + fp32
+  matmul.
+
+Layouts: A is cast to row-major [.., M, K] and B to column-major [.., K, N] (B's transpose
+is cast row by row), the layouts FP8 tensor cores read, so no transposed copy follows.
+Padding: K and N padded with zeros up to a multiple of 16 (`pad_k`, `pad_n`); zeros add
+nothing to the product and the padded output columns are sliced off.
+
+Everything here is traceable with symbolic sizes: no branch reads a tensor's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import providers
+from .quantize import Fp8Format, Scaling, quantize_along, quantize_blockwise, quantize_tensorwise
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSpec:
+    """How one FP8 site runs."""
+
+    scaling: Scaling
+    a_format: Fp8Format
+    b_format: Fp8Format
+    provider: str
+    out_dtype: torch.dtype
+    pad_k: int = 0
+    pad_n: int = 0
+    fused_casts: bool = True
+    fast_accum: bool = False
+
+
+def quantize_k_major(x: torch.Tensor, scaling: Scaling, fmt: Fp8Format, block_rows: int = 1):
+    """x [.., R, K] -> (q [.., R, K] contiguous, scale) with scales along K: 0-d
+    (tensorwise), [.., R, 1] (rowwise) or one per [block_rows, 128] tile (blockwise)."""
+    if scaling is Scaling.TENSORWISE:
+        q, scale = quantize_tensorwise(x, fmt)
+    elif scaling is Scaling.ROWWISE:
+        q, scale = quantize_along(x, -1, fmt)
+    else:
+        q, scale = quantize_blockwise(x, block_rows, 128, fmt)
+    return q.contiguous(), scale
+
+
+def quantize_operand_aten(x: torch.Tensor, operand: str, scaling: Scaling, fmt: Fp8Format):
+    """The cast of one GEMM operand, K-major, as ATen ops. A [.., M, K] -> (q row-major,
+    scale [.., M, 1]); B [.., K, N] -> (q column-major [.., K, N], scale [.., 1, N])."""
+    if operand == "a":
+        return quantize_k_major(x, scaling, fmt)
+    q_t, scale_t = quantize_k_major(x.transpose(-1, -2), scaling, fmt, block_rows=128)
+    return q_t.transpose(-1, -2), scale_t.transpose(-1, -2) if scale_t.dim() else scale_t
+
+
+def _pad(x: torch.Tensor, last: int, second_last: int) -> torch.Tensor:
+    return F.pad(x, (0, last, 0, second_last)) if last or second_last else x
+
+
+def cast_operand(x: torch.Tensor, operand: str, spec: GemmSpec):
+    """Operand "a" [.., M, K] or "b" [.., K, N] padded and cast as `spec` says, K-major:
+    ATen ops with `fused_casts`, else one opaque `loka::quantize_operand` node."""
+    if operand == "a":
+        x, fmt = _pad(x, spec.pad_k, 0), spec.a_format
+    else:
+        x, fmt = _pad(x, spec.pad_n, spec.pad_k), spec.b_format
+    if spec.fused_casts:
+        return quantize_operand_aten(x, operand, spec.scaling, fmt)
+    return torch.ops.loka.quantize_operand(x, operand, spec.scaling.value, fmt.value)
+
+
+def scaled_gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], spec: GemmSpec) -> torch.Tensor:
+    """a [.., M, K] @ b [.., K, N] (+ bias) through FP8, in spec.out_dtype."""
+    return gemm_quantized(*cast_operand(a, "a", spec), *cast_operand(b, "b", spec), bias, spec)
+
+
+def gemm_quantized(a_q, a_s, b_q, b_s, bias: Optional[torch.Tensor], spec: GemmSpec) -> torch.Tensor:
+    """The provider's GEMM on K-major quantized operands (N possibly padded), the padded
+    columns sliced off, plus the bias: in the provider's epilogue when nothing is sliced."""
+    gemm = providers.get(spec.provider).gemm
+    if spec.pad_n:
+        out = gemm(a_q, a_s, b_q, b_s, spec.scaling, None, spec.out_dtype, spec.fast_accum)
+        out = out[..., : b_q.shape[-1] - spec.pad_n]
+        return out if bias is None else out + bias
+    return gemm(a_q, a_s, b_q, b_s, spec.scaling, bias, spec.out_dtype, spec.fast_accum)
+
+
+def padding_for(k: int, n: int, alignment: int = 16) -> tuple[int, int]:
+    """(pad_k, pad_n) that make K and N multiples of `alignment`."""
+    return (-k) % alignment, (-n) % alignment

@@ -1,0 +1,56 @@
+"""Graph surgery the passes share: replace one node with the traced graph of a function.
+
+`replace_with_traced(node, fn, args)` traces `fn(*args)` with the fake values of the
+argument nodes (Inductor's `fwd_only`, the tracer its pattern matcher uses for
+replacements), inlines the traced nodes before `node` with their fake values as
+metadata, and points every user of `node` at the result. Symbolic sizes stay symbolic;
+a function that branches on one would add a guard, so the functions traced here never
+do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._inductor.pattern_matcher import fwd_only
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+def _fake_value(arg):
+    if isinstance(arg, torch.fx.Node):
+        return arg.meta["val"]
+    return arg
+
+
+def replace_with_traced(node: torch.fx.Node, fn, args: list) -> list:
+    """Replace `node` with the nodes of `fn(*args)` (args: nodes carrying a fake "val").
+    Returns the inserted nodes."""
+    graph = node.graph
+    values = [_fake_value(a) for a in args]
+    fake_mode = next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        traced = fwd_only(fn, values, run_functional_passes=False)
+    env: dict = {}
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    env.update(zip(placeholders, args))
+    inserted = []
+    result = None
+    with graph.inserting_before(node):
+        for n in traced.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                result = torch.fx.map_arg(n.args[0], lambda x: env[x])
+                continue
+            new = graph.node_copy(n, lambda x: env[x])
+            for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr", "original_aten"):
+                if key in node.meta and key not in new.meta:
+                    new.meta[key] = node.meta[key]
+            env[n] = new
+            inserted.append(new)
+    if not isinstance(result, torch.fx.Node):
+        raise ValueError(f"replacement for {node.name} must return one tensor, got {result!r}")
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return inserted

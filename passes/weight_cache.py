@@ -1,0 +1,181 @@
+"""The `cached_weights` Mod: in inference graphs, a weight's FP8 copy is made once and
+read by its GEMMs as a constant, instead of being cast on every call.
+
+Matches: the B operand of an FP8 site in an inference graph that is a weight input of
+the graph (a parameter) seen through views and dtype casts only, of concrete shape.
+Becomes: two `get_attr` constants, the FP8 operand and its scales in the layout the GEMM
+reads (column-major B, padded as the site is). `lower` emits them instead of the cast.
+Declines: operands computed from anything else (weight_norm's g * v / |v|, a LoRA sum),
+symbolic shapes, training graphs (their weights change every step).
+
+The constants are filled outside the graph by `WeightCache.refresh`, which the backend
+calls before each call of the compiled graph: a weight is (re)quantized at the first
+call and whenever its storage or version counter changed (an optimizer step,
+`load_state_dict`, a new tensor), so a changed weight is never served stale. The
+constants keep their addresses, so a CUDA graph replayed after a refresh reads the new
+values. The eager cast uses the same ATen ops the graph would have run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+from loka_compile.kernels.scaled_gemm import GemmSpec, cast_operand
+
+from .context import PassContext
+from .find_sites import weight_placeholders, weight_source
+
+log = logging.getLogger("loka.passes")
+
+
+@dataclasses.dataclass
+class CachedWeight:
+    """One weight operand held in FP8 for one site."""
+
+    input_index: int                 # the graph input it is made from
+    weight_shape: tuple              # that input's shape and dtype, checked at each refresh
+    weight_dtype: torch.dtype
+    derive: torch.fx.GraphModule     # weight input -> the site's B operand (views, casts)
+    spec: GemmSpec
+    q: torch.Tensor                  # the FP8 operand, [K(+pad), N(+pad)] column-major
+    scale: torch.Tensor              # its scales; a 0-d scale is kept as [1, 1]
+    seen: Optional[tuple] = None     # (storage, version) of the weight last quantized
+    refreshes: int = 0               # times the weight was quantized
+    key: tuple = ()                  # (input, views, cast): sites with equal keys share the copy
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+    @property
+    def bf16_nbytes(self) -> int:
+        """What the same operand takes in bf16, unpadded."""
+        k, n = self.q.shape[-2] - self.spec.pad_k, self.q.shape[-1] - self.spec.pad_n
+        return 2 * k * n * (self.q.numel() // max(1, self.q.shape[-2] * self.q.shape[-1]))
+
+    def refresh(self, weight: torch.Tensor) -> None:
+        """Quantize `weight` into the constants unless they already hold this version of it."""
+        identity = _identity(weight)
+        if identity is not None and identity == self.seen:
+            return
+        if tuple(weight.shape) != self.weight_shape or weight.dtype != self.weight_dtype:
+            raise RuntimeError(f"loka cached weights: graph input {self.input_index} is "
+                               f"{tuple(weight.shape)} {weight.dtype}, compiled for {self.weight_shape} "
+                               f"{self.weight_dtype}")
+        with torch.no_grad():
+            q, scale = cast_operand(self.derive(weight), "b", self.spec)
+            self.q.copy_(q)
+            self.scale.copy_(scale.reshape(self.scale.shape))
+        self.seen = identity
+        self.refreshes += 1
+
+
+def _identity(weight: torch.Tensor) -> Optional[tuple]:
+    """What changes when the weight's values may have: its storage and version counter.
+    None for inference-mode tensors, which have no version counter (always refreshed)."""
+    try:
+        return weight.untyped_storage().data_ptr(), weight.storage_offset(), weight._version
+    except RuntimeError:
+        return None
+
+
+class WeightCache:
+    """The cached weights of one compiled ATen graph."""
+
+    def __init__(self, weights: list):
+        self.weights = weights
+
+    def refresh(self, inputs) -> None:
+        for weight in self.weights:
+            weight.refresh(inputs[weight.input_index])
+
+
+class RefreshingGraph:
+    """A compiled ATen graph (Inductor's boxed callable) whose cached weights are brought
+    up to date before each call."""
+
+    _boxed_call = True
+
+    def __init__(self, compiled, cache: WeightCache):
+        self.compiled = compiled
+        self.cache = cache
+
+    def __call__(self, inputs):
+        self.cache.refresh(inputs)
+        return self.compiled(inputs)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+def _has_symbols(args) -> bool:
+    found = []
+    torch.fx.node.map_aggregate(args, lambda x: found.append(x) if isinstance(x, torch.SymInt) else None)
+    return bool(found)
+
+
+def _derive_module(placeholder: torch.fx.Node, chain: list) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env = {placeholder: graph.placeholder("weight")}
+    for node in chain:
+        env[node] = graph.node_copy(node, lambda x: env[x])
+    graph.output(env[chain[-1]] if chain else env[placeholder])
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def cached_operand(site_node: torch.fx.Node, operand: torch.fx.Node, spec: GemmSpec, ctx: PassContext):
+    """(q node, scale node) reading constants that hold `operand`'s FP8 cast, registered
+    in `ctx.cached_weights`; or None when `operand` is not a cacheable weight."""
+    graph = site_node.graph
+    found = weight_source(operand, weight_placeholders(graph, ctx.param_input_indices))
+    if found is None:
+        return None
+    index, placeholder, chain = found
+    weight_val, operand_val = placeholder.meta.get("val"), operand.meta.get("val")
+    if not isinstance(weight_val, torch.Tensor) or free_symbols(weight_val) or free_symbols(operand_val) \
+            or any(_has_symbols((n.args, n.kwargs)) for n in chain):
+        return None
+    derive = _derive_module(placeholder, chain)
+    key = (index, _chain_key(chain), _cast_key(spec))
+    shared = next((w for w in ctx.cached_weights if w.key == key), None)
+    with weight_val.fake_mode:
+        q_fake, scale_fake = cast_operand(operand_val, "b", spec)
+    if shared is not None:  # a weight two sites read alike (a shared tower) is cached once
+        q, scale = shared.q, shared.scale
+        scale_shape = tuple(scale.shape)
+    else:
+        with unset_fake_temporarily():
+            q = torch.empty_strided(q_fake.shape, q_fake.stride(), dtype=q_fake.dtype, device=q_fake.device)
+            # Inductor inlines a 0-d constant's value at compile time: keep scales >= 2-D.
+            scale_shape = tuple(scale_fake.shape) if scale_fake.dim() >= 2 else (1, 1)
+            scale = torch.ones(scale_shape, dtype=scale_fake.dtype, device=scale_fake.device)
+    module = graph.owning_module
+    base = f"_loka_cached_{site_node.name}"
+    module.register_buffer(f"{base}_q", q, persistent=False)
+    module.register_buffer(f"{base}_scale", scale, persistent=False)
+    with graph.inserting_before(site_node):
+        q_node = graph.get_attr(f"{base}_q")
+        scale_node = graph.get_attr(f"{base}_scale")
+    q_node.meta["val"] = q_fake
+    with scale_fake.fake_mode:
+        scale_node.meta["val"] = torch.empty(scale_shape, dtype=scale_fake.dtype, device=scale_fake.device)
+    if shared is None:
+        ctx.cached_weights.append(CachedWeight(
+            input_index=index, weight_shape=tuple(weight_val.shape), weight_dtype=weight_val.dtype,
+            derive=derive, spec=spec, q=q, scale=scale, key=key))
+    return q_node, scale_node
+
+
+def _chain_key(chain: list) -> tuple:
+    """The views' ops and constant arguments: equal keys derive the same operand."""
+    return tuple((node.target, torch.fx.node.map_arg((node.args, node.kwargs), lambda _: None)) for node in chain)
+
+
+def _cast_key(spec: GemmSpec) -> tuple:
+    return spec.scaling, spec.b_format, spec.pad_k, spec.pad_n, spec.fused_casts
