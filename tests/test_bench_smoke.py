@@ -72,3 +72,41 @@ def test_harness_runs_every_model_and_records_failures(tmp_path, one_thread, cap
 
     table = capsys.readouterr().out
     assert "| model" in table and "no_such_config" in table and "FP8 ceiling" in table
+
+
+def test_infer_harness_times_each_batch_and_records_errors(tmp_path, one_thread, capsys):
+    from benchmarks import infer
+    # Off CUDA a reduce-overhead name runs as its default-mode twin.
+    assert infer.config_for_device("loka_ro_no_cached_weights", cuda=False) == "loka_no_cached_weights"
+    assert infer.config_for_device("torchao_rowwise_ro", cuda=False) == "torchao_rowwise"
+    assert infer.config_for_device("inductor_bf16_ro", cuda=True) == "inductor_bf16_ro"
+    loka = "loka" in torch._dynamo.list_backends(exclude_tags=())
+    path = infer.main([
+        "--models", "dlrm_dcnv2", "--preset", "tiny", "--configs", "inductor_bf16,loka_ro",
+        "--batches", "1,16", "--iters", "2", "--warmup", "3", "--device", "cpu", "--cpu-threads", "1",
+        "--out", str(tmp_path), "--name", "infer_smoke",
+    ])
+    assert path == tmp_path / "infer_smoke.json"
+    result = json.loads(path.read_text())
+    assert {"device", "torch", "triton", "torchao", "date"} <= set(result["env"])
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"inductor_bf16", "loka"}
+    for c, r in rows.items():
+        if c == "loka" and not loka:
+            assert r["error"] and not r["per_batch"]
+            continue
+        assert r["error"] is None, (c, r["error"])
+        assert r["mode"] == "default" and [e["batch"] for e in r["per_batch"]] == [1, 16]
+        for e in r["per_batch"]:
+            for key in ("median_ms", "p10_ms", "p90_ms", "rows_per_s", "speedup_vs_inductor_bf16"):
+                assert isinstance(e[key], float) and math.isfinite(e[key]) and e[key] > 0, (c, key, e[key])
+            assert e["p10_ms"] <= e["median_ms"] <= e["p90_ms"]
+        # bf16 (or FP8) against an fp32 copy at the largest batch: small but not zero error.
+        assert r["error_batch"] == 16 and 0 < r["out_relerr"] < 0.1
+    assert all(e["speedup_vs_inductor_bf16"] == pytest.approx(1.0) for e in rows["inductor_bf16"]["per_batch"])
+    if loka:
+        report = rows["loka"]["loka_report"]
+        assert report["summary"].startswith("loka:") and "cached_weights" in report["mods"]
+
+    table = capsys.readouterr().out
+    assert "| model" in table and "ms@16" in table and "x@1" in table

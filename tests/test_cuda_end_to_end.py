@@ -134,7 +134,9 @@ def test_casts_of_norm_and_activation_outputs_are_fused_into_their_kernels(train
     # or read across their producer's rows)
     assert len(fused) == (3 if training else 2), str(casts)
     assert any("layer_norm" in c for c in fused), str(casts)
-    standalone = len(casts) - len(fused)
+    cached = [c for c in casts if c.startswith("cached weight")]
+    assert len(cached) == (0 if training else 3), str(casts)  # inference weights: no cast per call
+    standalone = len(casts) - len(fused) - len(cached)
     extra = _generated_kernels(loka_code) - _generated_kernels(bf16_code)
     print(f"\nkernels: bf16 {_generated_kernels(bf16_code)}, loka {_generated_kernels(loka_code)}, "
           f"casts fused {len(fused)}, standalone {standalone}")
@@ -144,3 +146,22 @@ def test_casts_of_norm_and_activation_outputs_are_fused_into_their_kernels(train
         assert standalone <= extra <= 2 * standalone
     else:
         assert extra == standalone
+
+
+def test_cached_weights_follow_in_place_updates_under_cuda_graphs():
+    """The FP8 weight copies are constants of the CUDA graph: refreshed in place before a
+    replay, they carry an optimizer step or load_state_dict into the next call."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    model = model.cuda().bfloat16().eval()
+    compiled = torch.compile(model, backend="loka", mode="reduce-overhead", options={"speed_check": False})
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(3):  # record, then replay
+            torch.compiler.cudagraph_mark_step_begin()
+            compiled(x)
+        assert len(loka_compile.report(compiled).cached_weights) == 2
+        model[2].weight.mul_(-3)
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(x).clone()
+        reference = model.float()(x.float())
+    assert sqnr_db(reference, out) > 20.0

@@ -15,6 +15,7 @@ import triton.runtime.interpreter  # noqa: E402
 
 from loka_compile.kernels import triton_norm_quant as nq  # noqa: E402
 from loka_compile.kernels.quantize import Fp8Format, quantize_along  # noqa: E402
+from tests.numerics import rel_error  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(nq._norm_fwd_kernel, triton.runtime.interpreter.InterpretedFunction):
     pytest.skip("loka's Triton kernels were imported before TRITON_INTERPRET=1 was set; "
@@ -27,11 +28,6 @@ EPS = 1e-5
 # outputs within 1e-5. Backward: relative Frobenius error of each gradient.
 FWD_TOL = {torch.bfloat16: dict(rtol=2 ** -8, atol=2 ** -8), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 BWD_REL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(shape, dtype, affine):
@@ -86,15 +82,15 @@ def test_norm_backward(shape, dtype, affine):
     dx, dw, db = nq.norm_backward(dy, x, w, mean, rstd, rms=False)
     ref = nq.layer_norm_backward_reference(dy.double(), x.double(), w if w is None else w.double(),
                                            b if b is None else b.double(), EPS)
-    assert rel_err(dx, ref[0]) < BWD_REL[dtype]
+    assert rel_error(ref[0], dx) < BWD_REL[dtype]
     if affine:
-        assert rel_err(dw, ref[1]) < BWD_REL[dtype] and rel_err(db, ref[2]) < BWD_REL[dtype]
+        assert rel_error(ref[1], dw) < BWD_REL[dtype] and rel_error(ref[2], db) < BWD_REL[dtype]
     _, _, _, _, rstd = nq.norm_quant_forward(x, w, None, EPS, "e4m3", False, rms=True, write_y=False, write_q=True)
     dx, dw, _ = nq.norm_backward(dy, x, w, None, rstd, rms=True)
     ref = nq.rms_norm_backward_reference(dy.double(), x.double(), w if w is None else w.double(), EPS)
-    assert rel_err(dx, ref[0]) < BWD_REL[dtype]
+    assert rel_error(ref[0], dx) < BWD_REL[dtype]
     if affine:
-        assert rel_err(dw, ref[1]) < BWD_REL[dtype]
+        assert rel_error(ref[1], dw) < BWD_REL[dtype]
 
 
 def test_layer_norm_quant_autograd_matches_reference():
@@ -107,7 +103,7 @@ def test_layer_norm_quant_autograd_matches_reference():
     y_ref = torch.nn.functional.layer_norm(ref_leaves[0], (96,), ref_leaves[1], ref_leaves[2], EPS)
     (y_ref * g.double()).sum().backward()
     for mine, ref in zip(leaves, ref_leaves):
-        assert rel_err(mine.grad, ref.grad) < 1e-5
+        assert rel_error(ref.grad, mine.grad) < 1e-5
 
 
 def test_rms_norm_quant_autograd_matches_reference():
@@ -118,7 +114,7 @@ def test_rms_norm_quant_autograd_matches_reference():
     (y * g).sum().backward()
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     ((xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + EPS) * wr) * g.double()).sum().backward()
-    assert rel_err(xl.grad, xr.grad) < 1e-5 and rel_err(wl.grad, wr.grad) < 1e-5
+    assert rel_error(xr.grad, xl.grad) < 1e-5 and rel_error(wr.grad, wl.grad) < 1e-5
 
 
 @pytest.mark.parametrize("shape, dtype", [((13, 256), torch.bfloat16), ((67, 768), torch.float32)])
@@ -134,7 +130,7 @@ def test_block_norm_forward_backward(shape, dtype):
     assert torch.equal(y2, y) and torch.equal(rstd2, rstd)
     dy = torch.randn(shape, device=DEVICE).to(dtype)
     dx = nq.block_norm_backward_launch(dy, x, rstd)
-    assert rel_err(dx, nq.block_norm_backward_reference(dy.double(), x.double(), 1e-6)) < BWD_REL[dtype]
+    assert rel_error(nq.block_norm_backward_reference(dy.double(), x.double(), 1e-6), dx) < BWD_REL[dtype]
     xl = x.clone().requires_grad_()
     y3, *_ = torch.ops.loka.block_norm_quant(xl, 1e-6, "e5m2")
     (y3.float() * dy.float()).sum().backward()
@@ -219,7 +215,7 @@ def test_cuda_norm_quant(shape):
     dy = torch.randn_like(x)
     dx, dw, db = nq.norm_backward(dy, x, w, mean, rstd, rms=False)
     ref = nq.layer_norm_backward_reference(dy, x, w, b, EPS)
-    assert rel_err(dx, ref[0]) < 1e-2 and rel_err(dw, ref[1]) < 1e-2 and rel_err(db, ref[2]) < 1e-2
+    assert rel_error(ref[0], dx) < 1e-2 and rel_error(ref[1], dw) < 1e-2 and rel_error(ref[2], db) < 1e-2
     y, q, s, _, rstd = nq.norm_quant_forward(x, w, None, EPS, "e5m2", True, rms=True, write_y=True, write_q=True)
     torch.testing.assert_close(y.double(), nq.rms_norm_reference(x.double(), w.double(), EPS)[0],
                                **FWD_TOL[torch.bfloat16])
@@ -230,7 +226,7 @@ def test_cuda_norm_quant(shape):
                                    **FWD_TOL[torch.bfloat16])
         _assert_fp8_is_reference_cast(y, q, s, "e4m3")
         dx = nq.block_norm_backward_launch(dy, x, rstd)
-        assert rel_err(dx, nq.block_norm_backward_reference(dy, x, 1e-6)) < 1e-2
+        assert rel_error(nq.block_norm_backward_reference(dy, x, 1e-6), dx) < 1e-2
 
 
 @pytest.mark.cuda

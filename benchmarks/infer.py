@@ -1,0 +1,584 @@
+"""Inference benchmark over the LRM zoo: latency, throughput and output error per batch size.
+
+    python -m benchmarks.infer --models dlrm_dcnv2 --preset tiny --configs inductor_bf16,loka --batches 1,32
+
+For every model, every configuration starts from a deep copy of the same fp32 initial
+model, cast to bf16 (the embedding tables stay fp32), in `.eval()`, and every call below runs
+under `torch.no_grad()`, so Dynamo traces inference graphs (loka's `cached_weights` Mod
+applies to those only). In one process:
+
+- latency: for each batch size of `--batches`, `--warmup` untimed calls (the first compiles
+  that size; under CUDA graphs the next ones record), then `--iters` timed calls, one CUDA
+  event pair around each call on GPU (time.perf_counter on CPU, where calls are
+  synchronous); the row keeps the median and the p10 / p90 of the per-call times
+  (`median_ms`, `p10_ms`, `p90_ms`), the throughput `rows_per_s` = batch / median, the
+  GEMM TFLOP/s at the median, and `first_call_s`, the wall time of the first call (the
+  compile of that size);
+- inputs: `--pool` (default 4) distinct synthetic batches per batch size
+  (`benchmarks.zoo.SyntheticRecsysData`, held-out stream), made once per model before any
+  configuration runs and cycled through call after call, so no call sees the same input
+  as the one before and no data is generated while timing;
+- speedup: Inductor bf16 median / this config's median at the same batch size in the same
+  run, against Inductor in the same mode (`inductor_bf16_ro` for reduce-overhead rows,
+  `inductor_bf16` for default-mode and eager rows; `speedup_ref` names it);
+- error: after timing, at the largest batch size that ran (`error_batch`), the output of
+  the config on the first pool batch against an fp32 copy of the initial model on the same
+  input, ||out - ref|| / ||ref|| (`out_relerr`; TF32 off for the reference);
+- loka rows also record `loka_report`: the first line of `str(loka_compile.report(...))`,
+  `report.mods` (what each Mod did) and `report.cached_weight_bytes` (FP8 weight copies,
+  and the bf16 bytes they stand for). Each batch size is its own graph (see shapes below),
+  so the counts cover the graphs of every batch size that ran.
+
+Shapes: by default Dynamo's automatic dynamic shapes are off, so each batch size compiles
+its own static graph (and, under reduce-overhead, records its own CUDA graph), as a server
+with fixed batch buckets would; `--dynamic-shapes` lets Dynamo generalize instead.
+
+CPU: timings there check the harness, not loka; tiny presets default to one torch thread
+(`--cpu-threads`), since two OpenMP threads on a shared two-core box made whole runs of
+tiny calls about 100x slower, at random.
+
+Scope: by default (`--compile-scope dense`) only the dense arch is compiled and timed; the
+EmbeddingBag lookups run eagerly in fp32 once per pool batch, before any config, and their
+outputs are the timed calls' inputs (in production they are TorchRec/FBGEMM's, and they
+cost every config the same). `--compile-scope model` compiles and times the whole model,
+lookups included.
+
+Configurations (`--configs`; `all` = every named one):
+- inductor_bf16_ro: torch.compile(mode="reduce-overhead") (CUDA graphs);
+- loka_ro: backend "loka" in reduce-overhead mode, its defaults (Dispatch speed check on);
+- loka_all_fp8_ro: loka with {"speed_check": False}, every eligible site FP8;
+- loka_ro_no_cached_weights: loka_all_fp8_ro with {"disabled_mods": ["cached_weights"]}:
+  the weights cast to FP8 on every call instead of once;
+- torchao_rowwise_ro, torchao_tensorwise_ro: torchao post-training quantization,
+  `quantize_(dense, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`
+  (`PerTensor()`) on the Linears whose both dims are multiples of 16, then
+  torch.compile(mode="reduce-overhead"); CUDA only (error rows elsewhere). Inductor's
+  config is restored before every config, since quantize_ may change it;
+- the same without CUDA graphs (default mode): inductor_bf16, loka, loka_all_fp8,
+  loka_no_cached_weights, torchao_rowwise, torchao_tensorwise; and eager_bf16.
+Off CUDA a `_ro` name runs as its default-mode twin (CUDA graphs need CUDA). Loka rows
+take --loka-options under their own options; the JSON records both (`loka_options`).
+
+Each configuration runs inside try/except: a failure (a crash, an unavailable backend, an
+option the installed loka does not know, a time budget) becomes a row with `error` set,
+never an abort; batch sizes measured before a budget ran out stay in the row. Results go
+to `<out>/<date>_<device>_infer.json` (merged with rows of other models or configs
+already there), rewritten after every row, and a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.train import (_ALL_FP8, BudgetExceeded, Config, _error_text, _fmt, _fp8_linear_filter,
+                              _relerr, _torchao_import, compile_unit, device_tag, environment, log,
+                              loka_options_for, write_json)
+from benchmarks.zoo import MODEL_NAMES, SyntheticRecsysData, build_model, count_parameters, to_dense_dtype
+
+# ------------------------------------------------------------------ configurations
+
+_NO_CACHED_WEIGHTS = _ALL_FP8 + (("disabled_mods", ("cached_weights",)),)
+
+
+# (default-mode name, reduce-overhead name, kind, Config fields): each a pair of rows.
+_TWINS = [
+    ("inductor_bf16", "inductor_bf16_ro", "inductor", {}),
+    ("loka", "loka_ro", "loka", {}),
+    ("loka_all_fp8", "loka_all_fp8_ro", "loka", {"options": _ALL_FP8}),
+    ("loka_no_cached_weights", "loka_ro_no_cached_weights", "loka",
+     {"options": _NO_CACHED_WEIGHTS, "ablated": "cached_weights"}),
+    ("torchao_rowwise", "torchao_rowwise_ro", "torchao", {"recipe": "rowwise"}),
+    ("torchao_tensorwise", "torchao_tensorwise_ro", "torchao", {"recipe": "tensorwise"}),
+]
+CONFIGS: dict[str, Config] = {c.name: c for c in [
+    Config("eager_bf16", "eager", "eager"),
+    *(c for name, ro, kind, kw in _TWINS
+      for c in (Config(name, kind, "default", **kw), Config(ro, kind, "reduce-overhead", **kw))),
+]}
+# The default-mode twin of each reduce-overhead config: what a `_ro` name runs off CUDA.
+NO_CUDA_GRAPHS = {ro: name for name, ro, _, _ in _TWINS}
+DEFAULT_CONFIGS = ("inductor_bf16_ro", "loka_ro", "loka_all_fp8_ro", "loka_ro_no_cached_weights",
+                   "torchao_rowwise_ro", "torchao_tensorwise_ro")
+# Speedups are against Inductor bf16 in the same mode.
+SPEEDUP_REF = {"reduce-overhead": "inductor_bf16_ro", "default": "inductor_bf16", "eager": "inductor_bf16"}
+DEFAULT_BATCHES = {"cuda": "1,64,512,4096,8192", "tiny": "1,64"}
+
+
+def config_for_device(name: str, cuda: bool) -> str:
+    """`name`, or off CUDA its default-mode twin when it is a reduce-overhead config."""
+    return name if cuda else NO_CUDA_GRAPHS.get(name, name)
+
+
+def resolve_config(name: str) -> Config:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}")
+    return CONFIGS[name]
+
+
+def _quantize_torchao(dense: nn.Module, recipe: str) -> None:
+    """torchao float8 post-training quantization (dynamic activations, float8 weights) of the
+    Linears of `dense` whose both GEMM dims are multiples of 16."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
+    try:
+        from torchao.quantization import PerRow, PerTensor
+    except ImportError:
+        from torchao.quantization.granularity import PerRow, PerTensor
+    granularity = {"rowwise": PerRow, "tensorwise": PerTensor}[recipe]()
+    quantize_(dense, Float8DynamicActivationFloat8WeightConfig(granularity=granularity),
+              filter_fn=_fp8_linear_filter)
+
+
+def prepare(master: nn.Module, cfg: Config, scope: str, loka_options: dict | None, device: torch.device):
+    """A deep copy of the fp32 master (its dense arch only under --compile-scope dense) cast
+    to cfg.dtype, in eval mode, quantized for torchao rows, and compiled: (module, callable)."""
+    if cfg.kind == "torchao":
+        if device.type != "cuda":
+            raise RuntimeError(f"torchao float8 inference needs a CUDA device with FP8 support, not {device.type}")
+        version, why = _torchao_import()
+        if version is None:
+            raise ModuleNotFoundError(f"torchao is not importable ({why})")
+    if scope == "dense":
+        unit = copy.deepcopy(master.dense).to(cfg.dtype)
+        dense = unit
+    else:
+        unit = to_dense_dtype(copy.deepcopy(master), cfg.dtype)
+        dense = unit.dense
+    unit.eval()
+    if cfg.kind == "torchao":
+        _quantize_torchao(dense, cfg.recipe)
+    return unit, compile_unit(unit, cfg, loka_options)
+
+
+# ------------------------------------------------------------------ per-model setup
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    min_ms: float
+
+
+def summarize_ms(ms: list[float]) -> Timing:
+    """Median, p10 and p90 (linear interpolation between the per-call times), min."""
+    if len(ms) >= 2:
+        deciles = statistics.quantiles(ms, n=10, method="inclusive")
+        p10, p90 = deciles[0], deciles[-1]
+    else:
+        p10 = p90 = ms[0]
+    return Timing(statistics.median(ms), p10, p90, min(ms))
+
+
+class ModelSetup:
+    """The fp32 master model, each batch size's pool of inputs and the fp32 references
+    shared by every config of one model."""
+
+    def __init__(self, name: str, args, device: torch.device, batches: list[int]):
+        self.name, self.args, self.device = name, args, device
+        self.master, self.spec = build_model(name, args.preset, seed=args.seed, device=device)
+        self.master.eval()
+        self.unit = self.master.dense if args.compile_scope == "dense" else self.master
+        data = SyntheticRecsysData(self.spec, seed=2000 + args.seed)
+        self.pools: dict[int, list[tuple]] = {}
+        with torch.no_grad():
+            for b in batches:
+                pool = []
+                for i in range(args.pool):
+                    batch = data.batch(i, b, device)
+                    inputs = (self.master.sparse(*batch.model_inputs()) if args.compile_scope == "dense"
+                              else batch.model_inputs())
+                    pool.append(inputs)
+                _check_pool(name, b, pool)
+                self.pools[b] = pool
+        self._refs: dict[int, torch.Tensor] = {}
+        self.params = count_parameters(self.master)
+        self.gflops_per_sample = self._count_flops(data)
+
+    def reference(self, batch: int) -> torch.Tensor:
+        """fp32 output of the initial model on the first pool batch of this size."""
+        if batch not in self._refs:
+            with torch.no_grad():
+                self._refs[batch] = self.unit(*self.pools[batch][0]).detach().double()
+        return self._refs[batch]
+
+    def _count_flops(self, data: SyntheticRecsysData) -> float:
+        """GEMM FLOPs of one fp32 forward, per sample."""
+        from torch.utils.flop_counter import FlopCounterMode
+        b = 16
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            self.master(*data.batch(10**9, b, self.device).model_inputs())
+        return counter.get_total_flops() / b / 1e9
+
+
+def _check_pool(name: str, batch: int, pool: list[tuple]) -> None:
+    """Every pool batch's float inputs are not all zero, and the first two differ."""
+    floats = [[t for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()] for inputs in pool]
+    for ts in floats:
+        if not ts or all(not t.any() for t in ts):
+            raise ValueError(f"{name}: an all-zero input at batch {batch}")
+    if len(floats) >= 2 and all(torch.equal(a, b) for a, b in zip(floats[0], floats[1])):
+        raise ValueError(f"{name}: pool batches at batch {batch} are not distinct")
+
+
+# ------------------------------------------------------------------ one config
+
+
+def _base_row(model: str, cfg_name: str, args, batches: list[int]) -> dict:
+    cfg = CONFIGS.get(cfg_name)
+    return {
+        "model": model, "preset": args.preset, "config": cfg_name, "mode": cfg.mode if cfg else None,
+        "compile_scope": args.compile_scope, "dynamic_shapes": args.dynamic_shapes,
+        "loka_options": loka_options_for(cfg, args.loka_options) if cfg and cfg.kind == "loka" else None,
+        "disabled_mods": [cfg.ablated] if cfg and cfg.ablated else None,
+        "batch_sizes": list(batches), "warmup": args.warmup, "iters": args.iters, "pool": args.pool,
+        "per_batch": [], "speedup_ref": SPEEDUP_REF.get(cfg.mode) if cfg else None,
+        "error_batch": None, "out_relerr": None, "loka_report": None,
+        "dense_params": None, "sparse_params": None, "gflops_per_sample": None, "wall_s": None, "error": None,
+    }
+
+
+def _time_batch(fn, pool: list[tuple], warmup: int, iters: int, cuda: bool, cudagraphs: bool) -> tuple[float, Timing]:
+    """(first call's wall seconds, timing of `iters` calls after `warmup` calls), cycling
+    through `pool`."""
+    def call(i):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(*pool[i % len(pool)])
+
+    t0 = time.perf_counter()
+    call(0)
+    if cuda:
+        torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    for i in range(1, warmup):
+        call(i)
+    if cuda:
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for i, (start, end) in enumerate(events):
+            start.record()
+            call(warmup + i)
+            end.record()
+        torch.cuda.synchronize()
+        ms = [start.elapsed_time(end) for start, end in events]
+    else:
+        ms = []
+        for i in range(iters):
+            t = time.perf_counter()
+            call(warmup + i)
+            ms.append((time.perf_counter() - t) * 1e3)
+    return first_s, summarize_ms(ms)
+
+
+def loka_report_summary(compiled) -> dict:
+    """First line of str(report), report.mods and report.cached_weight_bytes (if this loka
+    has it) of the graphs loka compiled for `compiled`."""
+    import loka_compile
+    report = loka_compile.report(compiled)
+    out = {"summary": str(report).splitlines()[0], "mods": dict(report.mods)}
+    if hasattr(report, "cached_weight_bytes"):
+        fp8_bytes, bf16_bytes = report.cached_weight_bytes
+        out["cached_weight_bytes"] = {"fp8": fp8_bytes, "bf16": bf16_bytes}
+    return out
+
+
+def _restore_inductor_config(snapshot) -> None:
+    if snapshot is not None:
+        torch._inductor.config.load_config(snapshot)
+
+
+def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, inductor_config=None) -> dict:
+    row = _base_row(setup.name, cfg_name, args, list(setup.pools))
+    row.update(dense_params=setup.params["dense"], sparse_params=setup.params["sparse"],
+               gflops_per_sample=setup.gflops_per_sample)
+    device = setup.device
+    cuda = device.type == "cuda"
+    start = time.perf_counter()
+    unit = fn = None
+    try:
+        cfg = resolve_config(cfg_name)
+        if deadline is not None and time.perf_counter() > deadline:
+            raise BudgetExceeded("skipped: --total-seconds budget spent before this config")
+        torch._dynamo.reset()
+        _restore_inductor_config(inductor_config)
+        unit, fn = prepare(setup.master, cfg, args.compile_scope, args.loka_options, device)
+        cudagraphs = cuda and cfg.mode == "reduce-overhead"
+        budget_end = start + args.max_seconds
+        done: list[int] = []
+        with torch.no_grad():
+            for b, pool in setup.pools.items():
+                now = time.perf_counter()
+                if now > budget_end or (deadline is not None and now > deadline):
+                    flag = "--max-seconds" if now > budget_end else "--total-seconds"
+                    raise BudgetExceeded(f"{flag} spent after batches {done}; skipped "
+                                         f"{[x for x in setup.pools if x not in done]}")
+                first_s, t = _time_batch(fn, pool, args.warmup, args.iters, cuda, cudagraphs)
+                if not all(math.isfinite(v) and v > 0 for v in (t.median_ms, t.p10_ms, t.p90_ms)):
+                    raise RuntimeError(f"bad timing at batch {b}: {t}")
+                row["per_batch"].append({
+                    "batch": b, "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
+                    "min_ms": t.min_ms, "rows_per_s": b * 1e3 / t.median_ms,
+                    "tflops": setup.gflops_per_sample * b / t.median_ms, "first_call_s": round(first_s, 3),
+                    "speedup_vs_inductor_bf16": None,
+                })
+                done.append(b)
+                log(f"  {setup.name}/{cfg_name}: batch {b}: {t.median_ms:.4f} ms "
+                    f"(p10 {t.p10_ms:.4f}, p90 {t.p90_ms:.4f}; first call {first_s:.1f}s)")
+    except Exception as e:  # noqa: BLE001 - every failure becomes a row
+        row["error"] = _error_text(e)
+        log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}")
+    # Output error and loka's report for whatever ran, even when a budget cut the row short.
+    if fn is not None and row["per_batch"]:
+        try:
+            b = max(r["batch"] for r in row["per_batch"])
+            with torch.no_grad():
+                if cuda and cfg.mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                out = fn(*setup.pools[b][0]).detach().double().clone()
+            row["error_batch"], row["out_relerr"] = b, _relerr(out, setup.reference(b))
+            log(f"  {setup.name}/{cfg_name}: out_relerr {row['out_relerr']:.3e} at batch {b}")
+            if not math.isfinite(row["out_relerr"]):
+                raise FloatingPointError(f"output error is {row['out_relerr']} at batch {b}")
+        except Exception as e:  # noqa: BLE001
+            row["error"] = row["error"] or f"error measurement: {_error_text(e)}"
+            log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}")
+        if cfg.kind == "loka":
+            try:
+                row["loka_report"] = loka_report_summary(fn)
+                log(f"  {setup.name}/{cfg_name}: {row['loka_report']['summary']}")
+            except Exception as e:  # noqa: BLE001 - a report failure costs the report only
+                row["loka_report"] = {"error": _error_text(e)}
+    row["wall_s"] = round(time.perf_counter() - start, 2)
+    del unit, fn
+    try:  # a broken CUDA context must not take the remaining configs' rows with it
+        gc.collect()
+        torch._dynamo.reset()
+        if "loka_compile" in sys.modules:  # loka's graph records hold its FP8 weight copies
+            sys.modules["loka_compile"].reset()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        log(f"  {setup.name}/{cfg_name}: cleanup failed: {_error_text(e)}")
+        row["error"] = row["error"] or f"cleanup: {_error_text(e)}"
+    return row
+
+
+def fill_speedups(rows: list[dict]) -> None:
+    """Each batch entry's speedup against Inductor bf16 in the row's mode, same model and
+    batch size, rows of this run."""
+    by = {(r["model"], r["preset"], r["compile_scope"], r["config"]): r for r in rows}
+    for r in rows:
+        ref = by.get((r["model"], r["preset"], r["compile_scope"], r["speedup_ref"]))
+        ref_ms = {e["batch"]: e["median_ms"] for e in ref["per_batch"]} if ref else {}
+        for e in r["per_batch"]:
+            e["speedup_vs_inductor_bf16"] = ref_ms[e["batch"]] / e["median_ms"] if e["batch"] in ref_ms else None
+
+
+# ------------------------------------------------------------------ output
+
+
+def _row_key(r: dict) -> tuple:
+    return (r["model"], r["preset"], r["config"], r.get("compile_scope"))
+
+
+def format_table(rows: list[dict]) -> str:
+    """Per row: model, config, median ms and speedup at each batch size, output error, error."""
+    from tabulate import tabulate
+    batches = sorted({e["batch"] for r in rows for e in r["per_batch"]} | {b for r in rows for b in r["batch_sizes"]})
+    cols = ["model", "config"] + [c for b in batches for c in (f"ms@{b}", f"x@{b}")] + ["out_err", "error"]
+    table = []
+    for r in rows:
+        at = {e["batch"]: e for e in r["per_batch"]}
+        cells = []
+        for b in batches:
+            e = at.get(b, {})
+            cells += [_fmt(e.get("median_ms"), ".4f"), _fmt(e.get("speedup_vs_inductor_bf16"), ".2f")]
+        err = r.get("error") or ""
+        table.append([r["model"], r["config"], *cells, _fmt(r["out_relerr"], ".2e"),
+                      err if len(err) <= 60 else err[:57] + "..."])
+    refs = sorted({r["speedup_ref"] for r in rows if r["speedup_ref"]})
+    return (tabulate(table, headers=cols, tablefmt="github")
+            + f"\nms@B: median ms per call at batch B; x@B: speedup vs {' / '.join(refs) or 'Inductor bf16'} "
+              "(same mode); out_err: vs fp32 at the largest batch that ran")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Speedup vs Inductor bf16 against batch size, one panel per model, a line per config."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        for r in rows:
+            pts = [(e["batch"], e["speedup_vs_inductor_bf16"]) for e in r["per_batch"]
+                   if e["speedup_vs_inductor_bf16"] is not None]
+            if r["model"] != m or not pts or r["config"] == r["speedup_ref"]:
+                continue
+            ax.plot(*zip(*pts), marker="o", label=r["config"])
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{m}: inference speedup vs Inductor bf16", fontsize=9)
+        ax.set_xlabel("batch size")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+NOTES = {
+    "per_batch": "median/p10/p90 ms per call over --iters calls after --warmup (CUDA events on GPU, "
+                 "perf_counter on CPU); rows_per_s = batch / median; first_call_s = compile of that size",
+    "speedup_vs_inductor_bf16": "Inductor bf16 median / this median, same mode (speedup_ref), same batch, same run",
+    "out_relerr": "||out - ref|| / ||ref|| vs an fp32 copy of the initial model, first pool batch of error_batch",
+    "inputs": "--pool distinct synthetic batches per batch size, cycled; made before any config",
+    "compile_scope": "dense: lookups eager fp32 once per pool batch, untimed; dense arch compiled and timed",
+    "dynamic_shapes": "false: one static graph (and CUDA graph) per batch size",
+    "loka_report": "first line of str(loka_compile.report(compiled)), report.mods, cached_weight_bytes; "
+                   "over the graphs of every batch size",
+}
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.infer", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODEL_NAMES), help=f"comma list of {', '.join(MODEL_NAMES)}")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "paper"])
+    p.add_argument("--batches", default=None,
+                   help=f"comma list of batch sizes; default {DEFAULT_BATCHES['cuda']} on CUDA, "
+                        f"{DEFAULT_BATCHES['tiny']} for tiny presets off CUDA")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma list, or 'all'; known: {', '.join(CONFIGS)} (off CUDA, _ro names run "
+                        "their default-mode twin)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per batch size (>= 3; the first compiles)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per batch size")
+    p.add_argument("--pool", type=int, default=4, help="distinct input batches per batch size, cycled")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads on CPU; default 1 for tiny presets on CPU (with 2 OpenMP "
+                        "threads on a shared 2-core box, tiny calls were at times 100x slower), 0 = torch's choice")
+    p.add_argument("--compile-scope", default="dense", choices=["dense", "model"])
+    p.add_argument("--dynamic-shapes", action="store_true",
+                   help="let Dynamo make the batch dimension dynamic (default: a static graph per batch size)")
+    p.add_argument("--loka-options", type=json.loads, default=None,
+                   help='JSON dict merged under the loka rows\' own options, e.g. \'{"probe_steps": 10}\'')
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=300.0,
+                   help="per-config budget: no further batch size starts once spent (row gets an error)")
+    p.add_argument("--total-seconds", type=float, default=None,
+                   help="whole-run budget: no config or batch size starts once spent (skipped rows)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON (and PNG)")
+    p.add_argument("--name", default=None, help="file stem instead of <date>_<device>_infer")
+    p.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.warmup < 3 or args.iters < 1 or args.pool < 1:
+        p.error("--warmup must be >= 3 (compile, CUDA graph warmup and recording), --iters and --pool >= 1")
+    return args
+
+
+def _device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(spec)
+
+
+def main(argv=None) -> Path:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    device = _device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    threads = args.cpu_threads if args.cpu_threads is not None else (1 if not cuda and args.preset == "tiny" else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    # fp32 references must be real fp32, not TF32.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    batches_arg = args.batches or DEFAULT_BATCHES["cuda" if cuda or args.preset == "paper" else "tiny"]
+    batches = list(dict.fromkeys(int(b) for b in batches_arg.split(",") if b.strip()))
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"--batches: positive batch sizes needed, got {batches_arg!r}")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    requested = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c.strip()]
+    configs = list(dict.fromkeys(config_for_device(c, cuda) for c in requested))
+    if configs != requested:
+        log(f"no CUDA graphs on {device.type}: running {configs} for {requested}")
+    env = environment(device, args)
+    env["argv"] = list(argv) if argv is not None else sys.argv[1:]
+    env["notes"] = NOTES
+    env["cpu_threads"] = torch.get_num_threads()
+    stem = args.name or f"{env['date']}_{device_tag(device)}_infer"
+    out_path = Path(args.out) / f"{stem}.json"
+    deadline = None if args.total_seconds is None else t_start + args.total_seconds
+    log(f"device {env['device']}, torch {env['torch']}, "
+        f"torchao {env['torchao'] or 'unavailable: ' + str(env['torchao_import_error'])}, "
+        f"loka registered: {env['loka_registered']}; models {models}; configs {configs}; "
+        f"preset {args.preset}, batches {batches}; writing {out_path}")
+
+    try:
+        inductor_config = torch._inductor.config.save_config()
+    except Exception as e:  # noqa: BLE001 - without a snapshot, rows run in the process's config
+        log(f"Inductor config snapshot failed ({_error_text(e)}); torchao rows may change later rows' config")
+        inductor_config = None
+    dynamo = {"automatic_dynamic_shapes": args.dynamic_shapes}
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    dynamo[limit] = max(getattr(torch._dynamo.config, limit), len(batches) + 4)
+
+    rows: list[dict] = []
+    with torch._dynamo.config.patch(**dynamo):
+        for name in models:
+            try:
+                setup = ModelSetup(name, args, device, batches)
+            except Exception as e:  # noqa: BLE001 - a model that cannot be built still gets rows
+                log(f"{name}: setup failed: {_error_text(e)}")
+                for c in configs:
+                    rows.append({**_base_row(name, c, args, batches), "error": f"setup: {_error_text(e)}"})
+                write_json(out_path, env, rows, key=_row_key)
+                continue
+            log(f"{name}: dense {setup.params['dense']:,} params, sparse {setup.params['sparse']:,}, "
+                f"{setup.gflops_per_sample:.5f} GFLOP/sample forward")
+            for c in configs:
+                log(f"{name}/{c}: start")
+                rows.append(run_config(setup, c, args, deadline, inductor_config))
+                fill_speedups(rows)
+                write_json(out_path, env, rows, key=_row_key)
+            del setup
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    _restore_inductor_config(inductor_config)
+
+    fill_speedups(rows)
+    write_json(out_path, env, rows, key=_row_key)
+    if args.plot:
+        try:
+            plot(rows, out_path.with_suffix(".png"))
+            log(f"plot written to {out_path.with_suffix('.png')}")
+        except Exception as e:  # noqa: BLE001 - a missing matplotlib must not lose the results
+            log(f"plot failed: {_error_text(e)}")
+    log(f"results written to {out_path}")
+    print(format_table(rows), flush=True)
+    return out_path
+
+
+if __name__ == "__main__":
+    main()
