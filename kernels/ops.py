@@ -25,7 +25,7 @@ import torch
 
 from . import providers
 from .gemm_operands import quantize_gemm_operand
-from .quantize import Fp8Format, Scaling
+from .quantize import Fp8Format, Scaling, amax_along, cast_with_scale, quantize_tensorwise, scale_from_amax
 from .scaled_gemm import GemmSpec, padding_for, scaled_gemm
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -137,27 +137,56 @@ def set_observer_sink(sink: Optional[ObserverSink]) -> None:
     _observer_sink[0] = sink
 
 
+def _sample_product(a_sample: torch.Tensor, a_whole: torch.Tensor, b: torch.Tensor, scaling: str,
+                    a_format: str, b_format: str) -> torch.Tensor:
+    """The FP8 product of sampled rows of A with B, each quantized as in the real GEMM: a
+    tensorwise scale comes from the whole of A, so an outlier outside the sample counts."""
+    if Scaling(scaling) is not Scaling.TENSORWISE:
+        return fp8_gemm_reference(a_sample, b, None, scaling, a_format, b_format)
+    a_fmt, b_fmt = Fp8Format(a_format), Fp8Format(b_format)
+    a_scale = scale_from_amax(amax_along(a_whole, finite_only=True), a_fmt)
+    a_dq = cast_with_scale(a_sample, a_scale, a_fmt, non_finite_to_nan=True).float() * a_scale
+    b_q, b_scale = quantize_tensorwise(b, b_fmt)
+    return torch.matmul(a_dq, b_q.float() * b_scale)
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Mean over output rows of ||got_r - ref_r|| / ||ref_r||: every sample counts alike,
+    so one outlier row cannot hide the error of all the others (as one norm over the
+    whole product would)."""
+    row_ref = ref.norm(dim=-1)
+    row_diff = (got.double() - ref).norm(dim=-1)
+    return (row_diff / (row_ref + 1e-6 * row_ref.mean() + 1e-30)).mean().float()
+
+
 def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: str, b_format: str) -> dict:
     """Operand statistics and the FP8 error of a @ b on a row sample, as 0-d fp32 tensors
-    (no host sync). `rel_error` is ||fp8 - ref|| / ||ref||; `mere` the mean element-wise
-    relative error with a floor of 1e-3 * mean |ref| in the denominator."""
+    (no host sync). `rel_error` is the mean over rows of ||fp8 - ref|| / ||ref||; `mere` the mean element-wise
+    relative error with a floor of 1e-3 * mean |ref| in the denominator. A tensorwise site
+    also gets `rel_error_rowwise`, its error under rowwise e4m3 scaling, the finer recipe
+    the Probe may upgrade it to."""
     a2 = a.detach().reshape(-1, a.shape[-2], a.shape[-1])
     b2 = b.detach().reshape(-1, b.shape[-2], b.shape[-1])
     rows = max(1, PROBE_SAMPLE_ROWS // a2.shape[0])
     a_s, b_s = a2[:, :rows].float(), b2.float()
     ref = torch.matmul(a_s.double(), b_s.double())
-    got = fp8_gemm_reference(a_s, b_s, None, scaling, a_format, b_format).double()
+    got = _sample_product(a_s, a2, b_s, scaling, a_format, b_format).double()
     diff = (got - ref).abs()
     ref_abs = ref.abs()
     floor = 1e-3 * ref_abs.mean() + 1e-30
-    return {
+    stats = {
         "a_amax": a.detach().abs().amax().float(),
         "b_amax": b.detach().abs().amax().float(),
         "a_rms": a.detach().float().pow(2).mean().sqrt(),
         "b_rms": b.detach().float().pow(2).mean().sqrt(),
-        "rel_error": (diff.norm() / (ref.norm() + 1e-30)).float(),
+        "rel_error": _relative_error(got, ref),
         "mere": (diff / (ref_abs + floor)).mean().float(),
     }
+    if Scaling(scaling) is Scaling.TENSORWISE:
+        rowwise = fp8_gemm_reference(a_s, b_s, None, Scaling.ROWWISE.value, Fp8Format.E4M3.value,
+                                     Fp8Format.E4M3.value)
+        stats["rel_error_rowwise"] = _relative_error(rowwise, ref)
+    return stats
 
 
 @torch.library.custom_op("loka::observe_gemm", mutates_args=(), tags=_TAGS)

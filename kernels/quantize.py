@@ -3,11 +3,17 @@
 Scale convention (the one `torch._scaled_mm` uses): a quantized tensor `q` with scale
 `s` stands for `q.float() * s`, so `s = amax / fp8_max`.
 
-Non-finite amax policy: an inf or NaN anywhere in a scaling group makes that group's
-scale NaN, so the whole group dequantizes to NaN. Such an input would already make the
-high-precision GEMM non-finite; NaN keeps the failure loud instead of producing finite
-garbage (an inf amax would otherwise give scale inf and quantized zeros). An all-zero
-group gets scale 1 (its quantized values are exact zeros).
+Non-finite policy, so that a bad value spoils no more of the product than it does in
+high precision (the row of A or the column of B it sits in):
+- rowwise and blockwise: an inf or NaN anywhere in a scaling group (a row of A, a column
+  of B, a block) makes that group's scale NaN, so the group dequantizes to NaN. The
+  high-precision GEMM's output row or column is already non-finite there; NaN keeps the
+  failure loud instead of producing finite garbage (an inf amax would otherwise give
+  scale inf and quantized zeros).
+- tensorwise: the one scale comes from the finite values, and each non-finite element
+  becomes NaN by itself. (A NaN scale would turn every row of the product NaN for one bad
+  element.)
+An all-zero group gets scale 1 (its quantized values are exact zeros).
 
 Every quantizer here is the reference that emulation uses and that loka's Triton kernels
 must match bit for bit.
@@ -66,35 +72,45 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = Fal
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
-def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Saturating cast of x / scale to fmt (scale broadcasts against x)."""
-    y = x.float() / scale
-    y = torch.clamp(y, -fmt.max, fmt.max)
+def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+                    non_finite_to_nan: bool = False) -> torch.Tensor:
+    """Saturating cast of x / scale to fmt (scale broadcasts against x); with
+    `non_finite_to_nan`, inf and NaN elements become NaN instead of saturating."""
+    xf = x.float()
+    y = torch.clamp(xf / scale, -fmt.max, fmt.max)
+    if non_finite_to_nan:
+        y = torch.where(torch.isfinite(xf), y, torch.full_like(y, float("nan")))
     return y.to(fmt.dtype)
 
 
-def amax_along(x: torch.Tensor, dim=None) -> torch.Tensor:
+def amax_along(x: torch.Tensor, dim=None, finite_only: bool = False) -> torch.Tensor:
     """fp32 max |x| along `dim` (all of x when None), keepdim; NaN if the slice holds a NaN
-    (amax ignores NaN on some backends; the policy needs NaN to win); 0 for an empty
-    slice. The reduction runs over exactly the slice, so Inductor fuses it with the cast
-    that reads the same slice (and with the op that produced x)."""
+    (amax ignores NaN on some backends; the policy needs NaN to win), or with
+    `finite_only` the max over the finite values; 0 for an empty slice. The reduction runs
+    over exactly the slice, so Inductor fuses it with the cast that reads the same slice
+    (and with the op that produced x)."""
     xf = x.detach().float()
     whole = dim is None
     if whole:
         xf, dim = xf.reshape(-1), 0
+    magnitude = xf.abs()
+    if finite_only:
+        magnitude = torch.where(torch.isfinite(xf), magnitude, torch.zeros_like(magnitude))
     if guard_or_false(xf.shape[dim] == 0):  # a symbolic size is never assumed empty
         amax = torch.zeros_like(xf.sum(dim=dim, keepdim=True))
     else:
-        amax = xf.abs().amax(dim=dim, keepdim=True)
-    amax = torch.where(torch.isnan(xf).any(dim=dim, keepdim=True), torch.full_like(amax, float("nan")), amax)
+        amax = magnitude.amax(dim=dim, keepdim=True)
+    if not finite_only:
+        amax = torch.where(torch.isnan(xf).any(dim=dim, keepdim=True), torch.full_like(amax, float("nan")), amax)
     return amax.reshape(()) if whole else amax
 
 
 def quantize_tensorwise(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False):
-    """One scale for the whole tensor; amax stays on the device (no host sync).
-    Returns (q, scale) with scale a 0-d fp32 tensor."""
-    scale = scale_from_amax(amax_along(x), fmt, power_of_two)
-    return cast_with_scale(x, scale, fmt), scale
+    """One scale for the whole tensor, from its finite values; non-finite elements become
+    NaN (policy above). The amax stays on the device (no host sync). Returns (q, scale)
+    with scale a 0-d fp32 tensor."""
+    scale = scale_from_amax(amax_along(x, finite_only=True), fmt, power_of_two)
+    return cast_with_scale(x, scale, fmt, non_finite_to_nan=True), scale
 
 
 def quantize_along(x: torch.Tensor, dim: int, fmt: Fp8Format, power_of_two: bool = False):

@@ -66,6 +66,11 @@ def _abs_for_amax(x):
 
 
 @triton.jit
+def _is_finite(x):
+    return tl.abs(x) < float("inf")  # false for inf and NaN
+
+
+@triton.jit
 def _scale_from_amax(amax, FP8_MAX, INV_FP8_MAX, RECIPROCAL: tl.constexpr, POW2: tl.constexpr):
     """fp32 dequantization scale from a non-negative amax (inf marks a non-finite group).
 
@@ -218,15 +223,16 @@ def _amax_flat_kernel(
     N, ITERS,
     BLOCK: tl.constexpr,
 ):
-    """Grid-stride amax of a flat tensor; one atomic per program. Non-negative fp32
-    values order like their int32 bits, so an integer atomic max is exact."""
+    """Grid-stride amax of a flat tensor's finite values (the tensorwise policy); one
+    atomic per program. Non-negative fp32 values order like their int32 bits, so an
+    integer atomic max is exact."""
     pid = tl.program_id(0).to(tl.int64)
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for _ in range(0, ITERS):
         x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, _abs_for_amax(x))
+        acc = tl.maximum(acc, tl.where(_is_finite(x), tl.abs(x), 0.0))
         offs += step
     tl.atomic_max(amax_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
 
@@ -249,7 +255,8 @@ def _cast_tensorwise_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, _cast_to_fp8_bytes(x, scale, FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS), mask=mask)
+    q = _cast_to_fp8_bytes(x, scale, FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS)
+    tl.store(q_ptr + offs, tl.where(_is_finite(x), q, _NAN_BYTE).to(tl.uint8), mask=mask)
     if pid == 0:
         tl.store(scale_ptr, scale)
 

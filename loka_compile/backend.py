@@ -61,6 +61,7 @@ class GraphRecord:
     graph_modules: dict = dataclasses.field(default_factory=dict)   # (phase, kind) -> GraphModule
     phase: str = "fp8"
     unsafe: dict = dataclasses.field(default_factory=dict)          # site key -> observed error
+    upgraded: dict = dataclasses.field(default_factory=dict)        # site key -> (tensorwise, rowwise error)
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
     arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
@@ -87,7 +88,8 @@ class LokaPostGradPass(CustomGraphPass):
         # A failure here reaches `_inner_compile`, which compiles the untouched graph.
         record = self.record
         kind = graph_kind(graph)
-        decide = functools.partial(dispatch.decide, config=record.config, phase=self.phase, unsafe_sites=record.unsafe)
+        decide = functools.partial(dispatch.decide, config=record.config, phase=self.phase,
+                                   unsafe_sites=record.unsafe, upgraded_sites=record.upgraded)
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
                           disabled_mods=frozenset(record.config.disabled_mods))
@@ -98,8 +100,8 @@ class LokaPostGradPass(CustomGraphPass):
         log.info("%s/%s (%s): %d GEMM sites, %d in FP8", record.name, kind.value, self.phase, len(ctx.sites), fp8)
 
     def uuid(self) -> str:
-        unsafe = sorted(self.record.unsafe.items())
-        return hashlib.sha256(f"{_passes_digest()}|{self.record.config}|{self.phase}|{unsafe}".encode()).hexdigest()
+        verdicts = sorted(self.record.unsafe.items()), sorted(self.record.upgraded.items())
+        return hashlib.sha256(f"{_passes_digest()}|{self.record.config}|{self.phase}|{verdicts}".encode()).hexdigest()
 
 
 def _is_dynamo_control(error: Exception) -> bool:
@@ -231,19 +233,23 @@ class LokaCompiledGraph:
     def _close_probe_window(self) -> None:
         record = self.record
         keys = [s.key for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites]
-        unsafe = probe.unsafe_sites(keys, record.config.max_probe_error)
+        unsafe, upgraded = probe.verdicts(keys, record.config.max_probe_error)
         # Probe-variant keys name the same nodes as the FP8 variant's (same trace).
         record.unsafe.update(unsafe)
+        record.upgraded.update(upgraded)
         for key, error in unsafe.items():
             log.warning("loka probe: %s keeps high precision (FP8 relative error %.3g > %g)",
                         key, error, record.config.max_probe_error)
+        for key, (tensorwise, rowwise) in upgraded.items():
+            log.warning("loka probe: %s goes rowwise (tensorwise FP8 relative error %.3g > %g, rowwise %.3g)",
+                        key, tensorwise, record.config.max_probe_error, rowwise)
         gm, example_inputs, tracing_context = self._pending
         self._pending = None
         with torch._guards.tracing(tracing_context) if tracing_context is not None else contextlib.nullcontext():
             self.variants["fp8"] = self._compile(gm, example_inputs, "fp8")
         record.phase = "fp8"
-        log.info("%s: probe window closed after %d calls; %d of %d observed sites unsafe",
-                 record.name, self.calls, len(unsafe), len(keys))
+        log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded to rowwise",
+                 record.name, self.calls, len(keys), len(unsafe), len(upgraded))
 
 
 def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode: Optional[str] = None):

@@ -15,7 +15,9 @@ Rules, in order; the first that applies gives the reason:
   role kept in high precision by the recipe   -> recipe_high_precision
   no FP8 hardware and emulation off           -> no_fp8_hardware
   no provider supports the request            -> no_provider
-  Probe measured error above the bound        -> probe_unsafe
+  Probe measured error above the bound        -> probe_unsafe (a tensorwise site whose
+                                                 rowwise error is within it goes rowwise
+                                                 instead, with the errors in its detail)
   graph still in its probe window             -> probing
   the site's FP8 form (casts as they will run, fused or standalone, plus the fastest
   provider's GEMM) not min_fp8_speedup faster than the high-precision GEMM, timed at the
@@ -30,13 +32,13 @@ slower than the high-precision GEMM it replaces.
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch._inductor import list_mode_options
 
 from loka_compile import speed
-from loka_compile.config import LokaConfig
+from loka_compile.config import RECIPES, LokaConfig
 from loka_compile.kernels import providers
 from loka_compile.kernels.scaled_gemm import padding_for
 from loka_compile.passes import Decision, GraphKind, Reason, Site
@@ -64,7 +66,8 @@ def _alignment(site: Site, config: LokaConfig, hardware: bool):
     return k_pad, n_pad
 
 
-def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str, float]) -> Decision:
+def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str, float],
+           upgraded_sites: Optional[Mapping[str, tuple]] = None) -> Decision:
     m, k, n = site.shape
     if site.op == "packed_linear":
         return _fallback(Reason.PACKED_BY_FREEZING, "Inductor's freezing packed the weight for a CPU library "
@@ -86,6 +89,9 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     recipe = config.recipe_spec
     if site.role in recipe.high_precision_roles:
         return _fallback(Reason.RECIPE_HIGH_PRECISION, f"{recipe.name} keeps {site.role.value}")
+    upgrade = (upgraded_sites or {}).get(site.key)
+    if upgrade is not None:  # the Probe found tensorwise unsafe here and rowwise safe
+        recipe = RECIPES["rowwise"]
 
     if not hardware and not config.emulate:
         return _fallback(Reason.NO_FP8_HARDWARE, f"{site.device} has no FP8 and emulate=False")
@@ -97,20 +103,23 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     if not candidates:
         return _fallback(Reason.NO_PROVIDER, f"none for {request.scaling.value} {a_format.value}x{b_format.value}"
                          f"{' batched' if request.batched else ''} on {site.device.type}")
-    padded = ", ".join(f"{dim} padded {size}->{size + pad}" for dim, size, pad in (("K", k, pad_k), ("N", n, pad_n))
+    notes = ", ".join(f"{dim} padded {size}->{size + pad}" for dim, size, pad in (("K", k, pad_k), ("N", n, pad_n))
                        if pad)
+    if upgrade is not None:
+        notes = "; ".join(filter(None, (notes, f"rowwise: the Probe measured tensorwise rel. error {upgrade[0]:.3g}"
+                                                  f" > {config.max_probe_error}, rowwise {upgrade[1]:.3g}")))
     chosen = dict(provider=candidates[0], scaling=recipe.scaling.value, a_format=a_format.value,
                   b_format=b_format.value, pad_k=pad_k, pad_n=pad_n, fast_accum=site.role in recipe.fast_accum_roles)
     if site.key in unsafe_sites:
         return Decision(fp8=False, reason=Reason.PROBE_UNSAFE,
                         detail=f"rel. error {unsafe_sites[site.key]:.3g} > {config.max_probe_error}", **chosen)
     if phase == "probe":
-        return Decision(fp8=False, reason=Reason.PROBING, detail=padded, **chosen)
+        return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.disabled_mods
     shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached) \
         if hardware and config.speed_check else None
     if shape is None:
-        return Decision(fp8=True, reason=Reason.FP8, detail=padded, **chosen)
+        return Decision(fp8=True, reason=Reason.FP8, detail=notes, **chosen)
     try:
         timing = speed.site_timing(shape, chosen["scaling"], chosen["a_format"], chosen["b_format"],
                                    tuple(candidates), graphed=uses_cuda_graphs(config.mode),
@@ -123,7 +132,7 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     measured = dict(bf16_us=round(timing.bf16_us, 2), fp8_us=round(timing.fp8_us, 2))
     others = ", ".join(f"{name} GEMM {us:.1f} us" for name, us in timing.gemm_us.items())
     timings = f"fp8 {timing.fp8_us:.1f} us ({others}; casts {timing.cast_us:.1f} us) vs {timing.bf16_us:.1f} us"
-    detail = "; ".join(filter(None, (padded, timings)))
+    detail = "; ".join(filter(None, (notes, timings)))
     if timing.speedup < config.min_fp8_speedup:
         return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, **chosen, **measured,
                         detail=f"{detail} ({timing.speedup:.2f}x < {config.min_fp8_speedup})")

@@ -15,7 +15,7 @@ import torch
 from loka_compile.kernels import ops
 
 _SUMMED = ("rel_error", "mere", "a_rms", "b_rms")
-_MAXED = ("rel_error", "a_amax", "b_amax")
+_MAXED = ("rel_error", "a_amax", "b_amax", "rel_error_rowwise")
 
 
 class ProbeStore:
@@ -33,7 +33,8 @@ class ProbeStore:
             for name in _SUMMED:
                 sums[name] = stats[name] if name not in sums else sums[name] + stats[name]
             for name in _MAXED:
-                maxes[name] = stats[name] if name not in maxes else torch.maximum(maxes[name], stats[name])
+                if name in stats:  # rel_error_rowwise: tensorwise sites only
+                    maxes[name] = stats[name] if name not in maxes else torch.maximum(maxes[name], stats[name])
 
     def observed(self, key: str) -> int:
         return self._counts.get(key, 0)
@@ -46,7 +47,7 @@ class ProbeStore:
         sums, maxes = self._sums[key], self._maxes[key]
         out = {"observations": count}
         out.update({f"mean_{n}": float(sums[n]) / count for n in _SUMMED})
-        out.update({f"max_{n}": float(maxes[n]) for n in _MAXED})
+        out.update({f"max_{n}": float(maxes[n]) for n in _MAXED if n in maxes})
         return out
 
     def keys(self):
@@ -63,15 +64,22 @@ STORE = ProbeStore()
 ops.set_observer_sink(STORE.record)
 
 
-def unsafe_sites(keys, max_error: float) -> dict:
-    """Sites among `keys` whose largest observed FP8 relative error exceeds max_error
-    (a NaN error counts as unsafe), mapped to that error."""
-    found = {}
+def verdicts(keys, max_error: float) -> tuple[dict, dict]:
+    """(unsafe, upgraded) among `keys`: a site whose largest observed FP8 relative error
+    exceeds max_error (a NaN error counts) is upgraded to rowwise scaling when it was
+    tensorwise and its rowwise error is within the bound ({key: (tensorwise error,
+    rowwise error)}), else unsafe ({key: its error})."""
+    unsafe, upgraded = {}, {}
     for key in keys:
         summary = STORE.summary(key)
         if not summary:
             continue
         worst = summary["max_rel_error"]
-        if not worst <= max_error:
-            found[key] = worst
-    return found
+        if worst <= max_error:
+            continue
+        rowwise = summary.get("max_rel_error_rowwise")
+        if rowwise is not None and rowwise <= max_error:
+            upgraded[key] = (worst, rowwise)
+        else:
+            unsafe[key] = worst
+    return unsafe, upgraded

@@ -25,7 +25,8 @@ How it times (medians of `TIMING_REPEATS` runs of `CALLS_PER_RUN` back-to-back c
 - otherwise: CUDA events around plain calls, so a call that is bound by host work (Python
   dispatch of a small GEMM) is timed as the model will pay it.
 Timings are cached per (shape, layouts, casts, dtype, device, recipe, providers, graphed)
-for the life of the process.
+for the life of the process, and kept across processes in the performance database
+(`perfdb.py`), keyed also by the GPU and the torch and triton versions.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ log = logging.getLogger("loka")
 TIMING_REPEATS = 5
 CALLS_PER_RUN = 10
 WARMUP_CALLS = 3
+# Part of each persisted timing's key: bump when how a site is timed or charged changes,
+# or SiteTiming's fields do, so that timings of the old method are not reused.
+TIMING_METHOD = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,10 @@ class SiteTiming:
     gemm_us: dict             # provider -> its FP8 GEMM alone
     cast_us: float            # the two operand casts as charged (fused or standalone)
     graphed: bool
+    # (fastest, slowest) of the TIMING_REPEATS runs; the FP8 one is the chosen provider's
+    # GEMM runs plus cast_us. None when not measured.
+    bf16_range_us: Optional[tuple] = None
+    fp8_range_us: Optional[tuple] = None
 
     @property
     def speedup(self) -> float:
@@ -90,6 +98,11 @@ def _operand(rows: int, cols: int, major: str, dtype, device) -> torch.Tensor:
 
 def _time_calls_us(fn, device: torch.device, graphed: bool) -> float:
     """Median time per call of fn, as the compiled model would pay it."""
+    return statistics.median(_time_runs_us(fn, device, graphed))
+
+
+def _time_runs_us(fn, device: torch.device, graphed: bool) -> list:
+    """Time per call of fn in each of TIMING_REPEATS runs, as the compiled model would pay it."""
     for _ in range(WARMUP_CALLS):
         fn()
     if device.type != "cuda":
@@ -99,7 +112,7 @@ def _time_calls_us(fn, device: torch.device, graphed: bool) -> float:
             for _ in range(CALLS_PER_RUN):
                 fn()
             runs.append((time.perf_counter() - start) * 1e6 / CALLS_PER_RUN)
-        return statistics.median(runs)
+        return runs
     with torch.cuda.device(device):
         torch.cuda.synchronize()
         replay = None
@@ -126,7 +139,7 @@ def _time_calls_us(fn, device: torch.device, graphed: bool) -> float:
             end.record()
             end.synchronize()
             runs.append(start.elapsed_time(end) * 1e3 / CALLS_PER_RUN)
-        return statistics.median(runs)
+        return runs
 
 
 # Longest row Inductor reduces in one persistent pass (inner reductions, torch 2.11-2.13).
@@ -142,10 +155,45 @@ def _fused_fraction(dtype: torch.dtype, row: int) -> float:
 
 def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
                 graphed: bool, fast_accum: bool = False) -> SiteTiming:
-    """Time the site's ATen GEMM and its FP8 form on each provider (cached)."""
+    """Time the site's ATen GEMM and its FP8 form on each provider: from the process's
+    cache, else from the performance database, else measured and stored in both."""
     key = (shape, scaling, a_format, b_format, providers, graphed, fast_accum)
     if key in _cache:
         return _cache[key]
+    # Imported here: the package's import would otherwise load perfdb before
+    # `python -m loka_compile.perfdb` runs it.
+    from loka_compile import perfdb
+
+    db = perfdb.default_db()
+    db_key = perfdb.site_key(shape, scaling, a_format, b_format, providers, graphed, fast_accum,
+                             method=TIMING_METHOD)
+    stored = db.get(db_key)
+    timing = _from_record(stored) if stored is not None else None
+    if timing is None:
+        timing = _measure_site(shape, scaling, a_format, b_format, providers, graphed, fast_accum)
+        db.put(db_key, dataclasses.asdict(timing))
+    _cache[key] = timing
+    log.debug("loka speed: %s %s/%s/%s: aten %.1f us, fp8 %.1f us on %s (%.2fx; GEMMs %s, casts %.1f us)%s%s",
+              shape, scaling, a_format, b_format, timing.bf16_us, timing.fp8_us, timing.provider, timing.speedup,
+              timing.gemm_us, timing.cast_us, " in CUDA graphs" if graphed else "",
+              " (from the performance database)" if stored is not None else "")
+    return timing
+
+
+def _from_record(value: dict) -> Optional[SiteTiming]:
+    """A stored value as a SiteTiming (JSON keeps the ranges as lists), or None if its
+    fields are not SiteTiming's."""
+    ranges = {name: tuple(value[name]) for name in ("bf16_range_us", "fp8_range_us") if value.get(name)}
+    try:
+        return SiteTiming(**{**value, **ranges})
+    except TypeError as error:
+        log.debug("loka speed: stored timing %s unusable (%s); timing again", value, error)
+        return None
+
+
+def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
+                  graphed: bool, fast_accum: bool) -> SiteTiming:
+    """Time the site on fresh operands (module docstring)."""
     # Compile passes run under a fake-tensor mode: timing needs real tensors.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -161,7 +209,7 @@ def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, pr
         def high_precision():
             return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
 
-        bf16_us = _time_calls_us(high_precision, device, graphed)
+        bf16_runs = _time_runs_us(high_precision, device, graphed)
         a_p = torch.nn.functional.pad(a, (0, shape.pad_k))
         b_p = torch.nn.functional.pad(b, (0, shape.pad_n, 0, shape.pad_k))
         cast_us = 0.0
@@ -174,23 +222,22 @@ def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, pr
                                         device, graphed)
             cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k) if fused else 1.0)
         (a_q, a_s), (b_q, b_s) = quantized["a"], quantized["b"]
-        gemm_us = {}
+        gemm_runs = {}
         for name in providers:
             spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), name, shape.dtype,
                             shape.pad_k, shape.pad_n, fast_accum=fast_accum)
-            gemm_us[name] = _time_calls_us(lambda spec=spec: gemm_quantized(a_q, a_s, b_q, b_s, bias, spec),
-                                           device, graphed)
-        best = min(gemm_us, key=gemm_us.get)
-        timing = SiteTiming(bf16_us=bf16_us, fp8_us=gemm_us[best] + cast_us, provider=best, gemm_us=gemm_us,
-                            cast_us=cast_us, graphed=graphed)
-    _cache[key] = timing
-    log.debug("loka speed: %s %s/%s/%s: aten %.1f us, fp8 %.1f us on %s (%.2fx; GEMMs %s, casts %.1f us)%s",
-              shape, scaling, a_format, b_format, timing.bf16_us, timing.fp8_us, best, timing.speedup,
-              gemm_us, cast_us, " in CUDA graphs" if graphed else "")
-    return timing
+            gemm_runs[name] = _time_runs_us(lambda spec=spec: gemm_quantized(a_q, a_s, b_q, b_s, bias, spec),
+                                            device, graphed)
+    gemm_us = {name: statistics.median(runs) for name, runs in gemm_runs.items()}
+    best = min(gemm_us, key=gemm_us.get)
+    return SiteTiming(bf16_us=statistics.median(bf16_runs), fp8_us=gemm_us[best] + cast_us, provider=best,
+                      gemm_us=gemm_us, cast_us=cast_us, graphed=graphed,
+                      bf16_range_us=(min(bf16_runs), max(bf16_runs)),
+                      fp8_range_us=(min(gemm_runs[best]) + cast_us, max(gemm_runs[best]) + cast_us))
 
 
 def clear_cache() -> None:
+    """Forget this process's timings (the performance database keeps its entries)."""
     _cache.clear()
 
 

@@ -157,17 +157,8 @@ def operand_casts(site: Site, scaling: str, fused_casts: bool = True) -> dict:
 
 
 def consumers_of(node: torch.fx.Node) -> list:
-    found, stack, seen = [], list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if user.op == "call_function" and user.target in VIEW_LIKE:
-            stack.extend(user.users)
-        else:
-            found.append("output" if user.op == "output" else short_target(user))
-    return sorted(set(found))
+    """Names of the ops that read `node`'s value, looking through views."""
+    return sorted({"output" if user.op == "output" else short_target(user) for user in consumers_through_views(node)})
 
 
 def gradient_nodes(graph: torch.fx.Graph) -> set:
@@ -181,8 +172,11 @@ def gradient_nodes(graph: torch.fx.Graph) -> set:
     return marked
 
 
-def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset) -> set:
-    """GEMM nodes whose result becomes (part of) a parameter's gradient."""
+def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset, grads: set) -> set:
+    """GEMM nodes whose result becomes (part of) a parameter's gradient, and GEMMs that
+    compute the gradient of a weight the forward computed (LoRA's `W + A @ B`): they read
+    the incoming gradient transposed, contracting over its rows (the batch), and their
+    result feeds only such weight-gradient GEMMs."""
     output = next(n for n in graph.nodes if n.op == "output")
     results = output.args[0]
     results = results if isinstance(results, (tuple, list)) else (results,)
@@ -203,6 +197,46 @@ def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset)
             summed = skip_views_up(node.args[0])
             if summed.op == "call_function" and summed.target in BATCHED_GEMMS:
                 stack.append(summed)
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default) \
+                    or node in found:
+                continue
+            a, b, _, _ = operands(node)
+            reads_gradient_transposed = any(op in grads and _transposed(op) for op in (a, b))
+            users = consumers_through_views(node)
+            if reads_gradient_transposed and users and all(u in found for u in users):
+                found.add(node)
+                changed = True
+    return found
+
+
+_TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
+
+
+def _transposed(node: torch.fx.Node) -> bool:
+    """Whether `node` reaches its producer through a transpose."""
+    while node.op == "call_function" and node.target in VIEW_LIKE:
+        if node.target in _TRANSPOSES:
+            return True
+        node = node.args[0]
+    return False
+
+
+def consumers_through_views(node: torch.fx.Node) -> list:
+    """The nodes that read `node`'s value, looking through views."""
+    found, stack, seen = [], list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.op == "call_function" and user.target in VIEW_LIKE:
+            stack.extend(user.users)
+        else:
+            found.append(user)
     return found
 
 
@@ -268,7 +302,7 @@ def _packed_linear_site(node: torch.fx.Node, ctx: PassContext, name: str) -> Sit
 
 def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
     grads = gradient_nodes(graph) if ctx.kind is GraphKind.BACKWARD else set()
-    wgrads = weight_gradient_gemms(graph, ctx.param_input_indices) if ctx.kind is GraphKind.BACKWARD else set()
+    wgrads = weight_gradient_gemms(graph, ctx.param_input_indices, grads) if ctx.kind is GraphKind.BACKWARD else set()
     weights = weight_placeholders(graph, ctx.param_input_indices) if ctx.kind is not GraphKind.BACKWARD else {}
     names_seen: dict = {}
     for node in graph.nodes:

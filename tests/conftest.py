@@ -1,6 +1,13 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
+
+# loka's performance database goes to a directory of this session, never the user's cache.
+os.environ["LOKA_CACHE_DIR"] = tempfile.mkdtemp(prefix="loka-test-cache-")
+atexit.register(shutil.rmtree, os.environ["LOKA_CACHE_DIR"], ignore_errors=True)
 
 # Triton kernels run on CPU only under the interpreter, and triton.jit reads this when a
 # kernel is defined: set it before any test module imports loka's kernels.
@@ -27,11 +34,6 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
-
-
-def interpret_triton() -> bool:
-    """Triton kernels run on CPU only under the interpreter."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture

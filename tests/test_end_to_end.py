@@ -214,6 +214,27 @@ def test_probe_with_safe_bound_goes_fp8():
     assert sites and all(s.fp8 and s.probe for s in sites)
 
 
+def test_probe_upgrades_a_tensorwise_site_an_outlier_would_wreck():
+    """One finite outlier sets a tensorwise scale so large that every other row of the
+    operand flushes to zero. The Probe sees it and sends the site rowwise instead."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32)).eval()
+    x = torch.randn(64, 64)
+    x[10, 3] = 1e6
+    clean = [r for r in range(64) if r != 10]
+    with torch.no_grad():
+        reference = model(x)
+        plain = torch.compile(model, backend="loka", options={"recipe": "tensorwise"})(x)
+        assert sqnr_db(reference[clean], plain[clean]) < 10.0  # what the upgrade prevents
+        torch._dynamo.reset()
+        loka_compile.reset()
+        compiled = torch.compile(model, backend="loka", options={"recipe": "tensorwise", "probe_steps": 1})
+        compiled(x)
+        out = compiled(x)
+    fc1 = next(s for s in loka_compile.report(compiled).sites if s.module == "0")
+    assert fc1.fp8 and fc1.scaling == "rowwise" and "tensorwise rel. error" in fc1.detail, fc1
+    assert sqnr_db(reference[clean], out[clean]) > OUTPUT_SQNR_FLOOR_DB
+
+
 def test_emulation_off_without_fp8_hardware_keeps_high_precision():
     model = make_model("mlp")
     compiled = torch.compile(model, backend="loka", options={"emulate": False})

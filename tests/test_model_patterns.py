@@ -2,9 +2,17 @@
 loka (emulated FP8 on CPU): no crash, finite loss that goes down, every parameter that
 takes part gets a gradient, and the report covers every GEMM site."""
 
+import datetime
+import math
+import os
+import time
+import traceback
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch import nn
+from torch.nn import functional as F
 
 import loka_compile
 
@@ -122,3 +130,257 @@ def test_no_grad_evaluation_then_training_with_dynamic_batches():
     _train(model, compiled, lambda b: (torch.randn(b, 48),), lambda out: out.sum(-1), dynamic_batches=True)
     kinds = {s.kind for s in loka_compile.report(compiled).sites}
     assert kinds == {"inference", "forward", "backward"}, kinds
+
+
+# LoRA fine-tuning of a pretrained ranking tower: the pretrained weights (and the embedding
+# table) are frozen, the low-rank factors, the LayerNorm and a new task head train.
+
+
+class MergedLoRALinear(nn.Module):
+    """The adapter merged into the weight before the matmul, as code that serves merged
+    adapters writes it: one GEMM with `W + A @ B`. W is frozen; A and B train."""
+
+    def __init__(self, in_features, out_features, rank=16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.lora_a = nn.Parameter(torch.zeros(out_features, rank))
+        self.lora_b = nn.Parameter(torch.empty(rank, in_features))
+        nn.init.kaiming_uniform_(self.lora_b, a=math.sqrt(5))
+
+    def forward(self, x):
+        return F.linear(x, self.weight + self.lora_a @ self.lora_b)
+
+
+class LoRAAdapter(nn.Module):
+    """The common unmerged form: a frozen base linear plus `(x @ A) @ B * scaling`."""
+
+    def __init__(self, in_features, out_features, rank=16, alpha=32):
+        super().__init__()
+        self.base = nn.Linear(in_features, out_features)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.empty(in_features, rank))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.lora_b = nn.Parameter(torch.zeros(rank, out_features))
+        self.scaling = alpha / rank
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a) @ self.lora_b * self.scaling
+
+
+class LoRARanker(nn.Module):
+    """Dense features and a frozen EmbeddingBag lookup, concatenated, through two adapted
+    layers, then a trainable head. No input needs a gradient, so fc1 has no dgrad of x."""
+
+    def __init__(self, adapter, rows=200, dim=32, n_dense=32):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(rows, dim, mode="sum")
+        self.emb.requires_grad_(False)
+        self.fc1 = adapter(n_dense + dim, 128)
+        self.norm = nn.LayerNorm(128)
+        self.fc2 = adapter(128, 64)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, dense, ids, offsets):
+        x = torch.cat([dense, self.emb(ids, offsets)], dim=1)
+        x = torch.relu(self.norm(self.fc1(x)))
+        return self.head(torch.relu(self.fc2(x))).squeeze(-1)
+
+
+LORA_FORMS = {"merged": MergedLoRALinear, "adapter": LoRAAdapter}
+
+
+def _ranker_inputs(batch):
+    return (torch.randn(batch, 32), *_bags(batch))
+
+
+def _lora_sites(form):
+    """One training step of a fresh LoRARanker under loka: its report's sites."""
+    compiled = torch.compile(LoRARanker(LORA_FORMS[form]), backend="loka")
+    compiled(*_ranker_inputs(64)).sum().backward()
+    sites = loka_compile.report(compiled).sites
+    print(form, sorted((s.module, s.role, s.reason) for s in sites))  # shown on failure
+    return sites
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", sorted(LORA_FORMS))
+def test_lora_fine_tuning_trains_under_loka(form):
+    model = LoRARanker(LORA_FORMS[form])
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    compiled = torch.compile(model, backend="loka")
+    losses = _train(model, compiled, _ranker_inputs, lambda out: out)
+    assert losses[-2] < losses[0], losses
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        else:
+            assert p.grad is None and torch.equal(p, frozen[name]), name
+    assert all(layer.lora_a.grad.abs().sum() > 0 for layer in (model.fc1, model.fc2))
+    report = loka_compile.report(compiled)
+    assert report.sites and not any(g.fallback for g in report.graphs), str(report)
+    assert any(s.fp8 for s in report.sites), report.table()
+
+
+def test_unmerged_lora_adapter_roles():
+    """`base(x) + (x @ A) @ B * scaling`: per adapted layer three forward GEMMs; in the
+    backward the gradients of B (h^T @ g) and of A (x^T @ dh) are wgrad, kept in high
+    precision by the default recipe; dh = g @ B^T and the gradients of the layer's input
+    (through A and through the frozen base weight) are dgrad, in FP8. The frozen base has
+    no wgrad, and fc1's input needs no gradient, so fc1 has one dgrad (dh) only."""
+    sites = _lora_sites("adapter")
+    roles = sorted(s.role for s in sites)
+    assert roles == ["dgrad"] * 5 + ["fwd"] * 7 + ["wgrad"] * 5, roles
+    by_module = sorted((s.module, s.role) for s in sites if s.role != "dgrad")
+    assert by_module == [("fc1", "fwd"), ("fc1", "fwd"), ("fc1", "wgrad"), ("fc1", "wgrad"), ("fc1.base", "fwd"),
+                         ("fc2", "fwd"), ("fc2", "fwd"), ("fc2", "wgrad"), ("fc2", "wgrad"), ("fc2.base", "fwd"),
+                         ("head", "fwd"), ("head", "wgrad")], by_module
+    lora = [s for s in sites if s.module in ("fc1", "fc2")]
+    assert all(s.reason == "recipe_high_precision" for s in lora if s.role == "wgrad")
+    assert all(s.fp8 for s in lora if s.role != "wgrad")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "loka attributes fc2.base's dgrad to the root module ''. Inductor's post-grad pass fuses "
+    "the gradient addition `mm(g, W_base) + dx_lora` into one addmm whose meta is the add's "
+    "('Gradient addition node ...'): no fwd_nn_module_stack, no seq_nr, so find_sites.module_path "
+    "falls back to '' and the site has no forward_site."))
+def test_unmerged_lora_adapter_dgrad_modules():
+    sites = _lora_sites("adapter")
+    dgrad = sorted(s.module for s in sites if s.role == "dgrad")
+    assert dgrad == ["fc1", "fc2", "fc2", "fc2.base", "head"], dgrad
+
+
+def test_merged_lora_roles():
+    """`F.linear(x, W + A @ B)` with W frozen: per layer two forward GEMMs (A @ B, and the
+    linear). Backward: dW_eff = g^T @ x is the weight gradient of the merged weight (it
+    contracts over the batch, and all of it goes into dA and dB), and dA, dB are the
+    parameters' gradients: three wgrad GEMMs per layer, all in high precision under the
+    default recipe. fc2's dgrad (g @ W_eff) is the only dgrad besides the head's; fc1's
+    input needs no gradient."""
+    sites = _lora_sites("merged")
+    roles = sorted((s.module, s.role) for s in sites)
+    assert roles == [("fc1", "fwd"), ("fc1", "fwd"), ("fc1", "wgrad"), ("fc1", "wgrad"), ("fc1", "wgrad"),
+                     ("fc2", "dgrad"), ("fc2", "fwd"), ("fc2", "fwd"), ("fc2", "wgrad"), ("fc2", "wgrad"),
+                     ("fc2", "wgrad"), ("head", "dgrad"), ("head", "fwd"), ("head", "wgrad")], roles
+    lora_wgrad = [s for s in sites if s.role == "wgrad" and s.module != "head"]  # the 1-wide head is too_small
+    assert all(s.reason == "recipe_high_precision" and not s.fp8 for s in lora_wgrad), lora_wgrad
+
+
+# DistributedDataParallel: two CPU ranks over gloo, each compiling its DDP-wrapped model
+# with loka. With `optimize_ddp` on (Dynamo's default) DDPOptimizer splits the graph at
+# DDP's bucket boundaries, and loka compiles each piece.
+
+
+class DDPTower(nn.Module):
+    """A user-defined module: Dynamo compiles nothing of DDP(nn.Sequential(...)) in torch
+    2.13 (the inner Sequential.forward frame, run after DDP's forward graph-breaks, is
+    skipped), whatever the backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm = nn.Linear(64, 256), nn.LayerNorm(256)
+        self.fc2, self.fc3, self.head = nn.Linear(256, 512), nn.Linear(512, 512), nn.Linear(512, 16)
+
+    def forward(self, x):
+        x = torch.relu(self.norm(self.fc1(x)))
+        return self.head(torch.relu(self.fc3(torch.relu(self.fc2(x)))))
+
+
+DDP_WORLD_SIZE = 2
+DDP_TIMEOUT_S = 240
+
+
+def _ddp_rank(rank, world_size, store_dir, optimize_ddp):
+    """One rank: DDP over gloo, compiled with loka, three SGD steps on this rank's data.
+    Writes its parameters, losses and report sites to rank{rank}.pt, or its traceback to
+    rank{rank}.err."""
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+        torch._dynamo.config.optimize_ddp = optimize_ddp
+        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        try:
+            torch.manual_seed(0)
+            model = DDPTower()
+            initial = [p.detach().clone() for p in model.parameters()]
+            # 1 MiB buckets (DDP's first bucket size): fc3's 1 MiB weight starts a second one
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+            compiled = torch.compile(ddp, backend="loka")
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            data = torch.Generator().manual_seed(100 + rank)
+            losses = []
+            for _ in range(3):
+                x, y = torch.randn(32, 64, generator=data), torch.randn(32, 16, generator=data)
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.mse_loss(compiled(x), y)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+            report = loka_compile.report(compiled)
+            result = {
+                "initial": initial, "params": [p.detach().clone() for p in model.parameters()], "losses": losses,
+                "graphs": [(g.name, g.fallback) for g in report.graphs],
+                "sites": [(s.graph, s.module, s.role, s.fp8, s.reason) for s in report.sites],
+                "table": report.table(),
+            }
+        finally:
+            dist.destroy_process_group()
+        torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run_ranks(target, args, world_size, timeout_s):
+    """Start `world_size` spawned processes of target(rank, world_size, *args); join them
+    within timeout_s in all, killing any still running. Returns their exit codes."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, world_size, *args), daemon=True) for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [p.exitcode for p in procs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimize_ddp", [True, False], ids=["ddp_optimizer", "whole_graph"])
+def test_ddp_two_cpu_ranks_gloo(optimize_ddp, tmp_path):
+    exitcodes = _run_ranks(_ddp_rank, (str(tmp_path), optimize_ddp), DDP_WORLD_SIZE, DDP_TIMEOUT_S)
+    errors = {f.name: f.read_text() for f in tmp_path.glob("rank*.err")}
+    assert exitcodes == [0] * DDP_WORLD_SIZE and not errors, (exitcodes, errors)  # None: killed at the timeout
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(DDP_WORLD_SIZE)]
+
+    for r in results:
+        assert all(math.isfinite(loss) for loss in r["losses"]), r["losses"]
+        assert not any(torch.equal(p, q) for p, q in zip(r["initial"], r["params"]))  # every parameter moved
+    assert results[0]["losses"] != results[1]["losses"]  # each rank trained on its own data
+    # the gradients were all-reduced: both ranks took the same steps
+    for p0, p1 in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(p0, p1)
+
+    for r in results:
+        print(r["table"])
+        assert r["graphs"] and not any(fallback for _, fallback in r["graphs"]), r["graphs"]
+        # DDPOptimizer: one graph per bucket, [fc1, norm, fc2] and [fc3, head]
+        assert len(r["graphs"]) == (2 if optimize_ddp else 1), r["graphs"]
+        assert any(fp8 for _, _, _, fp8, _ in r["sites"])
+        roles = sorted((module, role) for _, module, role, _, _ in r["sites"])
+        assert roles == [("fc1", "fwd"), ("fc1", "wgrad"), ("fc2", "dgrad"), ("fc2", "fwd"), ("fc2", "wgrad"),
+                         ("fc3", "dgrad"), ("fc3", "fwd"), ("fc3", "wgrad"),
+                         ("head", "dgrad"), ("head", "fwd"), ("head", "wgrad")], roles
+        assert all(fp8 == (role != "wgrad") for _, _, role, fp8, _ in r["sites"]), r["table"]

@@ -71,12 +71,25 @@ def test_emulated_batched_gemm():
     assert sqnr_db(a.double() @ b.double(), out) > GEMM_SQNR_FLOOR_DB[Scaling.ROWWISE]
 
 
-def test_fp8_gemm_propagates_nan():
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fp8_gemm_propagates_nan(scaling, bad):
     a, b, _ = fp8_gemm_args(16, 32, 16)
-    a[3, 5] = float("nan")
-    out = torch.ops.loka.fp8_gemm(a, b, None, "rowwise", "e4m3", "e4m3", "emulated")
+    a[3, 5] = bad
+    out = torch.ops.loka.fp8_gemm(a, b, None, scaling, "e4m3", "e4m3", "emulated")
     assert torch.isnan(out[3]).all()          # the poisoned row, loudly
     assert torch.isfinite(out[:3]).all() and torch.isfinite(out[4:]).all()
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+def test_a_bad_weight_spoils_no_more_than_in_high_precision(scaling):
+    """An inf weight spoils its output column in high precision; in FP8 too, no more."""
+    a, b, _ = fp8_gemm_args(16, 32, 16)
+    b[7, 2] = float("inf")
+    out = torch.ops.loka.fp8_gemm(a, b, None, scaling, "e4m3", "e4m3", "emulated")
+    spoiled = ~torch.isfinite(a.double() @ b.double())
+    assert (~torch.isfinite(out) <= spoiled).all() and not torch.isfinite(out[:, 2]).any()
+    assert sqnr_db(a.double() @ b.double()[:, [0, 1, 3]], out[:, [0, 1, 3]]) > GEMM_SQNR_FLOOR_DB[Scaling(scaling)]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -139,8 +152,10 @@ class TestQuantizationPolicy:
         _, scale = quantize_along(x, -1, Fp8Format.E4M3)
         assert math.isnan(scale[2].item())
         assert torch.isfinite(scale[[0, 1, 3]]).all()
-        _, tscale = quantize_tensorwise(x, Fp8Format.E5M2)
-        assert math.isnan(tscale.item())
+        # tensorwise: the scale comes from the finite values, the bad element alone is NaN
+        q, tscale = quantize_tensorwise(x, Fp8Format.E5M2)
+        assert tscale.item() == pytest.approx(x[torch.isfinite(x)].abs().max().item() / 57344.0)
+        assert q.float()[2, 7].isnan() and q.float().isnan().sum() == 1
 
     def test_power_of_two_scales(self):
         x = torch.randn(16, 64)

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 from loka_compile.kernels import gemm_operands  # noqa: E402
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands  # noqa: E402
-from tests.conftest import interpret_triton  # noqa: E402
+from loka_compile.kernels.triton_quant import interpreting  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALINGS = [Scaling.ROWWISE, Scaling.TENSORWISE, Scaling.BLOCKWISE]
@@ -48,7 +48,7 @@ def _check(m, k, n, scaling, role, a_fmt=Fp8Format.E4M3, b_fmt=Fp8Format.E4M3):
     assert b_q.stride(0) == 1 or k == 1, f"B not K-major: strides {b_q.stride()}"
 
 
-needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not interpret_triton(),
+needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),
                                   reason="Triton runs on CPU only under TRITON_INTERPRET=1")
 
 

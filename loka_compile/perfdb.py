@@ -1,0 +1,235 @@
+"""The kernel performance database: Dispatch's speed-check timings kept across processes.
+
+Timing a site (`speed.site_timing`) costs tens of GEMM runs per candidate provider at every
+compile; the timings depend only on the site's shape and recipe and on the machine, so
+they are kept in one JSON file, `perfdb.json` under `LOKA_CACHE_DIR` (default:
+`$XDG_CACHE_HOME/loka`, else `~/.cache/loka`). An entry's key holds the device's name and
+compute capability, the torch and triton versions, loka's timing method, and everything
+the timing depends on (the `SiteShape` fields but the device, the scaling, the formats,
+the candidate providers, CUDA graphs or not, fast accumulation); its value holds the
+`SiteTiming` fields.
+
+Each insert re-reads the file under a lock, merges and replaces it atomically, so
+processes compiling side by side (one per rank) keep each other's entries. A file that
+cannot be read is logged and read as empty; a directory that cannot be written is logged
+once and the database keeps its entries in memory.
+
+    python -m loka_compile.perfdb list     # the entries, as a table
+    python -m loka_compile.perfdb clear    # delete the file
+    python -m loka_compile.perfdb path     # where the file is
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+log = logging.getLogger("loka")
+
+FILE_NAME = "perfdb.json"
+# Bump when the file's layout changes: a file of another format is read as empty.
+FILE_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    """Where loka keeps its files: LOKA_CACHE_DIR, else the user's cache directory."""
+    if os.environ.get("LOKA_CACHE_DIR"):
+        return Path(os.environ["LOKA_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "loka"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def environment(device: torch.device) -> dict:
+    """The machine and software part of a key: timings from another GPU or another torch
+    or triton build are not reused."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        capability = "{}.{}".format(*torch.cuda.get_device_capability(device))
+    else:
+        name, capability = platform.processor() or platform.machine() or device.type, None
+    return dict(device_type=device.type, device=name, capability=capability, torch=torch.__version__,
+                triton=_triton_version())
+
+
+def site_key(shape, scaling: str, a_format: str, b_format: str, providers: tuple, graphed: bool,
+             fast_accum: bool, method: int) -> dict:
+    """The key of one site timing: the environment of shape's device, the shape's fields
+    (dtype by name; the device index does not change a timing) and the recipe."""
+    fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape) if f.name != "device"}
+    fields["dtype"] = str(fields["dtype"]).removeprefix("torch.")
+    return dict(environment(shape.device), method=method, **fields, scaling=scaling, a_format=a_format,
+                b_format=b_format, providers=list(providers), graphed=graphed, fast_accum=fast_accum)
+
+
+def _key_id(key: dict) -> str:
+    return json.dumps(key, sort_keys=True)
+
+
+class PerfDB:
+    """Timings by key, backed by one JSON file (module docstring)."""
+
+    def __init__(self, path: Optional[os.PathLike] = None):
+        self.path = Path(path) if path is not None else cache_dir() / FILE_NAME
+        self._entries: dict = {}      # key id -> {"key": ..., "value": ...}
+        self._persist = True          # off once the directory proved unwritable
+
+    def get(self, key: dict) -> Optional[dict]:
+        """The stored value of key, or None. A miss re-reads the file: another process may
+        have timed the site since."""
+        found = self._entries.get(_key_id(key))
+        if found is None and self._persist:
+            self._entries.update(self._read())
+            found = self._entries.get(_key_id(key))
+        return None if found is None else found["value"]
+
+    def put(self, key: dict, value: dict) -> None:
+        self._entries[_key_id(key)] = {"key": key, "value": value}
+        if not self._persist:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._lock():
+                on_disk = self._read()
+                on_disk.update(self._entries)
+                self._write(on_disk)
+            self._entries = on_disk
+        except OSError as error:
+            self._persist = False
+            log.warning("loka: cannot write the performance database %s (%s); its timings are kept for "
+                        "this process only", self.path, error)
+
+    def entries(self) -> list:
+        """Every entry, as {"key": ..., "value": ...}."""
+        if self._persist:
+            self._entries = {**self._read(), **self._entries}
+        return list(self._entries.values())
+
+    def clear(self) -> bool:
+        """Delete the file and forget the entries; False if there was no file."""
+        self._entries.clear()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _read(self) -> dict:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as error:
+            log.warning("loka: cannot read the performance database %s (%s); read as empty", self.path, error)
+            return {}
+        try:
+            data = json.loads(text)
+            if data.get("format") != FILE_FORMAT:
+                log.warning("loka: performance database %s has format %r, not %d; read as empty and "
+                            "replaced at the next insert", self.path, data.get("format"), FILE_FORMAT)
+                return {}
+            return {_key_id(entry["key"]): {"key": entry["key"], "value": entry["value"]}
+                    for entry in data["entries"]}
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            log.warning("loka: performance database %s is corrupt (%s: %s); read as empty and replaced at "
+                        "the next insert", self.path, type(error).__name__, error)
+            return {}
+
+    def _write(self, entries: dict) -> None:
+        data = {"format": FILE_FORMAT, "entries": list(entries.values())}
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """Serializes read-merge-write across processes (POSIX; elsewhere the atomic replace
+        alone keeps the file whole)."""
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+_default: Optional[PerfDB] = None
+
+
+def default_db() -> PerfDB:
+    """The database under the current cache directory (follows LOKA_CACHE_DIR changes)."""
+    global _default
+    path = cache_dir() / FILE_NAME
+    if _default is None or _default.path != path:
+        _default = PerfDB(path)
+    return _default
+
+
+def _table(entries: list) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for entry in entries:
+        key, value = entry["key"], entry["value"]
+        rows.append([key["device"], key["torch"], f"{key['m']} x {key['k']} x {key['n']}", key["dtype"],
+                     key["scaling"], f"{key['a_format']}x{key['b_format']}", "yes" if key["graphed"] else "no",
+                     value["provider"], round(value["bf16_us"], 1), round(value["fp8_us"], 1),
+                     f"{value['bf16_us'] / value['fp8_us']:.2f}x"])
+    rows.sort(key=lambda row: row[:3])
+    return tabulate(rows, headers=["device", "torch", "M x K x N", "dtype", "scaling", "formats", "graphed",
+                                   "provider", "bf16 us", "fp8 us", "speedup"])
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loka_compile.perfdb",
+                                     description="loka's kernel performance database (speed-check timings)")
+    parser.add_argument("command", choices=("list", "clear", "path"))
+    parser.add_argument("--cache-dir", help="the cache directory (default: LOKA_CACHE_DIR, else the user's "
+                                            "cache directory)")
+    args = parser.parse_args(argv)
+    db = PerfDB(Path(args.cache_dir).expanduser() / FILE_NAME if args.cache_dir else None)
+    if args.command == "path":
+        print(db.path)
+    elif args.command == "clear":
+        print(f"deleted {db.path}" if db.clear() else f"no database at {db.path}")
+    else:
+        entries = db.entries()
+        if entries:
+            print(_table(entries))
+        print(f"{len(entries)} entries in {db.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
