@@ -33,7 +33,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from loka_compile import dispatch, passes, probe
 from loka_compile.config import LokaConfig
-from loka_compile.passes import GraphKind, PassContext, graph_kind, run_passes
+from loka_compile.passes import PassContext, graph_kind, run_passes
 from loka_compile.passes.arch_mods import apply_arch_mods
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 

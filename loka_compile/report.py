@@ -166,7 +166,7 @@ class Report:
             fp8_all[0] += s.fp8
             fp8_all[1] += 1
         lines = [f"loka: {self.summary()}",
-                 f"FP8 per role: " + ", ".join(f"{role} {n}/{all_}" for role, (n, all_) in roles.items())
+                 "FP8 per role: " + ", ".join(f"{role} {n}/{all_}" for role, (n, all_) in roles.items())
                  + f"; {100 * fp8_share:.0f}% of GEMM FLOPs (sites of concrete shape)"]
         fp8_bytes, bf16_bytes = self.cached_weight_bytes
         if self.cached_weights:

@@ -19,7 +19,6 @@ values. The eager cast uses the same ATen ops the graph would have run.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Optional
 
 import torch
@@ -30,8 +29,6 @@ from loka_compile.kernels.scaled_gemm import GemmSpec, cast_operand
 
 from .context import PassContext
 from .find_sites import weight_placeholders, weight_source
-
-log = logging.getLogger("loka.passes")
 
 
 @dataclasses.dataclass
