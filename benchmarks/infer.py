@@ -84,7 +84,7 @@ from torch import nn
 
 from benchmarks.train import (_ALL_FP8, BudgetExceeded, Config, _error_text, _fmt, _fp8_linear_filter,
                               _relerr, _torchao_import, compile_unit, device_tag, environment, log,
-                              loka_options_for, write_json)
+                              loka_options_for, release_config, write_json)
 from benchmarks.zoo import MODEL_NAMES, SyntheticRecsysData, build_model, count_parameters, to_dense_dtype
 
 # ------------------------------------------------------------------ configurations
@@ -363,17 +363,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, i
                 row["loka_report"] = {"error": _error_text(e)}
     row["wall_s"] = round(time.perf_counter() - start, 2)
     del unit, fn
-    try:  # a broken CUDA context must not take the remaining configs' rows with it
-        gc.collect()
-        torch._dynamo.reset()
-        if "loka_compile" in sys.modules:  # loka's graph records hold its FP8 weight copies
-            sys.modules["loka_compile"].reset()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    except Exception as e:  # noqa: BLE001
-        log(f"  {setup.name}/{cfg_name}: cleanup failed: {_error_text(e)}")
-        row["error"] = row["error"] or f"cleanup: {_error_text(e)}"
+    release_config(row, f"{setup.name}/{cfg_name}", cuda)
     return row
 
 

@@ -46,18 +46,7 @@ MODELS="${1:-wukong,dlrm_dcnv2,masknet,hstu}"
 OUT_DIR="${OUT:-/tmp/loka_bench}"
 mkdir -p "$OUT_DIR" benchmarks/results
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-        || echo "run_gpu.sh: torchao wheel install failed; torchao rows will record the error"
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-else
-    # .whl/ is git-ignored: it reaches the GPU machine only when carried explicitly.
-    echo "run_gpu.sh: no .whl/*.whl here (carry '.whl' to the GPU machine); torchao rows will be errors"
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . \
-    || echo "run_gpu.sh: project install failed; loka rows will record the error"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+SCRIPT=run_gpu.sh source benchmarks/gpu_setup.sh
 
 LOG="$OUT_DIR/train_${MODELS//,/_}.log"
 PYTHONUNBUFFERED=1 python3 -m benchmarks.train \

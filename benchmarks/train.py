@@ -624,16 +624,25 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
     finally:
         row["wall_s"] = round(time.perf_counter() - start, 2)
         del model, opt, sched, fn, runner
-        try:  # a broken CUDA context must not take the remaining configs' rows with it
-            gc.collect()
-            torch._dynamo.reset()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-        except Exception as e:  # noqa: BLE001
-            log(f"  {setup.name}/{cfg_name}: cleanup failed: {_error_text(e)}")
-            row["error"] = row["error"] or f"cleanup: {_error_text(e)}"
+        release_config(row, f"{setup.name}/{cfg_name}", cuda)
     return row
+
+
+def release_config(row: dict, label: str, cuda: bool) -> None:
+    """Free what a config compiled (Dynamo's code, loka's graph records, which hold its
+    FP8 weight copies, cached GPU memory) before the next config; a failure here is the
+    row's error, never the run's."""
+    try:  # a broken CUDA context must not take the remaining configs' rows with it
+        gc.collect()
+        torch._dynamo.reset()
+        if "loka_compile" in sys.modules:
+            sys.modules["loka_compile"].reset()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        log(f"  {label}: cleanup failed: {_error_text(e)}")
+        row["error"] = row["error"] or f"cleanup: {_error_text(e)}"
 
 
 # ------------------------------------------------------------------ relative columns
