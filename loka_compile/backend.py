@@ -22,6 +22,7 @@ import itertools
 import logging
 import operator
 import pathlib
+import unittest.mock
 import weakref
 from typing import Optional
 
@@ -129,6 +130,17 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     return patches
 
 
+def _constants_reach_custom_ops(example_inputs):
+    """Inductor re-runs a custom op (a provider's GEMM) on its inputs' example values to
+    find its output layout, and a graph constant's example value is the real tensor: the
+    cached_weights Mod's FP8 weights. Inductor's own freezing allows real inputs in its fake
+    mode for the same reason."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        return contextlib.nullcontext()
+    return unittest.mock.patch.object(fake_mode, "allow_non_fake_inputs", True)
+
+
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, **kwargs):
     """Inductor's compile of one ATen graph (forward, backward, inference), made whole or
     not at all: if it fails once loka's pass has rewritten the graph (in the pass or in
@@ -137,7 +149,8 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
     this for the lazily compiled backward too, so the fallback covers every graph."""
     pristine = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node meta is shared, not copied
     try:
-        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        with _constants_reach_custom_ops(example_inputs):
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
     except Exception as error:
         if not record.config.fallback or _is_dynamo_control(error):
             raise

@@ -15,6 +15,7 @@ Rules, in order; the first that applies gives the reason:
   role kept in high precision by the recipe   -> recipe_high_precision
   no FP8 hardware and emulation off           -> no_fp8_hardware
   no provider supports the request            -> no_provider
+  every candidate provider raised when timed at the site's shape -> provider_failed
   Probe measured error above the bound        -> probe_unsafe (a tensorwise site whose
                                                  rowwise error is within it goes rowwise
                                                  instead, with the errors in its detail)
@@ -116,14 +117,22 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     if phase == "probe":
         return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.disabled_mods
-    shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached) \
-        if hardware and config.speed_check else None
-    if shape is None:
+    shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached) if hardware else None
+    if shape is not None and not config.speed_check:
+        try:
+            chosen["provider"] = speed.runnable_providers(shape, chosen["scaling"], chosen["a_format"],
+                                                          chosen["b_format"], tuple(candidates),
+                                                          chosen["fast_accum"])[0]
+        except speed.NoProviderRuns as error:
+            return _fallback(Reason.PROVIDER_FAILED, str(error))
+    if shape is None or not config.speed_check:
         return Decision(fp8=True, reason=Reason.FP8, detail=notes, **chosen)
     try:
         timing = speed.site_timing(shape, chosen["scaling"], chosen["a_format"], chosen["b_format"],
                                    tuple(candidates), graphed=uses_cuda_graphs(config.mode),
                                    fast_accum=chosen["fast_accum"])
+    except speed.NoProviderRuns as error:
+        return _fallback(Reason.PROVIDER_FAILED, str(error))
     except Exception as error:  # noqa: BLE001  (a failed timing must not cost the graph its FP8)
         log.warning("loka: could not time site %s (%s: %s); it goes FP8 unchecked", site.name,
                     type(error).__name__, error)
@@ -132,7 +141,8 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     measured = dict(bf16_us=round(timing.bf16_us, 2), fp8_us=round(timing.fp8_us, 2))
     others = ", ".join(f"{name} GEMM {us:.1f} us" for name, us in timing.gemm_us.items())
     timings = f"fp8 {timing.fp8_us:.1f} us ({others}; casts {timing.cast_us:.1f} us) vs {timing.bf16_us:.1f} us"
-    detail = "; ".join(filter(None, (notes, timings)))
+    cannot = "; ".join(f"{name} cannot run here ({why})" for name, why in timing.failed.items())
+    detail = "; ".join(filter(None, (notes, timings, cannot)))
     if timing.speedup < config.min_fp8_speedup:
         return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, **chosen, **measured,
                         detail=f"{detail} ({timing.speedup:.2f}x < {config.min_fp8_speedup})")

@@ -81,6 +81,8 @@ class SiteTiming:
     # GEMM runs plus cast_us. None when not measured.
     bf16_range_us: Optional[tuple] = None
     fp8_range_us: Optional[tuple] = None
+    # provider -> why its GEMM raised at this shape (it is never chosen for it)
+    failed: dict = dataclasses.field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
@@ -222,23 +224,81 @@ def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, 
                                         device, graphed)
             cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k) if fused else 1.0)
         (a_q, a_s), (b_q, b_s) = quantized["a"], quantized["b"]
-        gemm_runs = {}
+        gemm_runs, failed = {}, {}
         for name in providers:
             spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), name, shape.dtype,
                             shape.pad_k, shape.pad_n, fast_accum=fast_accum)
-            gemm_runs[name] = _time_runs_us(lambda spec=spec: gemm_quantized(a_q, a_s, b_q, b_s, bias, spec),
-                                            device, graphed)
+            try:
+                gemm_runs[name] = _time_runs_us(lambda spec=spec: gemm_quantized(a_q, a_s, b_q, b_s, bias, spec),
+                                                device, graphed)
+            except RuntimeError as error:  # e.g. cuBLASLt has no algorithm for this shape
+                failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                log.warning("loka speed: provider %s cannot run %s (%s); not chosen there", name, shape, failed[name])
+    if not gemm_runs:
+        raise NoProviderRuns(failed)
     gemm_us = {name: statistics.median(runs) for name, runs in gemm_runs.items()}
     best = min(gemm_us, key=gemm_us.get)
     return SiteTiming(bf16_us=statistics.median(bf16_runs), fp8_us=gemm_us[best] + cast_us, provider=best,
                       gemm_us=gemm_us, cast_us=cast_us, graphed=graphed,
                       bf16_range_us=(min(bf16_runs), max(bf16_runs)),
-                      fp8_range_us=(min(gemm_runs[best]) + cast_us, max(gemm_runs[best]) + cast_us))
+                      fp8_range_us=(min(gemm_runs[best]) + cast_us, max(gemm_runs[best]) + cast_us),
+                      failed=failed)
+
+
+class NoProviderRuns(RuntimeError):
+    """Every candidate provider raised at the site's shape."""
+
+    def __init__(self, failed: dict):
+        super().__init__("; ".join(f"{name}: {why}" for name, why in failed.items()))
+        self.failed = failed
+
+
+_runnable: dict = {}
+
+
+def runnable_providers(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
+                       fast_accum: bool = False) -> tuple:
+    """The providers whose GEMM runs at the site's shape, each tried once on random
+    operands (cached per process): an FP8 site that is not timed (speed_check off) must
+    still not get a kernel that raises at its shape, as cuBLASLt's rowwise GEMM does at
+    some. Raises NoProviderRuns when none does."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from loka_compile.kernels.quantize import Fp8Format, Scaling
+    from loka_compile.kernels.scaled_gemm import GemmSpec, gemm_quantized
+
+    key = (shape, scaling, a_format, b_format, providers, fast_accum)
+    if key not in _runnable:
+        failed = {}
+        with unset_fake_temporarily(), torch.no_grad():
+            a = torch.nn.functional.pad(_operand(shape.m, shape.k, shape.a_major, shape.dtype, shape.device),
+                                        (0, shape.pad_k))
+            b = torch.nn.functional.pad(_operand(shape.k, shape.n, shape.b_major, shape.dtype, shape.device),
+                                        (0, shape.pad_n, 0, shape.pad_k))
+            bias = torch.randn(shape.n, dtype=shape.dtype, device=shape.device) if shape.has_bias else None
+            a_q, a_s = torch.ops.loka.quantize_operand(a, "a", scaling, a_format)
+            b_q, b_s = torch.ops.loka.quantize_operand(b, "b", scaling, b_format)
+            for name in providers:
+                spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), name, shape.dtype,
+                                shape.pad_k, shape.pad_n, fast_accum=fast_accum)
+                try:
+                    gemm_quantized(a_q, a_s, b_q, b_s, bias, spec)
+                    if shape.device.type == "cuda":
+                        torch.cuda.synchronize(shape.device)
+                except RuntimeError as error:
+                    failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    log.warning("loka: provider %s cannot run %s (%s); not chosen there", name, shape, failed[name])
+        _runnable[key] = (tuple(name for name in providers if name not in failed), failed)
+    runs, failed = _runnable[key]
+    if not runs:
+        raise NoProviderRuns(failed)
+    return runs
 
 
 def clear_cache() -> None:
     """Forget this process's timings (the performance database keeps its entries)."""
     _cache.clear()
+    _runnable.clear()
 
 
 def cached_timings() -> dict:

@@ -43,6 +43,7 @@ class Reason(str, enum.Enum):
     RECIPE_HIGH_PRECISION = "recipe_high_precision"
     NO_FP8_HARDWARE = "no_fp8_hardware"
     NO_PROVIDER = "no_provider"
+    PROVIDER_FAILED = "provider_failed"
     PROBING = "probing"
     PROBE_UNSAFE = "probe_unsafe"
     SLOWER_THAN_BF16 = "slower_than_bf16"

@@ -274,6 +274,7 @@ class TestSpeedCheck:
             return speed.SiteTiming(bf16_us, fp8_us, providers[0], {providers[0]: fp8_us}, 0.0, graphed)
 
         monkeypatch.setattr(dispatch.speed, "site_timing", timing)
+        monkeypatch.setattr(dispatch.speed, "runnable_providers", lambda shape, scaling, a, b, names, fast: names)
         return dispatch.decide(site, LokaConfig(recipe="rowwise", **config), "fp8", {}), calls
 
     def test_slower_site_stays_in_high_precision_with_timings(self, fp8_site, monkeypatch):
@@ -308,6 +309,41 @@ class TestSpeedCheck:
             decision = dispatch.decide(fp8_site, LokaConfig(recipe="rowwise"), "fp8", {})
         assert decision.fp8 and "speed not measured" in decision.detail
         assert "could not time" in caplog.text
+
+    @pytest.fixture
+    def failing_provider(self):
+        """A provider whose GEMM raises at every shape, as cuBLASLt's rowwise GEMM does
+        at some (CUBLAS_STATUS_NOT_SUPPORTED)."""
+        from loka_compile.kernels import providers
+
+        def gemm(*args, **kwargs):
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmul`")
+
+        provider = providers.register(dataclasses.replace(providers.get("emulated"), name="failing_test", gemm=gemm))
+        speed.clear_cache()
+        yield provider.name
+        providers._REGISTRY.pop(provider.name)
+        speed.clear_cache()
+
+    def test_a_provider_that_raises_at_the_shape_is_never_chosen(self, failing_provider):
+        shape = speed.SiteShape(64, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
+        timing = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", (failing_provider, "emulated"), graphed=False)
+        assert timing.provider == "emulated" and set(timing.gemm_us) == {"emulated"}
+        assert "CUBLAS_STATUS_NOT_SUPPORTED" in timing.failed[failing_provider]
+        assert speed.runnable_providers(shape, "rowwise", "e4m3", "e4m3", (failing_provider, "emulated")) == \
+            ("emulated",)
+        with pytest.raises(speed.NoProviderRuns, match="failing_test"):
+            speed.runnable_providers(shape, "rowwise", "e4m3", "e4m3", (failing_provider,))
+
+    @pytest.mark.parametrize("speed_check", [True, False])
+    def test_a_site_no_provider_can_run_stays_in_high_precision(self, fp8_site, failing_provider, monkeypatch,
+                                                                 speed_check):
+        from loka_compile.kernels import providers
+        as_hardware = dataclasses.replace(providers.get(failing_provider), emulated=False)
+        monkeypatch.setattr(dispatch.providers, "select", lambda request: [as_hardware])
+        decision = dispatch.decide(fp8_site, LokaConfig(recipe="rowwise", speed_check=speed_check), "fp8", {})
+        assert not decision.fp8 and decision.reason is Reason.PROVIDER_FAILED
+        assert "CUBLAS_STATUS_NOT_SUPPORTED" in decision.detail
 
     def test_symbolic_or_batched_sites_are_not_timed(self, fp8_site):
         assert speed.site_shape(dataclasses.replace(fp8_site, shape=("s0", 64, 128)), "rowwise") is None

@@ -2,12 +2,15 @@
 copy as a graph constant, made once per weight version and never served stale."""
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
 from torch import nn
 
 import loka_compile
+from loka_compile.kernels import providers
+from loka_compile.kernels.quantize import Scaling
 from loka_compile.passes.lower import CACHED_WEIGHT
 from models import MLPWithNorm
 from numerics import rel_error, sqnr_db
@@ -193,3 +196,38 @@ def test_functional_call_with_new_parameters_is_not_stale():
         reference = torch.func.functional_call(module, other, (x,))
     assert sqnr_db(reference, out) > OUTPUT_SQNR_FLOOR_DB
     assert len(loka_compile.report().cached_weights) == 3
+
+
+@torch.library.custom_op("loka_test::opaque_gemm", mutates_args=())
+def _opaque_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    return providers.get("emulated").gemm(a_q, a_scale, b_q, b_scale, Scaling.ROWWISE, bias, out_dtype)
+
+
+@_opaque_gemm.register_fake
+def _(a_q, a_scale, b_q, b_scale, bias, out_dtype):
+    return a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=out_dtype)
+
+
+@pytest.fixture
+def opaque_provider():
+    """A provider whose GEMM is one custom op, as the Triton GEMM is on CUDA."""
+    provider = providers.register(providers.GemmProvider(
+        name="opaque_test", scalings=frozenset({Scaling.ROWWISE}), batched=False, emulated=True,
+        available=lambda device: True,
+        gemm=lambda a_q, a_scale, b_q, b_scale, scaling, bias, out_dtype, fast_accum=False:
+            _opaque_gemm(a_q, a_scale, b_q, b_scale, bias, out_dtype)))
+    yield provider.name
+    providers._REGISTRY.pop(provider.name)
+
+
+def test_cached_weights_reach_a_custom_op_gemm(opaque_provider):
+    """Inductor re-runs a custom op on its inputs' example values, and a cached weight's is
+    the real constant (this failed every inference graph of the Triton GEMM on CUDA)."""
+    model = MLPWithNorm().eval()
+    compiled = torch.compile(model, backend="loka", options={"providers": [opaque_provider], "fallback": False})
+    x = torch.randn(32, 64)
+    out = _infer(compiled, x)
+    assert sqnr_db(model(x), out) > OUTPUT_SQNR_FLOOR_DB
+    report = loka_compile.report(compiled)
+    assert len(_cached(report)) == 3 and {s.provider for s in report.sites} == {opaque_provider}
