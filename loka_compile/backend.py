@@ -36,6 +36,7 @@ from loka_compile import dispatch, passes, probe
 from loka_compile.config import LokaConfig
 from loka_compile.passes import PassContext, graph_kind, run_passes
 from loka_compile.passes.arch_mods import apply_arch_mods
+from loka_compile.passes.horizontal_fusion import fuse_sibling_linears
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
 log = logging.getLogger("loka")
@@ -65,6 +66,7 @@ class GraphRecord:
     upgraded: dict = dataclasses.field(default_factory=dict)        # site key -> (tensorwise, rowwise error)
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
     arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
+    horizontal: Optional[object] = None  # the horizontal Mod's HorizontalFusion, when it ran
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     warned: bool = False
 
@@ -276,6 +278,22 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
     if config.arch_mods:
         record.arch_mod_counts = apply_arch_mods(gm, config.arch_mods)
         log.info("%s: architecture Mods %s", record.name, record.arch_mod_counts)
+    if "horizontal" not in config.disabled_mods:
+        inference = not (torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs))
+        try:
+            record.horizontal = fuse_sibling_linears(
+                gm, example_inputs, exclude_modules=config.exclude_modules, inference=inference,
+                cached_weights="cached_weights" not in config.disabled_mods)
+        except Exception as error:  # the pass restored the graph
+            if not config.fallback or _is_dynamo_control(error):
+                raise
+            log.warning("loka: horizontal fusion failed on %s (%s: %s); its linears stay apart",
+                        record.name, type(error).__name__, error)
+            record.horizontal = None
+        else:
+            log.info("%s: horizontal fusion: %d GEMMs from %d linears, declined %s", record.name,
+                     record.horizontal.groups, record.horizontal.linears, dict(record.horizontal.declined))
     compiled = LokaCompiledGraph(gm, example_inputs, record)
     GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
     return compiled

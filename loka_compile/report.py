@@ -104,8 +104,12 @@ class Report:
                                    r.config) for r in records]
         self.sites = [row for r in records for row in _site_records(r)]
         self._arch_mods = collections.Counter()
+        self._horizontal = collections.Counter()
         for r in records:
             self._arch_mods.update(r.arch_mod_counts)
+            fusion = getattr(r, "horizontal", None)
+            if fusion is not None:
+                self._horizontal.update({"horizontal": fusion.groups, "horizontal_linears": fusion.linears})
         self.cached_weights = [w for r in records for (phase, kind), ctx in r.contexts.items()
                                 if phase == r.phase and not (r.fallback or r.fallen_back.get(kind))
                                 for w in ctx.cached_weights]
@@ -119,13 +123,15 @@ class Report:
     @property
     def mods(self) -> dict:
         """What each Mod did across the FP8 sites: operand casts fused into their producer,
-        standalone, or replaced by a cached FP8 weight (`cached_weights`), sites padded, GEMMs with fast accumulation, and the opt-in
-        architecture Mods' rewrites."""
+        standalone, or replaced by a cached FP8 weight (`cached_weights`), sites padded, GEMMs with fast accumulation,
+        the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
+        replaced, per Dynamo graph) and the opt-in architecture Mods' rewrites."""
         casts = [c for s in self.sites for c in s.casts.values()]
         fused = sum(c.startswith("fused") for c in casts)
         cached = sum(c.startswith("cached") for c in casts)
         counts = {"fused_casts": fused, "standalone_casts": len(casts) - fused - cached, "cached_weights": cached,
-                  "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites)}
+                  "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites),
+                  "horizontal": self._horizontal["horizontal"], "horizontal_linears": self._horizontal["horizontal_linears"]}
         counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})
         return counts
 

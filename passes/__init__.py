@@ -25,7 +25,9 @@ log = logging.getLogger("loka.passes")
 #   pad          K or N padded to a multiple of 16 instead of keeping the site in bf16
 #   cached_weights  inference graphs: each weight's FP8 copy made once per weight version
 #                and read as a constant, instead of cast on every call
-MODS = ("fused_casts", "pad", "cached_weights")
+#   horizontal   sibling linears that read one input fused into one GEMM (weights
+#                concatenated along N, output split), so the input is cast once
+MODS = ("fused_casts", "pad", "cached_weights", "horizontal")
 
 PIPELINE = (
     ("find_sites", find_sites),

@@ -1,0 +1,378 @@
+"""horizontal_fusion: sibling linears that read the same input become one GEMM. A Mod that
+is on by default (`disabled_mods=["horizontal"]` switches it off); it runs on the Dynamo
+graph (torch-level IR), before AOTAutograd, so the backward follows from the forward.
+
+Matches, in a Dynamo graph, n >= 2 linears (`torch._C._nn.linear`, `F.linear`,
+`aten.linear`, `nn.Linear` call_module nodes) whose input is the same node x:
+
+    y_1 = linear(x, W_1, b_1)                 W = cat([W_1, ..., W_n], 0)     # (N_1+...+N_n, K)
+    ...                                  ->   b = cat([b_1, ..., b_n], 0)     # zeros(N_i) for a
+    y_n = linear(x, W_n, b_n)                 y = linear(x, W, b)             #   sibling without bias
+                                              y_1, ..., y_n = split(y, [N_1, ..., N_n], -1)
+
+(b is dropped when no sibling has a bias; the split is `unsafe_split_with_sizes`, whose
+outputs autograd does not treat as views of one buffer, so a consumer may modify one in
+place as it could a linear's own output; AOTAutograd functionalizes that.) The math is the
+model's; only the GEMM's rounding order changes. What it buys: the shared input is cast to FP8 once instead of n
+times in the forward; in the backward the siblings' dgrads become one GEMM over the
+concatenated N (their sum is the GEMM's reduction) and their wgrads one GEMM that reads x
+once; one bigger GEMM, where FP8 pays more (MaskNet's 8 MaskBlocks each apply
+Linear(1728 -> 3456) to the same embeddings: one 1728 -> 27648 GEMM).
+
+Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
+    single_linear        no other linear reads its input
+    excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
+    depends_on_sibling   its weight or bias is computed from another sibling's output
+                         (the fused GEMM would depend on itself)
+    weight_not_parameter its weight or bias is not an nn.Parameter graph input or a
+                         get_attr, or not 2-D / 1-D (a computed weight such as
+                         weight_norm's or LoRA's; a plain-tensor input from
+                         functional_call, which loka tells from a weight only by its path
+                         to the linear, and the concatenation would hide that)
+    k_or_dtype_differs   no other sibling has its weight's K, dtype and device
+    not_worth_it         (n - 1) * M < N_1 + ... + N_n: concatenating the weights copies
+                         K * N_total values every step, more than the (n - 1) * M * K input
+                         reads the fusion saves (M: the input's rows; a symbolic M counts
+                         as its hint; byte accounting, not yet timed on a GPU)
+    inference            the graph will be an inference graph and the `cached_weights` Mod
+                         is on: each sibling's weight is cast to FP8 once per weight
+                         version there, while the concatenated weight would be cast on
+                         every call
+
+Inductor's pattern matcher (DESIGN convention 5) matches fixed patterns; a sibling group
+has any number of members, found by grouping the users of each node, so this pass walks
+the graph.
+
+The fused linear's module path (`nn_module_stack`, which names its forward, dgrad and
+wgrad sites in the report) joins the siblings' paths: the common prefix and suffix, the
+differing middle in braces, "blocks.{0,1,2}.mask.0", or "{a,b}" when nothing is shared.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import logging
+import operator
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("loka.passes")
+
+_LINEARS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
+
+
+@dataclasses.dataclass
+class HorizontalFusion:
+    """What the pass did to one graph."""
+
+    groups: int = 0                   # fused GEMMs made
+    linears: int = 0                  # linears they replaced
+    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> linears
+    modules: list = dataclasses.field(default_factory=list)   # the fused linears' module paths
+
+
+@dataclasses.dataclass
+class _Linear:
+    node: torch.fx.Node
+    x: torch.fx.Node
+    weight: object        # fx.Node (or None for a call_module found to lack one)
+    bias: object          # fx.Node or None
+    module: str
+    call_module: str = ""  # target of an nn.Linear call_module node
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default=None):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _clean(path: str) -> str:
+    # Dynamo's "L['self'].blocks[0].mask[0]" -> "blocks.0.mask.0" (find_sites reads it again
+    # through its own cleaner, which leaves a clean path as it is).
+    from .find_sites import clean_module_path
+    return clean_module_path(path)
+
+
+def _stack(node: torch.fx.Node) -> dict:
+    return dict(node.meta.get("nn_module_stack") or {})
+
+
+def _module_of(node: torch.fx.Node) -> str:
+    stack = _stack(node)
+    return _clean(list(stack.values())[-1][0]) if stack else ""
+
+
+def joined_module_path(paths) -> str:
+    """"blocks.0.mask.0", "blocks.1.mask.0" -> "blocks.{0,1}.mask.0"; "a", "b" -> "{a,b}"."""
+    parts = [p.split(".") if p else [] for p in paths]
+    if all(p == parts[0] for p in parts):
+        return ".".join(parts[0])
+    head = 0
+    while all(len(p) > head for p in parts) and len({p[head] for p in parts}) == 1:
+        head += 1
+    tail = 0
+    while all(len(p) - head > tail for p in parts) and len({p[len(p) - 1 - tail] for p in parts}) == 1:
+        tail += 1
+    middles = [".".join(p[head:len(p) - tail]) for p in parts]
+    return ".".join([*parts[0][:head], "{" + ",".join(middles) + "}", *parts[0][len(parts[0]) - tail:]])
+
+
+def _tensor_of(gm, node, inputs: dict):
+    """The real or example tensor behind a weight/bias node, and whether it counts as a
+    weight: an nn.Parameter graph input, or a get_attr."""
+    if node.op == "get_attr":
+        try:
+            return _fetch_attr(gm, node.target), True
+        except AttributeError:
+            return None, False
+    if node.op == "placeholder":
+        value = inputs.get(node, node.meta.get("example_value", node.meta.get("val")))
+        return value, isinstance(value, torch.nn.Parameter)
+    return None, False
+
+
+def _fetch_attr(gm, target: str):
+    obj = gm
+    for name in target.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _linears(gm: torch.fx.GraphModule) -> list:
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _LINEARS:
+            x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+            if isinstance(x, torch.fx.Node) and isinstance(w, torch.fx.Node) \
+                    and (b is None or isinstance(b, torch.fx.Node)):
+                found.append(_Linear(node, x, w, b, _module_of(node)))
+        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
+            x = _arg(node, 0, "input")
+            if isinstance(x, torch.fx.Node):
+                found.append(_Linear(node, x, None, None, node.target, call_module=node.target))
+    return found
+
+
+def _ancestors(nodes) -> set:
+    seen, stack = set(), [n for n in nodes if isinstance(n, torch.fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _rows(x: torch.fx.Node, inputs: dict):
+    value = inputs.get(x, x.meta.get("example_value", x.meta.get("val")))
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    rows = 1
+    for size in value.shape[:-1]:
+        if isinstance(size, torch.SymInt):
+            hint = size.node.hint
+            if hint is None:
+                return None
+            size = hint
+        rows *= int(size)
+    return rows
+
+
+def _excluded(module: str, exclude_modules) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in exclude_modules)
+
+
+def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=(),
+                         inference: bool = False, cached_weights: bool = True) -> HorizontalFusion:
+    """Fuse each group of sibling linears of `gm` in place (module docstring); return what
+    was fused and declined. `example_inputs`: the graph's inputs in placeholder order (what
+    tells a Parameter); `inference`: the graph will compile as an inference graph."""
+    result = HorizontalFusion()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = dict(zip(placeholders, example_inputs))
+    by_input = collections.defaultdict(list)
+    for lin in _linears(gm):
+        by_input[lin.x].append(lin)
+
+    def decline(lins, reason):
+        for lin in lins:
+            result.declined[reason] += 1
+            log.debug("horizontal_fusion: %s (%s) declined: %s", lin.node.name, lin.module or "<root>", reason)
+
+    groups = []
+    for x, lins in by_input.items():
+        if len(lins) < 2:
+            decline(lins, "single_linear")
+            continue
+        if inference and cached_weights:
+            decline(lins, "inference")
+            continue
+        kept = []
+        for lin in lins:
+            if _excluded(lin.module, exclude_modules):
+                decline([lin], "excluded_module")
+            else:
+                kept.append(lin)
+        outputs = {lin.node for lin in kept}
+        candidates = []
+        for lin in kept:
+            if lin.call_module:
+                candidates.append(lin)
+            elif _ancestors([lin.weight, lin.bias]) & (outputs - {lin.node}):
+                decline([lin], "depends_on_sibling")
+            else:
+                candidates.append(lin)
+        by_kind = collections.defaultdict(list)
+        for lin in candidates:
+            key = _weight_key(gm, lin, inputs)
+            if key is None:
+                decline([lin], "weight_not_parameter")
+            else:
+                by_kind[key].append(lin)
+        for key, members in by_kind.items():
+            if len(members) < 2:
+                decline(members, "k_or_dtype_differs" if len(candidates) > 1 else "single_linear")
+                continue
+            n_total = sum(_weight_shape(gm, lin, inputs)[0] for lin in members)
+            rows = _rows(x, inputs)
+            if rows is not None and (len(members) - 1) * rows < n_total:
+                decline(members, "not_worth_it")
+                continue
+            groups.append(members)
+
+    if not groups:
+        return result
+    pristine = copy.deepcopy(gm.graph)
+    try:
+        for members in groups:
+            _fuse(gm, members, inputs)
+            result.groups += 1
+            result.linears += len(members)
+            result.modules.append(joined_module_path([lin.module for lin in members]))
+            log.debug("horizontal_fusion: fused %d linears into %s", len(members), result.modules[-1])
+        gm.graph.lint()
+    except Exception:
+        gm.graph = pristine  # all or nothing
+        gm.recompile()
+        raise
+    gm.recompile()
+    return result
+
+
+def _params(gm, lin: _Linear):
+    """(weight, bias) tensors of a call_module linear."""
+    module = gm.get_submodule(lin.call_module)
+    return module.weight, module.bias
+
+
+def _weight_shape(gm, lin: _Linear, inputs: dict):
+    if lin.call_module:
+        return tuple(_params(gm, lin)[0].shape)
+    return tuple(_tensor_of(gm, lin.weight, inputs)[0].shape)
+
+
+def _weight_key(gm, lin: _Linear, inputs: dict):
+    """(K, dtype, device) of a linear whose weight and bias are parameters, else None."""
+    if lin.call_module:
+        weight, bias = _params(gm, lin)
+    else:
+        weight, is_param = _tensor_of(gm, lin.weight, inputs)
+        if weight is None or not is_param:
+            return None
+        bias = None
+        if lin.bias is not None:
+            bias, is_param = _tensor_of(gm, lin.bias, inputs)
+            if bias is None or not is_param:
+                return None
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    if bias is not None and (bias.dim() != 1 or bias.dtype != weight.dtype or bias.shape[0] != weight.shape[0]):
+        return None
+    return int(weight.shape[1]), weight.dtype, weight.device
+
+
+def _fused_meta(members) -> dict:
+    """The first sibling's metadata, with an nn_module_stack that names all siblings: their
+    common ancestors, then one entry whose path is the joined path."""
+    meta = {k: v for k, v in members[0].node.meta.items() if k not in ("example_value", "val")}
+    stacks = [list(_stack(lin.node).items()) for lin in members]
+    common = []
+    for entries in zip(*stacks):
+        if any(e != entries[0] for e in entries):
+            break
+        common.append(entries[0])
+    paths = [lin.module for lin in members]
+    joined = joined_module_path(paths)
+    if joined not in paths:
+        common.append((f"horizontal:{joined}", (joined, torch.nn.Linear)))
+    meta["nn_module_stack"] = dict(common)
+    return meta
+
+
+def _fake_mode(nodes):
+    for node in nodes:
+        mode = getattr(node.meta.get("example_value"), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def _set_example_values(nodes, mode) -> None:
+    """Dynamo's `example_value` metadata for the new nodes, computed on fake tensors."""
+    if mode is None:
+        return
+    value = lambda a: a.meta["example_value"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    with mode:
+        for node in nodes:
+            if not all("example_value" in a.meta for a in node.all_input_nodes):
+                return
+            args = torch.fx.node.map_aggregate(node.args, value)
+            kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+            node.meta["example_value"] = node.target(*args, **kwargs)
+
+
+def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    first = min((lin.node for lin in members), key=order.get)
+    with graph.inserting_before(first):
+        for lin in members:
+            if lin.call_module:
+                lin.weight = graph.get_attr(f"{lin.call_module}.weight")
+                lin.bias = graph.get_attr(f"{lin.call_module}.bias") if _params(gm, lin)[1] is not None else None
+    for lin in members:
+        for node in (lin.weight, lin.bias):
+            # A get_attr after the insertion point moves up (it reads nothing).
+            if node is not None and node.op == "get_attr" and order.get(node, -1) > order[first]:
+                first.prepend(node)
+    sizes = [_weight_shape(gm, lin, inputs)[0] for lin in members]
+    any_bias = any(lin.bias is not None for lin in members)
+    new = []
+    with graph.inserting_before(first):
+        biases = []
+        for lin, n in zip(members, sizes):
+            if lin.bias is not None:
+                biases.append(lin.bias)
+            elif any_bias:
+                weight = _params(gm, lin)[0] if lin.call_module else _tensor_of(gm, lin.weight, inputs)[0]
+                biases.append(graph.call_function(torch.zeros, (n,), {"dtype": weight.dtype, "device": weight.device}))
+                new.append(biases[-1])
+        new.append(graph.call_function(torch.cat, ([lin.weight for lin in members], 0)))
+        if any_bias:
+            new.append(graph.call_function(torch.cat, (biases, 0)))
+        fused = graph.call_function(torch._C._nn.linear, (members[0].x, new[-2] if any_bias else new[-1],
+                                                          new[-1] if any_bias else None))
+        fused.meta.update(_fused_meta(members))
+        parts = graph.call_function(torch.unsafe_split_with_sizes, (fused, sizes, -1))
+        outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(members))]
+        new += [fused, parts, *outs]
+    _set_example_values(new, _fake_mode([members[0].x, *(lin.weight for lin in members)]))
+    for lin, out in zip(members, outs):
+        out.meta.update({k: v for k, v in lin.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        if "example_value" not in out.meta and "example_value" in lin.node.meta:
+            out.meta["example_value"] = lin.node.meta["example_value"]
+        lin.node.replace_all_uses_with(out)
+        graph.erase_node(lin.node)
