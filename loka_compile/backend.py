@@ -129,6 +129,8 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
         # Site records are made by the pass; a cache hit would skip it and leave the
         # report empty, so loka graphs are always compiled.
         patches["fx_graph_cache"] = False
+        if "benchmarked_reductions" not in config.disabled_mods:
+            patches["triton.multi_kernel"] = 1  # Triton kernels only; CPU code generation ignores it
     return patches
 
 

@@ -54,7 +54,7 @@ BAD_OPTIONS = [
     ({"fallback": "no"}, "fallback must be a bool"),
     ({"mode": "turbo"}, "valid modes"),
     ({"mode": None}, "valid modes"),
-    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cached_weights'\]"),
+    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cached_weights', 'horizontal', 'benchmarked_reductions'\]"),
     ({"disabled_mods": "pad"}, r"disabled_mods must be a list or tuple of names from \['fused_casts'"),
     ({"disabled_mods": None}, "disabled_mods must be a list or tuple"),
     ({"arch_mods": ["layernorm"]}, r"valid arch_mods: \['blocknorm', 'no_bias', 'hardswish'\]"),
@@ -83,7 +83,8 @@ def test_good_values_are_normalized():
     assert config.disabled_mods == ("pad",) and config.arch_mods == ("blocknorm", "hardswish")
     assert config.max_probe_error == 1.0 and isinstance(config.max_probe_error, float)
     assert LokaConfig().disabled_mods == () and LokaConfig().arch_mods == ()
-    assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == {"fused_casts", "pad", "cached_weights"}
+    assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == \
+        {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions"}
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
@@ -112,3 +113,12 @@ def test_config_is_frozen_and_accepts_itself():
 def test_public_names():
     for name in ("report", "LokaConfig", "reset", "Reason", "BlockNorm", "apply_arch_mods"):
         assert hasattr(loka_compile, name)
+
+
+def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_graphs_only():
+    from loka_compile.backend import _inductor_patches
+
+    marker = object()  # stands for loka's custom pass
+    assert _inductor_patches(LokaConfig(), marker)["triton.multi_kernel"] == 1
+    assert "triton.multi_kernel" not in _inductor_patches(LokaConfig(disabled_mods=["benchmarked_reductions"]), marker)
+    assert "triton.multi_kernel" not in _inductor_patches(LokaConfig(), None)  # a fallback compile is Inductor's own
