@@ -13,7 +13,9 @@ candidate provider, on fresh random operands of the site's shape, dtype and layo
              reduction (Inductor's `should_use_persistent_reduction` threshold for inner
              reductions): the row is read once for the value, its amax and the cast, so
              the cast adds only its FP8 byte per element, 1 / (input bytes + 1) of the
-             standalone time. Longer rows take a looped reduction that re-reads the row
+             standalone time (rows up to 16384 with the `benchmarked_reductions` Mod,
+             under which Inductor also tries them persistent). Longer rows take a looped
+             reduction that re-reads the row
              for the cast after the amax pass: the standalone cast's bytes, so its time
              (measured on the H100: MaskNet's K = 3456 casts fused into threshold_backward
              and relu added 0.6-0.9x of a standalone cast, not 1/3). A weight whose
@@ -67,6 +69,7 @@ class SiteShape:
     b_cached: bool = False  # B is a weight whose FP8 copy is cached: no cast per call
     pad_k: int = 0
     pad_n: int = 0
+    persistent_row_max: int = 1024  # longest row a fused cast reduces in one pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,15 +147,20 @@ def _time_runs_us(fn, device: torch.device, graphed: bool) -> list:
         return runs
 
 
-# Longest row Inductor reduces in one persistent pass (inner reductions, torch 2.11-2.13).
+# Longest row Inductor reduces in one persistent pass (inner reductions, torch 2.11-2.13),
+# and with its multi-kernel (the `benchmarked_reductions` Mod), which also builds a
+# persistent variant up to 16x that and keeps it where it is faster. Measured on the H100
+# (MaskNet inference, K = 3456): relu + rowwise cast took 0.047 ms per call persistent, the
+# relu alone in bf16 0.049 ms, so the fused cast cost no more than its byte.
 PERSISTENT_ROW_MAX = 1024
+MULTI_KERNEL_PERSISTENT_ROW_MAX = 16 * PERSISTENT_ROW_MAX
 
 
-def _fused_fraction(dtype: torch.dtype, row: int) -> float:
+def _fused_fraction(dtype: torch.dtype, row: int, persistent_row_max: int = PERSISTENT_ROW_MAX) -> float:
     """Share of a standalone cast's time that a cast fused into its producer still costs
     (module docstring): its FP8 byte out of the bytes a standalone cast moves when the row
     fits a persistent reduction, else all of it."""
-    return 1.0 / (torch.finfo(dtype).bits // 8 + 1) if row <= PERSISTENT_ROW_MAX else 1.0
+    return 1.0 / (torch.finfo(dtype).bits // 8 + 1) if row <= persistent_row_max else 1.0
 
 
 def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
@@ -222,7 +230,8 @@ def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, 
                 continue
             standalone = _time_calls_us(lambda: torch.ops.loka.quantize_operand(x, operand, scaling, fmt),
                                         device, graphed)
-            cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k) if fused else 1.0)
+            cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k, shape.persistent_row_max)
+                                     if fused else 1.0)
         (a_q, a_s), (b_q, b_s) = quantized["a"], quantized["b"]
         gemm_runs, failed = {}, {}
         for name in providers:
@@ -305,7 +314,8 @@ def cached_timings() -> dict:
     return dict(_cache)
 
 
-def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: bool = False) -> Optional[SiteShape]:
+def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: bool = False,
+               benchmarked_reductions: bool = False) -> Optional[SiteShape]:
     """The timing key of a 2-D site with concrete dims, else None (symbolic or batched)."""
     from loka_compile.passes.find_sites import operand_casts
 
@@ -315,4 +325,6 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
     casts = operand_casts(site, scaling)
     return SiteShape(m, k, n, site.a_major, site.b_major, site.op == "addmm", site.dtype, site.device,
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
-                     b_cached=b_cached, pad_k=pad_k, pad_n=pad_n)
+                     b_cached=b_cached, pad_k=pad_k, pad_n=pad_n,
+                     persistent_row_max=MULTI_KERNEL_PERSISTENT_ROW_MAX if benchmarked_reductions
+                     else PERSISTENT_ROW_MAX)

@@ -349,6 +349,16 @@ class TestSpeedCheck:
         assert speed.site_shape(dataclasses.replace(fp8_site, shape=("s0", 64, 128)), "rowwise") is None
         assert speed.site_shape(dataclasses.replace(fp8_site, batch=4), "rowwise") is None
 
+    def test_fused_cast_charge_follows_the_persistent_row_limit(self, fp8_site):
+        # A bf16 row that fits one persistent reduction costs the fused cast its FP8 byte of 3.
+        assert speed._fused_fraction(torch.bfloat16, 1024) == pytest.approx(1 / 3)
+        assert speed._fused_fraction(torch.bfloat16, 3456) == 1.0
+        assert speed._fused_fraction(torch.bfloat16, 3456, speed.MULTI_KERNEL_PERSISTENT_ROW_MAX) == \
+            pytest.approx(1 / 3)
+        assert speed.site_shape(fp8_site, "rowwise").persistent_row_max == speed.PERSISTENT_ROW_MAX
+        assert speed.site_shape(fp8_site, "rowwise", benchmarked_reductions=True).persistent_row_max == \
+            speed.MULTI_KERNEL_PERSISTENT_ROW_MAX
+
     def test_real_timing_on_cpu(self):
         speed.clear_cache()
         shape = speed.SiteShape(64, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
