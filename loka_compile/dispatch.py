@@ -117,7 +117,8 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     if phase == "probe":
         return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.disabled_mods
-    shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached) if hardware else None
+    shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached,
+                             "benchmarked_reductions" not in config.disabled_mods) if hardware else None
     if shape is not None and not config.speed_check:
         try:
             chosen["provider"] = speed.runnable_providers(shape, chosen["scaling"], chosen["a_format"],
