@@ -96,10 +96,16 @@ def amax_along(x: torch.Tensor, dim=None, finite_only: bool = False) -> torch.Te
     magnitude = xf.abs()
     if finite_only:
         magnitude = torch.where(torch.isfinite(xf), magnitude, torch.zeros_like(magnitude))
-    if guard_or_false(xf.shape[dim] == 0):  # a symbolic size is never assumed empty
+    size = xf.shape[dim]
+    if guard_or_false(size == 0):
         amax = torch.zeros_like(xf.sum(dim=dim, keepdim=True))
-    else:
+    elif guard_or_false(size != 0):
         amax = magnitude.amax(dim=dim, keepdim=True)
+    else:
+        # A data-dependent size may be 0 at run time, where amax has nothing to reduce
+        # (Inductor asserts the size >= 1): reduce with one zero appended instead.
+        pad = [1 if d == dim % xf.dim() else s for d, s in enumerate(xf.shape)]
+        amax = torch.cat([magnitude, magnitude.new_zeros(pad)], dim=dim).amax(dim=dim, keepdim=True)
     if not finite_only:
         amax = torch.where(torch.isnan(xf).any(dim=dim, keepdim=True), torch.full_like(amax, float("nan")), amax)
     return amax.reshape(()) if whole else amax

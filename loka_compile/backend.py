@@ -17,6 +17,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import hashlib
 import itertools
 import logging
@@ -29,12 +30,13 @@ from typing import Optional
 import torch
 from torch._inductor import list_mode_options
 from torch._inductor import config as inductor_config
+from torch._inductor import fx_utils
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from loka_compile import dispatch, passes, probe
 from loka_compile.config import LokaConfig
-from loka_compile.passes import PassContext, graph_kind, run_passes
+from loka_compile.passes import Decision, PassContext, Reason, graph_kind, run_passes
 from loka_compile.passes.arch_mods import apply_arch_mods
 from loka_compile.passes.horizontal_fusion import fuse_sibling_linears
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
@@ -77,6 +79,7 @@ class GraphRecord:
 
 GRAPHS: list = []
 _graph_ids = itertools.count()
+_PROBING: "weakref.WeakSet" = weakref.WeakSet()  # compiled graphs in their probe window
 
 
 class LokaPostGradPass(CustomGraphPass):
@@ -96,8 +99,9 @@ class LokaPostGradPass(CustomGraphPass):
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
                           disabled_mods=frozenset(record.config.disabled_mods))
-        run_passes(graph, ctx)
+        # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
+        run_passes(graph, ctx)
         record.graph_modules[(self.phase, kind)] = graph.owning_module
         fp8 = sum(d.fp8 for d in ctx.decisions.values())
         log.info("%s/%s (%s): %d GEMM sites, %d in FP8", record.name, kind.value, self.phase, len(ctx.sites), fp8)
@@ -145,6 +149,32 @@ def _constants_reach_custom_ops(example_inputs):
     return unittest.mock.patch.object(fake_mode, "allow_non_fake_inputs", True)
 
 
+def _storage_or_identity(tensor: torch.Tensor) -> int:
+    """Inductor's `fx_utils.get_storage`, also for tensors without a storage (sparse
+    gradients of `sparse=True` embeddings), which get a key of their own (negative, so it
+    never equals a storage address). Inductor's fake-tensor update after the post-grad
+    custom pass compares storages of every node downstream of a rewritten one; the
+    original raises for a sparse tensor."""
+    if torch._C._has_storage(tensor):
+        return tensor.untyped_storage()._cdata
+    return -id(tensor)
+
+
+def _forget_rewrite(record: GraphRecord, why: str, kind=None, phase: Optional[str] = None) -> None:
+    """Rewritten graphs (of `kind`, of `phase`; None: all) that will not run: drop them
+    from the record, and give the sites their passes found but never decided a decision
+    that says why."""
+    def matches(key):
+        return (kind is None or key[1] is kind) and (phase is None or key[0] == phase)
+
+    for key in [key for key in record.graph_modules if matches(key)]:
+        record.graph_modules.pop(key)
+    for key, ctx in record.contexts.items():
+        if matches(key):
+            for site in ctx.sites:
+                ctx.decisions.setdefault(site.key, Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why))
+
+
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, **kwargs):
     """Inductor's compile of one ATen graph (forward, backward, inference), made whole or
     not at all: if it fails once loka's pass has rewritten the graph (in the pass or in
@@ -153,7 +183,8 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
     this for the lazily compiled backward too, so the fallback covers every graph."""
     pristine = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node meta is shared, not copied
     try:
-        with _constants_reach_custom_ops(example_inputs):
+        with _constants_reach_custom_ops(example_inputs), \
+                unittest.mock.patch.object(fx_utils, "get_storage", _storage_or_identity):
             compiled = compile_fx_inner(gm, example_inputs, **kwargs)
     except Exception as error:
         if not record.config.fallback or _is_dynamo_control(error):
@@ -161,8 +192,7 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
         kind = graph_kind(pristine.graph)
         why = f"{kind.value} graph: {type(error).__name__}: {error}"
         record.fallen_back[kind] = why
-        for key in [key for key in record.graph_modules if key[1] is kind]:
-            record.graph_modules.pop(key)  # the rewritten graph did not run
+        _forget_rewrite(record, why, kind=kind)
         _warn_fallback(record, why, whole_graph=False)
         with inductor_config.patch(post_grad_custom_post_pass=None):
             return compile_fx_inner(pristine, example_inputs, **kwargs)
@@ -222,6 +252,7 @@ class LokaCompiledGraph:
             # Kept until the probe window closes, to compile the FP8 variant then.
             self._pending = (gm, example_inputs, torch._guards.TracingContext.try_get())
             record.phase = "probe"
+            _PROBING.add(self)
         else:
             self._pending = None
             record.phase = "fp8"
@@ -236,7 +267,9 @@ class LokaCompiledGraph:
         except Exception as error:
             if not record.config.fallback or _is_dynamo_control(error):
                 raise
-            _warn_fallback(record, f"compile failed: {type(error).__name__}: {error}")
+            why = f"compile failed: {type(error).__name__}: {error}"
+            _warn_fallback(record, why)
+            _forget_rewrite(record, why, phase=phase)
             return compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, None))
 
     def __call__(self, *args):
@@ -262,6 +295,7 @@ class LokaCompiledGraph:
                         key, tensorwise, record.config.max_probe_error, rowwise)
         gm, example_inputs, tracing_context = self._pending
         self._pending = None
+        _PROBING.discard(self)
         with torch._guards.tracing(tracing_context) if tracing_context is not None else contextlib.nullcontext():
             self.variants["fp8"] = self._compile(gm, example_inputs, "fp8")
         record.phase = "fp8"
@@ -307,4 +341,8 @@ def reset() -> None:
     global _graph_ids
     GRAPHS.clear()
     probe.STORE.clear()
-    _graph_ids = itertools.count()
+    if _PROBING:
+        gc.collect()  # graphs Dynamo has dropped may still sit in reference cycles
+    # A graph still in its probe window keeps reporting observations under its site keys:
+    # new graphs must not take its name, or they would inherit its verdicts.
+    _graph_ids = itertools.count(max((int(g.record.name[1:]) + 1 for g in _PROBING), default=0))

@@ -12,6 +12,7 @@ e4m3 operands only).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, Mapping
@@ -152,6 +153,29 @@ class LokaConfig:
         if unknown:
             raise ValueError(f"unknown loka options {unknown}; valid options: {valid}")
         return cls(**options)
+
+
+def _checked_init(init):
+    """The dataclass __init__, with unknown or surplus arguments a ValueError naming the
+    valid options (the generated one raises TypeError)."""
+    valid = [f.name for f in dataclasses.fields(LokaConfig)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = [key for key in kwargs if key not in valid]
+        if unknown:
+            raise ValueError(f"unknown loka options {unknown}; valid options: {valid}")
+        if len(args) > len(valid):
+            raise ValueError(f"LokaConfig takes at most {len(valid)} options {valid}, got {len(args)} positional")
+        given_twice = [key for key in valid[:len(args)] if key in kwargs]
+        if given_twice:
+            raise ValueError(f"loka options {given_twice} given both by position and by name")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+LokaConfig.__init__ = _checked_init(LokaConfig.__init__)
 
 
 # Validators: each raises ValueError naming the option and its valid values, and returns
