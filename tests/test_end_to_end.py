@@ -322,34 +322,6 @@ def test_report_table_and_fields():
     assert len(loka_compile.report(twin).graphs) == 1
 
 
-def test_sparse_embedding_gradients_train_with_backward_fallback(caplog):
-    """DLRM's setup: sparse embedding gradients. Inductor's fake-tensor update after loka's
-    backward rewrite cannot read a sparse tensor's storage; the lazily compiled backward
-    then runs untouched in high precision, and the report says so for its sites only."""
-
-    class SparseTower(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(100, 32, sparse=True)
-            self.fc = torch.nn.Linear(32, 32)
-
-        def forward(self, idx):
-            return self.fc(self.emb(idx).sum(1))
-
-    model = SparseTower()
-    compiled = torch.compile(model, backend="loka")
-    with caplog.at_level(logging.WARNING, logger="loka"):
-        for _ in range(2):
-            model.zero_grad()
-            compiled(torch.randint(0, 100, (32, 3))).sum().backward()
-    assert model.emb.weight.grad.is_sparse and torch.isfinite(model.fc.weight.grad).all()
-    sites = {s.role: s for s in loka_compile.report(compiled).sites}
-    assert sites["fwd"].fp8
-    assert sites["dgrad"].reason == sites["wgrad"].reason == "graph_fallback"
-    assert "SparseTensorImpl" in sites["dgrad"].detail
-    assert sum("could not handle" in r.getMessage() for r in caplog.records) == 1
-
-
 def test_report_counts_what_each_mod_did():
     """Fused and standalone casts, padded sites and fast-accumulation GEMMs, as the summary
     states them; opt-in architecture Mods rewrite the graph only when named."""
