@@ -8,12 +8,15 @@ post-grad graph as these after AOTAutograd's decompositions.) Also records, as
 `packed_linear` sites that Dispatch keeps in high precision, the linears Inductor's
 freezing has already packed for a CPU library (mkl/mkldnn), so the report shows them.
 
-Records for each: role (fwd in forward/inference graphs; in the backward graph, wgrad
-when the result flows, through views, casts, adds and batch sums only, into the
-gradient of a parameter, else dgrad), module path (from `nn_module_stack`, or `fwd_nn_module_stack` in
-the backward graph), M x K x N (symbolic where dynamic), which operands carry the
-incoming gradient, producers and consumers, and the autograd sequence number that links
-a backward GEMM to its forward one.
+Records for each: role (fwd in forward/inference graphs, and in the backward graph for a
+GEMM that reads no incoming gradient: a forward recomputed by activation checkpointing,
+named `<module>:fwd:recomputed`; else wgrad when the result flows, through views, casts,
+adds, slices and sums over a bmm's batch only, into the gradient of a parameter, else
+dgrad), module path (from `nn_module_stack`, or `fwd_nn_module_stack` in the backward
+graph; `recovered_provenance` for the addmm Inductor makes of a gradient addition),
+M x K x N (symbolic where dynamic), which operands carry the incoming gradient,
+producers and consumers, and the autograd sequence number that links a backward GEMM to
+its forward one.
 
 Declines: nothing to decline; every GEMM is recorded (Dispatch decides what goes FP8).
 """
@@ -24,7 +27,7 @@ import operator
 import re
 
 import torch
-from torch.fx.experimental.symbolic_shapes import free_symbols
+from torch.fx.experimental.symbolic_shapes import free_symbols, statically_known_true
 
 from .context import GraphKind, PassContext, Role, Site
 
@@ -49,8 +52,11 @@ VIEW_LIKE = {
 # counts only over a batched GEMM (a weight broadcast over the batch); a sum over a 2-D
 # GEMM's rows is a bias gradient computed from a dgrad result.
 # weight_norm's backward takes the gradient of the whole weight and returns those of its
-# parameters (g, v) as a tuple.
-GRAD_ACCUMULATE = VIEW_LIKE | {aten.add.Tensor, operator.getitem, aten._weight_norm_interface_backward.default}
+# parameters (g, v) as a tuple; slices and splits hand each weight of a concatenated one
+# (horizontal fusion) its part.
+GRAD_ACCUMULATE = VIEW_LIKE | {aten.add.Tensor, operator.getitem, aten._weight_norm_interface_backward.default,
+                               aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+                               aten.narrow.default}
 GRAD_SUMS = {aten.sum.dim_IntList, aten.sum.default}
 BATCHED_GEMMS = {aten.bmm.default, aten.baddbmm.default}
 
@@ -69,7 +75,7 @@ def clean_module_path(path: str) -> str:
     through a global, "getattr(G.m, '0')", -> "m.0"."""
     path = re.sub(r"getattr\(([^,]*), '([^']*)'\)", r"\1.\2", path)
     path = re.sub(r"^L\['[^']*'\]\.?", "", path)
-    path = re.sub(r"^G\.", "", path)
+    path = re.sub(r"^G\.|^G(?=\[)", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     path = re.sub(r"_modules\.|_parameters\.", "", path)
@@ -194,8 +200,8 @@ def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset,
         elif node.target in GRAD_ACCUMULATE:
             stack.extend(node.all_input_nodes)
         elif node.target in GRAD_SUMS:
-            summed = skip_views_up(node.args[0])
-            if summed.op == "call_function" and summed.target in BATCHED_GEMMS:
+            summed = _batch_summed_gemm(node)
+            if summed is not None:
                 stack.append(summed)
     changed = True
     while changed:
@@ -211,6 +217,23 @@ def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset,
                 found.add(node)
                 changed = True
     return found
+
+
+def _batch_summed_gemm(node: torch.fx.Node):
+    """The batched GEMM whose result `node` (a sum) reduces over its batch dim only: the
+    gradient of a weight broadcast over the batch. None for any other sum, e.g. a bias
+    gradient summed over the rows of a bmm's activation gradient viewed as 2-D."""
+    summed = skip_views_up(node.args[0])
+    if summed.op != "call_function" or summed.target not in BATCHED_GEMMS:
+        return None
+    val = node.args[0].meta.get("val")
+    dims = node.args[1] if len(node.args) > 1 else None
+    if val is None or val.dim() != 3 or dims is None:
+        return None
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    if sorted(d % 3 for d in dims) != [0] or not statically_known_true(val.shape[0] == summed.meta["val"].shape[0]):
+        return None
+    return summed
 
 
 _TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
@@ -238,6 +261,82 @@ def consumers_through_views(node: torch.fx.Node) -> list:
         else:
             found.append(user)
     return found
+
+
+def _has_module_stack(node: torch.fx.Node) -> bool:
+    return bool(node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack"))
+
+
+def _gradient_slot(gemm: torch.fx.Node, gradient: torch.fx.Node) -> str:
+    """Which gradient of a forward `A @ B` a backward GEMM reading `gradient` (view-free)
+    computes: "a" (gradient @ B^T) or "b" (A^T @ gradient, or gradient^T @ A)."""
+    a = operands(gemm)[0]
+    return "a" if skip_views_up(a) is gradient and not _transposed(a) else "b"
+
+
+PROVENANCE_KEY = "loka_gemm"  # in node.meta["custom"], which Inductor's rewrites carry over
+
+
+def keep_gemm_provenance(graph: torch.fx.Graph) -> int:
+    """To run before Inductor's post-grad patterns (`post_grad_custom_pre_pass`): on each
+    `add(mm(x, y), other)` of a backward graph, the module path and seq_nr of each mm it
+    adds, under the names of the mm's operands, so that the addmm Inductor makes of the
+    two (it keeps the add's meta, "custom" included) still says where its product comes
+    from. Returns how many adds it stamped."""
+    if graph_kind(graph) is not GraphKind.BACKWARD:
+        return 0
+    stamped = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.add.Tensor:
+            continue
+        kept = [{"operands": [arg.name for arg in mm.args[:2]], "module": module_path(mm),
+                 "seq_nr": mm.meta.get("seq_nr")}
+                for mm in node.args[:2] if isinstance(mm, torch.fx.Node) and mm.target is aten.mm.default
+                and _has_module_stack(mm)]
+        if kept:
+            node.meta.setdefault("custom", {})[PROVENANCE_KEY] = kept
+            stamped += 1
+    return stamped
+
+
+def recovered_provenance(node: torch.fx.Node, grads: set, wgrads: set) -> tuple:
+    """(module path, seq_nr) of a backward GEMM that lost its own. Inductor's post-grad
+    pass turns a gradient addition `mm(x, y) + other` into one addmm carrying the add's
+    meta (no module stack, no seq_nr). Recovered, in order:
+      - from `keep_gemm_provenance`'s stamp, where it ran before that pass;
+      - from the GEMMs that read the same incoming gradient: those of one forward GEMM
+        (one seq_nr) compute its other gradients; taken when exactly one forward GEMM
+        among them lacks the gradient this node computes (dgrad <-> wgrad);
+      - for a weight-gradient accumulation (a layer applied twice), the module of the
+        other contribution `other`, without a seq_nr (it names the other application).
+    Else ("", None): e.g. a frozen layer's dgrad added to another path's (LoRA's base)
+    leaves no trace of its module in the backward graph."""
+    a, b, _, _ = operands(node)
+    for kept in (node.meta.get("custom") or {}).get(PROVENANCE_KEY, ()):
+        if kept["operands"] == [a.name, b.name]:
+            return kept["module"], kept["seq_nr"]
+    gradient = next((skip_views_up(op) for op in (a, b) if op in grads), None)
+    if gradient is not None:
+        slot = _gradient_slot(node, gradient)
+        by_forward: dict = {}
+        for user in consumers_through_views(gradient):
+            if user is not node and user.op == "call_function" and user.target in GEMM_OPS \
+                    and _has_module_stack(user) and user.meta.get("seq_nr") is not None:
+                by_forward.setdefault(user.meta["seq_nr"], []).append(user)
+        free = [users[0] for users in by_forward.values()
+                if all(_gradient_slot(u, gradient) != slot for u in users)]
+        if len(free) == 1:
+            return module_path(free[0]), free[0].meta["seq_nr"]
+    seen = {node}
+    while node in wgrads and node.target in (aten.addmm.default, aten.baddbmm.default):
+        other = skip_views_up(node.args[0])
+        if other in seen or other not in wgrads:
+            break
+        seen.add(other)
+        if _has_module_stack(other):
+            return module_path(other), None
+        node = other
+    return "", None
 
 
 def weight_source(operand: torch.fx.Node, weight_inputs: dict):
@@ -316,12 +415,18 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
             continue
         a, b, _, unit = operands(node)
         a_val, b_val = a.meta["val"], b.meta["val"]
+        module, seq_nr, recomputed = module_path(node), node.meta.get("seq_nr"), False
         if ctx.kind is not GraphKind.BACKWARD:
             role = Role.FWD
+        elif node not in grads:
+            # reads no incoming gradient: a forward GEMM recomputed in the backward
+            # (activation checkpointing)
+            role, recomputed = Role.FWD, True
         else:
             role = Role.WGRAD if node in wgrads else Role.DGRAD
-        module = module_path(node)
-        base = f"{module or '<root>'}:{role.value}"
+            if seq_nr is None and not _has_module_stack(node):
+                module, seq_nr = recovered_provenance(node, grads, wgrads)
+        base = f"{module or '<root>'}:{role.value}{':recomputed' if recomputed else ''}"
         names_seen[base] = names_seen.get(base, 0) + 1
         name = base if names_seen[base] == 1 else f"{base}#{names_seen[base]}"
         ctx.sites.append(Site(
@@ -341,7 +446,7 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
             b_is_grad=b in grads,
             producers=(short_target(skip_views_up(a)), short_target(skip_views_up(b))),
             consumers=tuple(consumers_of(node)),
-            seq_nr=node.meta.get("seq_nr"),
+            seq_nr=seq_nr,
             unit_scalars=unit,
             a_major=operand_major(a_val),
             b_major=operand_major(b_val),
