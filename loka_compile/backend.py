@@ -38,6 +38,7 @@ from loka_compile import dispatch, passes, probe
 from loka_compile.config import LokaConfig
 from loka_compile.passes import Decision, PassContext, Reason, graph_kind, run_passes
 from loka_compile.passes.arch_mods import apply_arch_mods
+from loka_compile.passes.find_sites import keep_gemm_provenance
 from loka_compile.passes.horizontal_fusion import fuse_sibling_linears
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
@@ -126,9 +127,28 @@ def _warn_fallback(record: GraphRecord, why: str, whole_graph: bool = True) -> N
         log.warning("loka could not handle graph %s (%s); it runs through Inductor in high precision", record.name, why)
 
 
+class LokaProvenancePass(CustomGraphPass):
+    """Before Inductor's post-grad patterns: each gradient addition keeps the module of the
+    GEMM it adds (`find_sites.keep_gemm_provenance`), which Inductor's mm + add -> addmm
+    fusion would drop; then the user's own pre-pass, if one was set."""
+
+    def __init__(self, user_pass):
+        self.user_pass = user_pass
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        keep_gemm_provenance(graph)
+        if self.user_pass is not None:
+            self.user_pass(graph)
+
+    def uuid(self) -> str:
+        user = self.user_pass.uuid() if isinstance(self.user_pass, CustomGraphPass) else repr(self.user_pass)
+        return hashlib.sha256(f"{_passes_digest()}|{user}".encode()).hexdigest()
+
+
 def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]) -> dict:
     patches = dict(list_mode_options(config.mode))
     if custom_pass is not None:
+        patches["post_grad_custom_pre_pass"] = LokaProvenancePass(inductor_config.post_grad_custom_pre_pass)
         patches["post_grad_custom_post_pass"] = custom_pass
         # Site records are made by the pass; a cache hit would skip it and leave the
         # report empty, so loka graphs are always compiled.

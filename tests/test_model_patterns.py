@@ -240,13 +240,6 @@ def test_unmerged_lora_adapter_roles():
     assert all(s.fp8 for s in lora if s.role != "wgrad")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "loka attributes fc2.base's dgrad to the root module ''. Inductor's post-grad pass fuses "
-    "the gradient addition `mm(g, W_base) + dx_lora` into one addmm whose meta is the add's "
-    "('Gradient addition node ...'): no fwd_nn_module_stack, no seq_nr, and with a frozen base "
-    "nothing else in the backward graph names fc2.base. find_sites.keep_gemm_provenance keeps it "
-    "when run before those patterns (tests/test_roles.py installs it by hand); the backend does "
-    "not install it as Inductor's post_grad_custom_pre_pass yet."))
 def test_unmerged_lora_adapter_dgrad_modules():
     sites = _lora_sites("adapter")
     dgrad = sorted(s.module for s in sites if s.role == "dgrad")
