@@ -14,6 +14,7 @@ from loka_compile.kernels.block_norm import block_norm, block_size
 from loka_compile.modules import BlockNorm
 from loka_compile.passes import arch_mods
 from numerics import rel_error
+from graphs import dynamo_graph
 
 ALL_MODS = ("blocknorm", "no_bias", "hardswish")
 
@@ -133,20 +134,6 @@ def test_module_swap_options():
         loka_compile.apply_arch_mods(model, ["no_bias"], heads=["body.1"])
     with pytest.raises(ValueError, match="last dimension only"):
         BlockNorm((4, 16))
-
-
-def dynamo_graph(model, *inputs):
-    """The GraphModule and example inputs a torch.compile backend receives for `model`."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append((gm, example_inputs))
-        return gm
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=record)(*inputs)
-    assert len(graphs) == 1
-    return graphs[0]
 
 
 def targets(gm):

@@ -15,22 +15,9 @@ from loka_compile import backend
 from loka_compile.passes import MODS
 from loka_compile.passes.horizontal_fusion import fuse_sibling_linears, joined_module_path
 from numerics import rel_error, sqnr_db
+from graphs import dynamo_graph
 
 LINEARS = (torch._C._nn.linear, F.linear)
-
-
-def dynamo_graph(model, *inputs):
-    """The GraphModule and example inputs a torch.compile backend receives for `model`."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append((gm, example_inputs))
-        return gm
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=record)(*inputs)
-    assert len(graphs) == 1
-    return graphs[0]
 
 
 def linear_nodes(gm):
