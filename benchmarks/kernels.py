@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from loka_compile.metrics import sqnr_db
+
 # M, K, N: the LRM shapes of ANCHORS.md, 8192^3 first (a run cut short by --max-seconds
 # still has the largest shape).
 LRM_SHAPES = [
@@ -73,11 +75,6 @@ def tflops(m: int, k: int, n: int, us: float) -> float:
     return 2.0 * m * k * n / (us * 1e-6) / 1e12
 
 
-def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return float(10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum().clamp_min(1e-30)))
-
-
 def _r(x, digits=2):
     return None if x is None else round(float(x), digits)
 
@@ -103,7 +100,7 @@ def _blockwise_scaled_mm(a_q, a_s, b_q, b_s, ref):
         except Exception as e:  # noqa: BLE001 (record why this library path is missing)
             last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             continue
-        db = sqnr_db(out, ref)
+        db = sqnr_db(ref, out)
         if db >= 30:
             return call, note
         last_error = f"scales {note}: SQNR {db:.1f} dB (wrong layout)"
@@ -162,7 +159,7 @@ def gemm_section(ctx: Context) -> list:
                                                               "none", torch.bfloat16, fast)
                     out = ours()
                     row["triton_config"] = str(tg.last_launch_config())
-                    row["triton_sqnr_db"] = _r(sqnr_db(out, ref), 1)
+                    row["triton_sqnr_db"] = _r(sqnr_db(ref, out), 1)
                     row["triton_us"] = _r(bench_us(ours, ctx))
                     row["triton_graph_us"] = _r(bench_graph_us(ours, ctx))
                     # The first call of this key tuned: every candidate's median, the evidence for TMA_CONFIGS.
@@ -173,7 +170,7 @@ def gemm_section(ctx: Context) -> list:
                 if lib_call is not None:
                     lib = (lambda: lib_call(fast)) if scaling is not Scaling.BLOCKWISE else lib_call
                     try:
-                        row["scaled_mm_sqnr_db"] = _r(sqnr_db(lib(), ref), 1)
+                        row["scaled_mm_sqnr_db"] = _r(sqnr_db(ref, lib()), 1)
                         row["scaled_mm_us"] = _r(bench_us(lib, ctx))
                         row["scaled_mm_graph_us"] = _r(bench_graph_us(lib, ctx))
                     except Exception as e:  # noqa: BLE001
@@ -206,7 +203,7 @@ def _pointer_and_epilogue_rows(ctx, tg, m, k, n, a_q, a_s, b_q, b_s, bias, ref, 
     try:
         def ptr():
             return tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", impl="pointer")
-        row["triton_sqnr_db"] = _r(sqnr_db(ptr(), ref), 1)
+        row["triton_sqnr_db"] = _r(sqnr_db(ref, ptr()), 1)
         row["triton_config"] = str(tg.last_launch_config())
         row["triton_us"] = _r(bench_us(ptr, ctx))
         row["triton_tflops"] = _r(tflops(m, k, n, row["triton_us"]), 1)
@@ -225,7 +222,7 @@ def _pointer_and_epilogue_rows(ctx, tg, m, k, n, a_q, a_s, b_q, b_s, bias, ref, 
             def fused(fast=fast):
                 return torch.ops.loka.triton_fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", bias, None, "relu",
                                                       torch.bfloat16, fast)
-            row["triton_sqnr_db"] = _r(sqnr_db(fused(), ref_epi), 1)
+            row["triton_sqnr_db"] = _r(sqnr_db(ref_epi, fused()), 1)
             row["triton_config"] = str(tg.last_launch_config())
             row["triton_us"] = _r(bench_us(fused, ctx))
             row["triton_graph_us"] = _r(bench_graph_us(fused, ctx))
@@ -234,7 +231,7 @@ def _pointer_and_epilogue_rows(ctx, tg, m, k, n, a_q, a_s, b_q, b_s, bias, ref, 
         try:
             def unfused(fast=fast):
                 return compiled_epilogue(a_q, b_q, a_s, b_s, bias, fast)
-            row["scaled_mm_sqnr_db"] = _r(sqnr_db(unfused(), ref_epi), 1)
+            row["scaled_mm_sqnr_db"] = _r(sqnr_db(ref_epi, unfused()), 1)
             row["scaled_mm_us"] = _r(bench_us(unfused, ctx))
             row["scaled_mm_graph_us"] = _r(bench_graph_us(unfused, ctx))
         except Exception as e:  # noqa: BLE001
@@ -267,7 +264,7 @@ def _wgrad_layout_rows(ctx, tg, m, k, n, a, w):
     try:
         def ours():
             return torch.ops.loka.triton_fp8_gemm(g_q, g_s, x_q, x_s, "rowwise")
-        row["triton_sqnr_db"] = _r(sqnr_db(ours(), ref), 1)
+        row["triton_sqnr_db"] = _r(sqnr_db(ref, ours()), 1)
         row["triton_config"] = str(tg.last_launch_config())
         row["triton_us"] = _r(bench_us(ours, ctx))
         row["triton_tflops"] = _r(tflops(n, m, k, row["triton_us"]), 1)
@@ -372,7 +369,7 @@ def gemm_explore_section(ctx: Context) -> list:
                 try:
                     def ours(cfg=cfg, mode=mode):
                         return tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", impl="tma", config=cfg, accum_mode=mode)
-                    row["sqnr_db"] = _r(sqnr_db(ours(), ref), 1)
+                    row["sqnr_db"] = _r(sqnr_db(ref, ours()), 1)
                     row["us"] = _r(bench_us(ours, ctx))
                     row["graph_us"] = _r(bench_graph_us(ours, ctx))
                     row["tflops"] = _r(tflops(m, k, n, row["graph_us"]), 1)
@@ -446,7 +443,7 @@ def site_section(ctx: Context) -> list:
                     row[f"{name}_us"] = _r(bench_us(fn, ctx), 1)
                     row[f"{name}_graph_us"] = _r(bench_graph_us(fn, ctx), 1)
                     if name != "bf16":
-                        row[f"{name}_sqnr_db"] = _r(sqnr_db(fn().double(), ref), 1)
+                        row[f"{name}_sqnr_db"] = _r(sqnr_db(ref, fn().double()), 1)
                 for name in ("reference_casts", "fused_casts", "gemm_only"):
                     row[f"{name}_vs_bf16"] = _r(row["bf16_us"] / row[f"{name}_us"], 3)
                     row[f"{name}_vs_bf16_graph"] = _r(row["bf16_graph_us"] / row[f"{name}_graph_us"], 3)

@@ -12,9 +12,10 @@ node, K-major (`scaled_gemm.quantize_operand_aten` gives the same values and lay
 ATen ops): loka's Triton casts on FP8 GPUs, the references elsewhere. Graphs use it only
 with the `fused_casts` Mod off (the unfused baseline).
 
-`observe_gemm(a, b, site, scaling, a_format, b_format)` is the Probe's observer: it leaves
-the graph's values alone and hands operand statistics and the FP8 error of this GEMM to
-the sink installed with `set_observer_sink` (the Probe's statistics store).
+`observe_gemm(a, b, site, scaling, a_format, b_format, a_is_grad=False, b_is_grad=False)`
+is the Probe's observer: it leaves the graph's values alone and hands operand statistics
+and the FP8 error of this GEMM under each candidate recipe (`gemm_statistics`) to the
+sink installed with `set_observer_sink` (the Probe's statistics store).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import Callable, Optional
 
 import torch
 
+from loka_compile import metrics  # a leaf module of pure math (no loka imports)
+
 from . import providers
 from .gemm_operands import quantize_gemm_operand
-from .quantize import Fp8Format, Scaling, amax_along, cast_with_scale, quantize_tensorwise, scale_from_amax
-from .scaled_gemm import GemmSpec, padding_for, scaled_gemm
+from .quantize import Fp8Format, Scaling, amax_along, cast_with_scale, scale_from_amax
+from .scaled_gemm import GemmSpec, gemm_quantized, padding_for, quantize_operand_aten, scaled_gemm
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
@@ -127,9 +130,15 @@ def _(x, operand, scaling, fmt):
 ObserverSink = Callable[[str, dict], None]
 _observer_sink: list[Optional[ObserverSink]] = [None]
 
-# Rows of A taken for the error estimate: enough for a stable relative error, small
-# enough that observing costs a fraction of the GEMM itself.
+# Rows of A taken for the error estimate, drawn uniformly without replacement on each
+# call: enough for a stable relative error, small enough that observing costs a fraction
+# of the GEMM itself.
 PROBE_SAMPLE_ROWS = 256
+
+# The observer's own random stream (row samples), seeded, so probing never moves the
+# model's RNG (dropout, data) and runs repeat.
+_PROBE_SEED = 0x10CA
+_generators: dict = {}
 
 
 def set_observer_sink(sink: Optional[ObserverSink]) -> None:
@@ -137,69 +146,175 @@ def set_observer_sink(sink: Optional[ObserverSink]) -> None:
     _observer_sink[0] = sink
 
 
-def _sample_product(a_sample: torch.Tensor, a_whole: torch.Tensor, b: torch.Tensor, scaling: str,
-                    a_format: str, b_format: str) -> torch.Tensor:
-    """The FP8 product of sampled rows of A with B, each quantized as in the real GEMM: a
-    tensorwise scale comes from the whole of A, so an outlier outside the sample counts."""
-    if Scaling(scaling) is not Scaling.TENSORWISE:
-        return fp8_gemm_reference(a_sample, b, None, scaling, a_format, b_format)
-    a_fmt, b_fmt = Fp8Format(a_format), Fp8Format(b_format)
-    a_scale = scale_from_amax(amax_along(a_whole, finite_only=True), a_fmt)
-    a_dq = cast_with_scale(a_sample, a_scale, a_fmt, non_finite_to_nan=True).float() * a_scale
-    b_q, b_scale = quantize_tensorwise(b, b_fmt)
-    return torch.matmul(a_dq, b_q.float() * b_scale)
+def _generator(device: torch.device) -> torch.Generator:
+    key = str(device)
+    if key not in _generators:
+        _generators[key] = torch.Generator(device=device).manual_seed(_PROBE_SEED)
+    return _generators[key]
 
 
-def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Mean over output rows of ||got_r - ref_r|| / ||ref_r||: every sample counts alike,
-    so one outlier row cannot hide the error of all the others (as one norm over the
-    whole product would)."""
-    row_ref = ref.norm(dim=-1)
-    row_diff = (got.double() - ref).norm(dim=-1)
-    return (row_diff / (row_ref + 1e-6 * row_ref.mean() + 1e-30)).mean().float()
+def reference_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The Probe's reference product: a @ b in fp64 (at least as exact as fp32/TF32)."""
+    return torch.matmul(a.double(), b.double())
 
 
-def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: str, b_format: str) -> dict:
-    """Operand statistics and the FP8 error of a @ b on a row sample, as 0-d fp32 tensors
-    (no host sync). `rel_error` is the mean over rows of ||fp8 - ref|| / ||ref||; `mere` the mean element-wise
-    relative error with a floor of 1e-3 * mean |ref| in the denominator. A tensorwise site
-    also gets `rel_error_rowwise`, its error under rowwise e4m3 scaling, the finer recipe
-    the Probe may upgrade it to."""
-    a2 = a.detach().reshape(-1, a.shape[-2], a.shape[-1])
-    b2 = b.detach().reshape(-1, b.shape[-2], b.shape[-1])
-    rows = max(1, PROBE_SAMPLE_ROWS // a2.shape[0])
-    a_s, b_s = a2[:, :rows].float(), b2.float()
-    ref = torch.matmul(a_s.double(), b_s.double())
-    got = _sample_product(a_s, a2, b_s, scaling, a_format, b_format).double()
-    diff = (got - ref).abs()
-    ref_abs = ref.abs()
-    floor = 1e-3 * ref_abs.mean() + 1e-30
+def candidate_recipes(scaling: str, a_format: str, b_format: str, a_is_grad: bool = False,
+                      b_is_grad: bool = False, batched: bool = False) -> list[tuple[Scaling, Fp8Format, Fp8Format]]:
+    """The FP8 candidates a site is measured in: tensorwise, rowwise and blockwise (2-D
+    only), each with the formats its role may use (e4m3 forward operands; e4m3 or e5m2 for
+    a gradient operand), plus the site's own choice."""
+    def options(is_grad):
+        return (Fp8Format.E4M3, Fp8Format.E5M2) if is_grad else (Fp8Format.E4M3,)
+    scalings = [s for s in Scaling if not (batched and s is Scaling.BLOCKWISE)]
+    found = [(s, fa, fb) for s in scalings for fa in options(a_is_grad) for fb in options(b_is_grad)]
+    chosen = _parse(scaling, a_format, b_format)
+    return found if chosen in found else [*found, chosen]
+
+
+def candidate_name(scaling, a_format, b_format) -> str:
+    return f"{Scaling(scaling).value}/{Fp8Format(a_format).value}/{Fp8Format(b_format).value}"
+
+
+def _candidate_product(a_sample: torch.Tensor, a_tensor_amax: torch.Tensor, b: torch.Tensor, scaling: Scaling,
+                       a_fmt: Fp8Format, b_fmt: Fp8Format) -> torch.Tensor:
+    """The FP8 product of sampled rows of A with B through the emulated provider, each
+    operand cast as the real GEMM casts it: a tensorwise scale comes from the whole of A
+    (`a_tensor_amax`), so an outlier outside the sample counts."""
+    if scaling is Scaling.TENSORWISE:
+        a_scale = scale_from_amax(a_tensor_amax, a_fmt)
+        a_q = cast_with_scale(a_sample, a_scale, a_fmt, non_finite_to_nan=True)
+    else:
+        a_q, a_scale = quantize_operand_aten(a_sample, "a", scaling, a_fmt)
+    b_q, b_scale = quantize_operand_aten(b, "b", scaling, b_fmt)
+    return gemm_quantized(a_q, a_scale, b_q, b_scale, None,
+                          GemmSpec(scaling, a_fmt, b_fmt, "emulated", torch.float32))
+
+
+def _range_fractions(rows: torch.Tensor) -> dict:
+    """Counts of elements (0-d fp32) that saturate, flush to zero or land in the subnormal
+    range of e4m3 and e5m2 (after rounding to nearest), keyed "<format>/<scaling>/<kind>", for rows [S, K] whose
+    scaling groups are the whole tensor (tensorwise) or each row (rowwise: a row of A or
+    a column of B), with loka's scales (amax / format max), and unscaled (a plain cast).
+
+    With scales from the tensor's own amax no finite value saturates: there `saturate`
+    counts the non-finite values (which the cast turns NaN). Unscaled, it also counts
+    finite values beyond the format's max. `flush`: nonzero finite values that round to
+    zero (|x / scale| <= half the smallest subnormal); `subnormal`: the rest that round to a
+    value below the smallest normal."""
+    x = rows.float().abs()
+    finite = torch.isfinite(x)
+    x = torch.where(finite, x, torch.zeros_like(x))
+    nonfinite = (~finite).sum().float()
+    nonzero = x != 0
+    tensor_amax = x.amax() if x.numel() else x.new_zeros(())
+    amaxes = {"tensorwise": tensor_amax, "rowwise": x.amax(dim=-1, keepdim=True)}
+    counts = {}
+    for fmt in Fp8Format:
+        info = torch.finfo(fmt.dtype)
+        smallest_subnormal = info.smallest_normal * info.eps
+        for name, amax in (*amaxes.items(), ("unscaled", None)):
+            y = x if amax is None else x / scale_from_amax(amax, fmt)
+            flush = nonzero & (y <= smallest_subnormal / 2)
+            counts[f"{fmt.value}/{name}/flush"] = flush.sum().float()
+            # Round to nearest: just under the smallest normal rounds up to it.
+            subnormal = nonzero & ~flush & (y < info.smallest_normal - smallest_subnormal / 2)
+            counts[f"{fmt.value}/{name}/subnormal"] = subnormal.sum().float()
+            saturate = nonfinite if amax is not None else nonfinite + (y > fmt.max).sum().float()
+            counts[f"{fmt.value}/{name}/saturate"] = saturate
+    return counts
+
+
+def operand_statistics(rows: torch.Tensor) -> dict:
+    """One operand as rows [S, K] (rows of A; columns of B), K the features: amax (NaN
+    if any NaN), rms, the per-feature moments of this batch for Welford/Chan merging
+    (`count`, `mean`, `m2` over the finite values, fp64 [K]), the non-finite count, the
+    FP8 range counts (`_range_fractions`) out of `numel`, and the rows themselves (for the
+    store's reservoir; a view, not a copy)."""
+    x = rows.float()
+    finite = torch.isfinite(x)
+    xf = torch.where(finite, x, torch.zeros_like(x))
+    count = finite.sum(0, dtype=torch.float64)
+    mean = xf.sum(0, dtype=torch.float64) / count.clamp_min(1)  # two passes: the batch's mean first
+    centered = torch.where(finite, x - mean.float(), torch.zeros_like(x))
+    return {
+        "amax": amax_along(x),
+        "rms": x.pow(2).mean().sqrt(),
+        "count": count,
+        "mean": mean,
+        "m2": centered.pow(2).sum(0, dtype=torch.float64),
+        "nonfinite": (~finite).sum().float(),
+        "numel": x.numel(),
+        "fractions": _range_fractions(x),
+        "rows": rows,
+    }
+
+
+def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: str, b_format: str,
+                    a_is_grad: bool = False, b_is_grad: bool = False) -> dict:
+    """Operand statistics and the FP8 error of a @ b per candidate recipe, on rows of A
+    sampled uniformly (PROBE_SAMPLE_ROWS, the same rows for each batch of a bmm), against
+    `reference_gemm`. All values are device tensors and nothing reads them back: no host
+    sync on CUDA (the row sample comes from the observer's own device generator).
+
+    Keys: `operands` {"a", "b"}: `operand_statistics` (B as its columns); `candidates`
+    {name: {"rel_error", "mere", "sqnr_db"}} (names from `candidate_name`); `chosen`, the
+    site's own candidate; and, for current readers, `a_amax`, `b_amax`, `a_rms`, `b_rms`,
+    `rel_error` and `mere` of the chosen candidate (`loka_compile.metrics`: rel_error is
+    the mean over sampled rows of each row's relative error), and, for a tensorwise site,
+    `rel_error_rowwise` (rowwise e4m3, the recipe the Probe may upgrade it to)."""
+    a, b = a.detach(), b.detach()
+    k = a.shape[-1]
+    a3 = a.reshape(-1, a.shape[-2], k)
+    b3 = b.reshape(-1, k, b.shape[-1])
+    batches, m = a3.shape[0], a3.shape[1]
+    rows = max(1, PROBE_SAMPLE_ROWS // batches)
+    if rows < m:
+        index = torch.randperm(m, device=a.device, generator=_generator(a.device))[:rows]
+        a_s = a3.index_select(1, index).float()
+    else:
+        a_s = a3.float()
+    b_s = b3.float()
+    if a.dim() == 2:
+        a_s, b_s = a_s[0], b_s[0]
+    a_tensor_amax = amax_along(a, finite_only=True)
+    ref = reference_gemm(a_s, b_s)
+    candidates = {}
+    for cand in candidate_recipes(scaling, a_format, b_format, a_is_grad, b_is_grad, batched=a.dim() == 3):
+        got = _candidate_product(a_s, a_tensor_amax, b_s, *cand)
+        candidates[candidate_name(*cand)] = {
+            "rel_error": metrics.row_rel_error_tensor(ref, got).float(),
+            "mere": metrics.mere_tensor(ref, got).float(),
+            "sqnr_db": metrics.sqnr_db_tensor(ref, got).float(),
+        }
+    chosen = candidate_name(scaling, a_format, b_format)
+    a_stats = operand_statistics(a.reshape(-1, k))
+    b_stats = operand_statistics(b.transpose(-1, -2).reshape(-1, k))
     stats = {
-        "a_amax": a.detach().abs().amax().float(),
-        "b_amax": b.detach().abs().amax().float(),
-        "a_rms": a.detach().float().pow(2).mean().sqrt(),
-        "b_rms": b.detach().float().pow(2).mean().sqrt(),
-        "rel_error": _relative_error(got, ref),
-        "mere": (diff / (ref_abs + floor)).mean().float(),
+        "a_amax": a_stats["amax"], "b_amax": b_stats["amax"],
+        "a_rms": a_stats["rms"], "b_rms": b_stats["rms"],
+        "rel_error": candidates[chosen]["rel_error"],
+        "mere": candidates[chosen]["mere"],
+        "operands": {"a": a_stats, "b": b_stats},
+        "candidates": candidates,
+        "chosen": chosen,
     }
     if Scaling(scaling) is Scaling.TENSORWISE:
-        rowwise = fp8_gemm_reference(a_s, b_s, None, Scaling.ROWWISE.value, Fp8Format.E4M3.value,
-                                     Fp8Format.E4M3.value)
-        stats["rel_error_rowwise"] = _relative_error(rowwise, ref)
+        stats["rel_error_rowwise"] = candidates[candidate_name(Scaling.ROWWISE, Fp8Format.E4M3,
+                                                                Fp8Format.E4M3)]["rel_error"]
     return stats
 
 
 @torch.library.custom_op("loka::observe_gemm", mutates_args=(), tags=_TAGS)
 def observe_gemm(a: torch.Tensor, b: torch.Tensor, site: str, scaling: str, a_format: str,
-                 b_format: str) -> None:
+                 b_format: str, a_is_grad: bool = False, b_is_grad: bool = False) -> None:
     sink = _observer_sink[0]
     if sink is None or a.numel() == 0 or b.numel() == 0:
         return  # an empty product has no error to observe
-    sink(site, gemm_statistics(a, b, scaling, a_format, b_format))
+    sink(site, gemm_statistics(a, b, scaling, a_format, b_format, a_is_grad, b_is_grad))
 
 
 @observe_gemm.register_fake
-def _(a, b, site, scaling, a_format, b_format):
+def _(a, b, site, scaling, a_format, b_format, a_is_grad=False, b_is_grad=False):
     return None
 
 

@@ -1,21 +1,204 @@
 """The Probe's statistics store: what the observers saw, per site, and the verdicts.
 
-Observers (`torch.ops.loka.observe_gemm`, inserted by the `probe` pass) report 0-d
-device tensors; the store keeps running sums and maxima on the device, so observing
-never waits for the GPU. Summaries and verdicts read them back once, when a graph's
-probe window closes or a report is made.
+Observers (`torch.ops.loka.observe_gemm`, inserted by the `probe` pass) report device
+tensors (`kernels.ops.gemm_statistics`); the store merges them on the device, so
+observing never waits for the GPU. Per site it keeps:
+
+- per operand (A's rows; B's columns), over the features K: the amax, Welford's
+  per-feature mean and variance (each call's batch moments merged with Chan's parallel
+  update), the counts of values that saturate, flush to zero or go subnormal in e4m3 and
+  e5m2 (tensorwise, rowwise, unscaled), and a reservoir of real rows (`Reservoir`);
+- per FP8 candidate (scaling and formats): the error of each observation (row relative
+  error, MERE, SQNR) as running moments, from which `summary` gives the mean and a
+  one-sided confidence bound across observations (`upper_bound`).
+
+What syncs: nothing per call. The reservoir's slot choice depends only on row counts, so
+it is drawn on the host and its indices copied without waiting. `summary` and `verdicts`
+read everything back once, when a probe window closes or a report is made.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
+import numpy as np
 import torch
 
 from loka_compile.kernels import ops
 
 _SUMMED = ("rel_error", "mere", "a_rms", "b_rms")
 _MAXED = ("rel_error", "a_amax", "b_amax", "rel_error_rowwise")
+_METRICS = ("rel_error", "mere", "sqnr_db")  # sqnr_db: higher is better, bounded below
+
+# Confidence of the bound on a candidate's mean error across observations: a one-sided
+# Student-t interval at 95% (1 in 20 sites whose true mean sits at the bound passes).
+CONFIDENCE = 0.95
+# t quantiles at CONFIDENCE for 1..30 degrees of freedom; above, the Cornish-Fisher
+# expansion around the normal quantile (error < 1e-3).
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761,
+        1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701,
+        1.699, 1.697)
+_Z95 = 1.6448536269514722
+
+# Rows kept per site and operand (uniform over every row observed): as many as one
+# observation's error sample. Memory: 256 x K in the operand's dtype.
+RESERVOIR_ROWS = 256
+_RESERVOIR_SEED = 0x10CA
+
+
+def t_quantile(df: int) -> float:
+    """The CONFIDENCE quantile of Student's t with df degrees of freedom."""
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = _Z95
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def upper_bound(mean: float, std: float, n: int, worst: float) -> float:
+    """One-sided upper confidence bound on the mean of n observations: mean + t s / sqrt(n),
+    with s the sample standard deviation; the worst observation when n < 2, and +inf when
+    any observation was not finite (NaN never passes)."""
+    if not math.isfinite(worst) or not math.isfinite(mean):
+        return math.inf
+    if n < 2:
+        return worst
+    return mean + t_quantile(n - 1) * std / math.sqrt(n)
+
+
+class Moments:
+    """Welford's streaming mean and variance, on the device, of tensors of one shape; a
+    batch enters with its own (count, mean, m2) and merges by Chan's parallel update:
+        n = na + nb, d = mean_b - mean_a,
+        mean = mean_a + d nb / n,  m2 = m2_a + m2_b + d^2 na nb / n.
+    Counts may be tensors (per-feature counts of finite values)."""
+
+    def __init__(self):
+        self.count = None
+        self.mean = None
+        self.m2 = None
+
+    def merge(self, count, mean, m2) -> None:
+        if self.count is None:
+            self.count, self.mean, self.m2 = count, mean, m2
+            return
+        n = self.count + count
+        safe_n = n.clamp_min(1) if isinstance(n, torch.Tensor) else max(n, 1)
+        delta = mean - self.mean
+        self.mean = self.mean + delta * count / safe_n
+        self.m2 = self.m2 + m2 + delta * delta * self.count * count / safe_n
+        self.count = n
+
+    def add(self, value) -> None:
+        """One observation (a tensor of the tracked shape)."""
+        self.merge(1, value, torch.zeros_like(value))
+
+    def variance(self, ddof: int = 0):
+        """m2 / (count - ddof): ddof 0 as numpy's var, 1 for the sample variance."""
+        n = self.count
+        return self.m2 / (n - ddof).clamp_min(1) if isinstance(n, torch.Tensor) else self.m2 / max(n - ddof, 1)
+
+
+class Reservoir:
+    """A uniform sample of at most `capacity` rows from every row offered (reservoir
+    sampling, Vitter's algorithm R): row t (0-based, over all calls) takes a slot when
+    t < capacity, else replaces slot j for j uniform in [0, t] when j < capacity. Which
+    rows enter depends on counts only, so slots are drawn on the host (seeded) and the
+    rows copied on the device without a sync."""
+
+    def __init__(self, capacity: int = RESERVOIR_ROWS, seed: int = _RESERVOIR_SEED):
+        self.capacity = capacity
+        self.seen = 0
+        self.rows = None
+        self._rng = np.random.default_rng(seed)
+
+    def offer(self, rows: torch.Tensor) -> None:
+        m = rows.shape[0]
+        if self.rows is not None and (self.rows.shape[1:] != rows.shape[1:] or self.rows.device != rows.device):
+            self.__init__(self.capacity)  # a different operand shape: start over
+        if self.rows is None:
+            self.rows = rows.new_zeros((self.capacity, *rows.shape[1:]))
+        t = self.seen + np.arange(m)
+        slots = np.where(t < self.capacity, t, np.floor(self._rng.random(m) * (t + 1)).astype(np.int64))
+        take = slots < self.capacity
+        # Within one call a later row wins a slot over an earlier one (sequential order).
+        slot_of, last = np.unique(slots[take][::-1], return_index=True)
+        source = np.nonzero(take)[0][::-1][last]
+        self.seen += m
+        if len(slot_of):
+            to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(rows.device, non_blocking=True)  # noqa: E731
+            self.rows.index_copy_(0, to(slot_of), rows.detach().index_select(0, to(source)))
+
+    def sample(self) -> torch.Tensor:
+        """The rows held: min(seen, capacity) of them."""
+        if self.rows is None:
+            return torch.empty(0)
+        return self.rows[: min(self.seen, self.capacity)]
+
+
+class _OperandStats:
+    def __init__(self):
+        self.amax = None
+        self.moments = Moments()
+        self.counts: dict = {}
+        self.nonfinite = None
+        self.numel = 0
+        self.reservoir = Reservoir()
+
+    def record(self, stats: dict) -> None:
+        self.amax = stats["amax"] if self.amax is None else torch.maximum(self.amax, stats["amax"])
+        if self.moments.count is not None and self.moments.mean.shape != stats["mean"].shape:
+            self.moments = Moments()
+        self.moments.merge(stats["count"], stats["mean"], stats["m2"])
+        for name, c in stats["fractions"].items():
+            self.counts[name] = c if name not in self.counts else self.counts[name] + c
+        self.nonfinite = stats["nonfinite"] if self.nonfinite is None else self.nonfinite + stats["nonfinite"]
+        self.numel += stats["numel"]
+        self.reservoir.offer(stats["rows"])
+
+    def summary(self) -> dict:
+        numel = max(self.numel, 1)
+        return {
+            "amax": float(self.amax),
+            "mean": self.moments.mean.cpu(),
+            "var": self.moments.variance().cpu(),
+            "count": self.moments.count.cpu(),
+            "nonfinite": float(self.nonfinite) / numel,
+            "fractions": {name: float(c) / numel for name, c in self.counts.items()},
+            "reservoir_rows": min(self.reservoir.seen, self.reservoir.capacity),  # STORE.reservoir() has them
+            "rows_seen": self.reservoir.seen,
+        }
+
+
+class _CandidateStats:
+    def __init__(self):
+        self.n = 0
+        self.moments = {m: Moments() for m in _METRICS}
+        self.worst = {}
+
+    def record(self, stats: dict) -> None:
+        self.n += 1
+        for m in _METRICS:
+            value = stats[m].double()
+            self.moments[m].add(value)
+            pick = torch.minimum if m == "sqnr_db" else torch.maximum
+            self.worst[m] = value if m not in self.worst else pick(self.worst[m], value)
+
+    def summary(self) -> dict:
+        out = {"n": self.n}
+        for m in _METRICS:
+            mean = float(self.moments[m].mean)
+            std = math.sqrt(max(float(self.moments[m].variance(ddof=1)), 0.0)) if self.n > 1 else 0.0
+            worst = float(self.worst[m])
+            if m == "sqnr_db":  # a lower bound: negate, bound, negate back
+                bound = -upper_bound(-mean, std, self.n, -worst) if math.isfinite(worst) else -math.inf
+                out[m] = {"mean": mean if math.isfinite(worst) else -math.inf, "bound": bound, "min": worst}
+            else:
+                bound = upper_bound(mean, std, self.n, worst)
+                out[m] = {"mean": mean if math.isfinite(worst) else math.inf, "bound": bound, "max": worst}
+        # The verdict metric at the top: row relative error.
+        out.update(mean=out["rel_error"]["mean"], bound=out["rel_error"]["bound"])
+        return out
 
 
 class ProbeStore:
@@ -24,6 +207,9 @@ class ProbeStore:
         self._sums: dict = {}
         self._maxes: dict = {}
         self._counts: dict = {}
+        self._operands: dict = {}    # key -> {"a": _OperandStats, "b": ...}
+        self._candidates: dict = {}  # key -> {name: _CandidateStats}
+        self._chosen: dict = {}      # key -> the site's own candidate name
 
     def record(self, key: str, stats: dict) -> None:
         with self._lock:
@@ -35,20 +221,44 @@ class ProbeStore:
             for name in _MAXED:
                 if name in stats:  # rel_error_rowwise: tensorwise sites only
                     maxes[name] = stats[name] if name not in maxes else torch.maximum(maxes[name], stats[name])
+            for operand, s in stats.get("operands", {}).items():
+                self._operands.setdefault(key, {}).setdefault(operand, _OperandStats()).record(s)
+            for name, s in stats.get("candidates", {}).items():
+                self._candidates.setdefault(key, {}).setdefault(name, _CandidateStats()).record(s)
+            if "chosen" in stats:
+                self._chosen[key] = stats["chosen"]
 
     def observed(self, key: str) -> int:
         return self._counts.get(key, 0)
 
     def summary(self, key: str) -> dict:
-        """Mean and max of the FP8 relative error, mean MERE, operand amax and rms."""
-        count = self._counts.get(key, 0)
-        if not count:
-            return {}
-        sums, maxes = self._sums[key], self._maxes[key]
-        out = {"observations": count}
-        out.update({f"mean_{n}": float(sums[n]) / count for n in _SUMMED})
-        out.update({f"max_{n}": float(maxes[n]) for n in _MAXED if n in maxes})
-        return out
+        """Mean and max of the FP8 relative error, mean MERE, operand amax and rms; with
+        the observers' full statistics also `operands` ({"a", "b"}: amax, per-feature
+        mean/var/count, non-finite and FP8 range fractions, rows held by the reservoir),
+        `candidates` ({name: n, mean, bound, and per metric mean/bound/max; sqnr_db's
+        bound is a lower one, with its min}), `chosen` and `bound_rel_error` (the chosen
+        candidate's bound)."""
+        with self._lock:
+            count = self._counts.get(key, 0)
+            if not count:
+                return {}
+            sums, maxes = self._sums[key], self._maxes[key]
+            out = {"observations": count}
+            out.update({f"mean_{n}": float(sums[n]) / count for n in _SUMMED})
+            out.update({f"max_{n}": float(maxes[n]) for n in _MAXED if n in maxes})
+            if key in self._operands:
+                out["operands"] = {op: s.summary() for op, s in self._operands[key].items()}
+            if key in self._candidates:
+                out["candidates"] = {name: s.summary() for name, s in self._candidates[key].items()}
+            if key in self._chosen and self._chosen[key] in out.get("candidates", {}):
+                out["chosen"] = self._chosen[key]
+                out["bound_rel_error"] = out["candidates"][out["chosen"]]["bound"]
+            return out
+
+    def reservoir(self, key: str, operand: str) -> torch.Tensor:
+        """The real rows kept for a site's operand ("a": rows of A, "b": columns of B)."""
+        with self._lock:
+            return self._operands[key][operand].reservoir.sample()
 
     def keys(self):
         return list(self._counts)
@@ -58,26 +268,38 @@ class ProbeStore:
             self._sums.clear()
             self._maxes.clear()
             self._counts.clear()
+            self._operands.clear()
+            self._candidates.clear()
+            self._chosen.clear()
 
 
 STORE = ProbeStore()
 ops.set_observer_sink(STORE.record)
 
+_ROWWISE = ops.candidate_name("rowwise", "e4m3", "e4m3")
+
 
 def verdicts(keys, max_error: float) -> tuple[dict, dict]:
-    """(unsafe, upgraded) among `keys`: a site whose largest observed FP8 relative error
-    exceeds max_error (a NaN error counts) is upgraded to rowwise scaling when it was
-    tensorwise and its rowwise error is within the bound ({key: (tensorwise error,
-    rowwise error)}), else unsafe ({key: its error})."""
+    """(unsafe, upgraded) among `keys`, by the confidence bound (`upper_bound`) on each
+    site's row relative error across observations: a site whose bound for its own
+    candidate exceeds max_error (a NaN error counts) is upgraded to rowwise scaling when
+    it was tensorwise and the rowwise e4m3 bound is within max_error ({key: (its bound,
+    rowwise bound)}), else unsafe ({key: its bound}). Sites observed without candidate
+    statistics fall back to the largest observed error."""
     unsafe, upgraded = {}, {}
     for key in keys:
         summary = STORE.summary(key)
         if not summary:
             continue
-        worst = summary["max_rel_error"]
+        if "chosen" in summary:
+            worst = summary["bound_rel_error"]
+            rowwise = summary["candidates"].get(_ROWWISE, {}).get("bound") \
+                if summary["chosen"].startswith("tensorwise/") else None
+        else:
+            worst = summary["max_rel_error"]
+            rowwise = summary.get("max_rel_error_rowwise")
         if worst <= max_error:
             continue
-        rowwise = summary.get("max_rel_error_rowwise")
         if rowwise is not None and rowwise <= max_error:
             upgraded[key] = (worst, rowwise)
         else:

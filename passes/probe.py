@@ -6,10 +6,11 @@ graph is still in its probe window).
 Becomes:
     C = aten.mm(A, B)
 ->
-    loka.observe_gemm(A, B, site_key, scaling, a_format, b_format)
+    loka.observe_gemm(A, B, site_key, scaling, a_format, b_format, a_is_grad, b_is_grad)
     C = aten.mm(A, B)
-The observer reads A and B and reports their statistics and the site's FP8 error to the
-Probe's store; the GEMM itself stays in high precision.
+The observer reads A and B and reports their statistics and the FP8 error of each
+candidate recipe to the Probe's store (the gradient flags say which operands may take
+e5m2); the GEMM itself stays in high precision.
 
 Declines: sites that would not go FP8 anyway (nothing to learn), and every graph outside
 the probe phase.
@@ -35,7 +36,8 @@ def probe(graph: torch.fx.Graph, ctx: PassContext) -> int:
         with graph.inserting_before(site.node):
             observer = graph.call_function(
                 torch.ops.loka.observe_gemm.default,
-                (a, b, site.key, decision.scaling, decision.a_format, decision.b_format))
+                (a, b, site.key, decision.scaling, decision.a_format, decision.b_format,
+                 bool(getattr(site, "a_is_grad", False)), bool(getattr(site, "b_is_grad", False))))
         observer.meta["val"] = None
         inserted += 1
     return inserted

@@ -1,23 +1,6 @@
-"""Numerics helpers for the tests: errors against higher-precision references."""
+"""Numerics helpers for the tests: errors against higher-precision references. The
+definitions live in `loka_compile.metrics` (shared with the Probe and the benchmarks)."""
 
-import math
+from loka_compile.metrics import MERE_EPS_REL, mere, rel_error, row_rel_error, sqnr_db
 
-import torch
-
-
-def sqnr_db(reference: torch.Tensor, value: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB; NaN anywhere gives -inf (never passes)."""
-    reference, value = reference.detach().double(), value.detach().double()
-    if not torch.isfinite(value).all():
-        return -math.inf
-    noise = (reference - value).norm()
-    if noise == 0:
-        return math.inf
-    return float(20 * torch.log10(reference.norm() / noise))
-
-
-def rel_error(reference: torch.Tensor, value: torch.Tensor) -> float:
-    reference, value = reference.detach().double(), value.detach().double()
-    if not torch.isfinite(value).all():
-        return math.inf
-    return float((reference - value).norm() / reference.norm())
+__all__ = ["sqnr_db", "rel_error", "row_rel_error", "mere", "MERE_EPS_REL"]
