@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from loka_compile.metrics import sqnr_db
+from loka_compile.kernels.metrics import sqnr_db
 
 # M, K, N: the LRM shapes of ANCHORS.md, 8192^3 first (a run cut short by --max-seconds
 # still has the largest shape).

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from loka_compile import metrics  # a leaf module of pure math (no loka imports)
+from . import metrics
 
 from . import providers
 from .gemm_operands import quantize_gemm_operand
@@ -259,7 +259,7 @@ def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: st
     Keys: `operands` {"a", "b"}: `operand_statistics` (B as its columns); `candidates`
     {name: {"rel_error", "mere", "sqnr_db"}} (names from `candidate_name`); `chosen`, the
     site's own candidate; and, for current readers, `a_amax`, `b_amax`, `a_rms`, `b_rms`,
-    `rel_error` and `mere` of the chosen candidate (`loka_compile.metrics`: rel_error is
+    `rel_error` and `mere` of the chosen candidate (`kernels/metrics.py`: rel_error is
     the mean over sampled rows of each row's relative error), and, for a tensorwise site,
     `rel_error_rowwise` (rowwise e4m3, the recipe the Probe may upgrade it to)."""
     a, b = a.detach(), b.detach()

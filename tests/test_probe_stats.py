@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from loka_compile import metrics, probe
+from loka_compile import probe
+from loka_compile.kernels import metrics
 from loka_compile.kernels import ops
 from loka_compile.kernels.quantize import Fp8Format, cast_with_scale, scale_from_amax
 
