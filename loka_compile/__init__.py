@@ -4,6 +4,7 @@ models.
     compiled = torch.compile(model, backend="loka")          # no import needed
     compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
     print(loka_compile.report(compiled))
+    loka_compile.save_plan(compiled, "plan.json")            # options={"plan": "plan.json"} loads it
 """
 
 import os as _os
@@ -19,8 +20,9 @@ from loka_compile.config import MODES, RECIPES, LokaConfig, Recipe
 from loka_compile.passes import Reason, Role
 from loka_compile.backend import loka_backend, reset
 from loka_compile.report import Report, SiteRecord, report
+from loka_compile.plan import Plan, load_plan, save_plan
 from loka_compile.modules import BlockNorm, apply_arch_mods
 
 __all__ = ["LokaConfig", "Recipe", "RECIPES", "MODES", "Reason", "Role", "loka_backend", "report", "Report",
-           "SiteRecord", "reset"]
+           "SiteRecord", "reset", "Plan", "save_plan", "load_plan"]
 __version__ = "0.1.0"

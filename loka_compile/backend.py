@@ -38,7 +38,8 @@ from loka_compile import dispatch, passes, probe
 from loka_compile.config import LokaConfig
 from loka_compile.passes import Decision, PassContext, Reason, graph_kind, run_passes
 from loka_compile.passes.arch_mods import apply_arch_mods
-from loka_compile.passes.find_sites import keep_gemm_provenance
+from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenance
+from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.passes.horizontal_fusion import fuse_sibling_linears
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
@@ -65,8 +66,7 @@ class GraphRecord:
     contexts: dict = dataclasses.field(default_factory=dict)        # (phase, kind) -> PassContext
     graph_modules: dict = dataclasses.field(default_factory=dict)   # (phase, kind) -> GraphModule
     phase: str = "fp8"
-    unsafe: dict = dataclasses.field(default_factory=dict)          # site key -> observed error
-    upgraded: dict = dataclasses.field(default_factory=dict)        # site key -> (tensorwise, rowwise error)
+    plan: Plan = dataclasses.field(default_factory=Plan)  # the graph's own: verdicts by site id, loaded sites
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
     arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
     horizontal: Optional[object] = None  # the horizontal Mod's HorizontalFusion, when it ran
@@ -95,8 +95,7 @@ class LokaPostGradPass(CustomGraphPass):
         # A failure here reaches `_inner_compile`, which compiles the untouched graph.
         record = self.record
         kind = graph_kind(graph)
-        decide = functools.partial(dispatch.decide, config=record.config, phase=self.phase,
-                                   unsafe_sites=record.unsafe, upgraded_sites=record.upgraded)
+        decide = functools.partial(dispatch.decide, config=record.config, phase=self.phase, plan=record.plan)
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
                           disabled_mods=frozenset(record.config.disabled_mods))
@@ -104,11 +103,17 @@ class LokaPostGradPass(CustomGraphPass):
         record.contexts[(self.phase, kind)] = ctx
         run_passes(graph, ctx)
         record.graph_modules[(self.phase, kind)] = graph.owning_module
+        if record.plan.source:
+            missing = [site.id for site in ctx.sites if site.id not in record.plan.sites]
+            if missing:
+                log.warning("loka plan %s holds no decision for %d site(s) of %s/%s, decided here: %s",
+                            record.plan.source, len(missing), record.name, kind.value, missing)
         fp8 = sum(d.fp8 for d in ctx.decisions.values())
         log.info("%s/%s (%s): %d GEMM sites, %d in FP8", record.name, kind.value, self.phase, len(ctx.sites), fp8)
 
     def uuid(self) -> str:
-        verdicts = sorted(self.record.unsafe.items()), sorted(self.record.upgraded.items())
+        plan = self.record.plan
+        verdicts = sorted(plan.unsafe.items()), sorted(plan.upgraded.items()), plan.digest() if plan.source else ""
         return hashlib.sha256(f"{_passes_digest()}|{self.record.config}|{self.phase}|{verdicts}".encode()).hexdigest()
 
 
@@ -268,7 +273,7 @@ class LokaCompiledGraph:
         self.record = record
         self.param_input_indices = weight_input_indices(gm, example_inputs)
         self.calls = 0
-        if record.config.probe_steps:
+        if record.config.probe_steps and not record.plan.source:  # a loaded plan skips the window
             # Kept until the probe window closes, to compile the FP8 variant then.
             self._pending = (gm, example_inputs, torch._guards.TracingContext.try_get())
             record.phase = "probe"
@@ -302,11 +307,12 @@ class LokaCompiledGraph:
 
     def _close_probe_window(self) -> None:
         record = self.record
-        keys = [s.key for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites]
-        unsafe, upgraded = probe.verdicts(keys, record.config.max_probe_error)
-        # Probe-variant keys name the same nodes as the FP8 variant's (same trace).
-        record.unsafe.update(unsafe)
-        record.upgraded.update(upgraded)
+        ids = {s.key: s.id for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites}
+        keys = list(ids)
+        unsafe, upgraded = _decide_once(lambda: _verdicts_by_id(ids, record.config.max_probe_error))
+        # Kept by stable id in the graph's own plan: the FP8 variant's sites have the same ids.
+        record.plan.unsafe.update(unsafe)
+        record.plan.upgraded.update(upgraded)
         for key, error in unsafe.items():
             log.warning("loka probe: %s keeps high precision (FP8 relative error %.3g > %g)",
                         key, error, record.config.max_probe_error)
@@ -323,14 +329,54 @@ class LokaCompiledGraph:
                  record.name, self.calls, len(keys), len(unsafe), len(upgraded))
 
 
+def _verdicts_by_id(ids: dict, max_error: float) -> tuple[dict, dict]:
+    """The Probe's (unsafe, upgraded) verdicts for sites key -> id, keyed by id."""
+    unsafe, upgraded = probe.verdicts(list(ids), max_error)
+    return {ids[k]: v for k, v in unsafe.items()}, {ids[k]: tuple(v) for k, v in upgraded.items()}
+
+
+def _decide_once(verdicts):
+    """`verdicts()` on this process, or, when torch.distributed is initialized with more
+    than one rank, on rank 0 and broadcast, so every rank compiles the same plan. Ranks
+    close a graph's probe window at the same call, so the collective lines up."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return verdicts()
+    payload = [verdicts() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _graph_fingerprint(gm: torch.fx.GraphModule, example_inputs) -> tuple[dict, str]:
+    """(parameter name -> (shape, dtype), device type) of a Dynamo graph: names from
+    Dynamo's sources ("L['self']._modules['fc1']._parameters['weight']" -> "fc1.weight"),
+    as `named_parameters()` of the compiled module gives them."""
+    named = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.nn.Parameter):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            named.append((clean_module_path(source.name) if source is not None else node.name, value))
+    named += list(gm.named_parameters())
+    tensors = [t for _, t in named] or [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    return param_fingerprint(named), (tensors[0].device.type if tensors else "cpu")
+
+
 def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode: Optional[str] = None):
     """`torch.compile(model, backend="loka", options={...} | LokaConfig(...))`."""
     config = LokaConfig.from_options(options)
     if mode is not None:
         config = dataclasses.replace(config, mode=mode)
     params = {id(t): weakref.ref(t) for t in [*example_inputs, *gm.parameters()] if isinstance(t, torch.nn.Parameter)}
+    fingerprint, device_type = _graph_fingerprint(gm, example_inputs)
+    plan = Plan(params=fingerprint, device_type=device_type, recipe=config.recipe)
+    if config.plan is not None:
+        loaded = load_plan(config.plan)
+        loaded.check(fingerprint, device_type, config.recipe)  # ValueError naming what differs
+        plan = dataclasses.replace(loaded, params=fingerprint, unsafe=dict(loaded.unsafe),
+                                   upgraded=dict(loaded.upgraded))
     record = GraphRecord(name=f"g{next(_graph_ids)}", config=config, params=params,
-                         param_shapes=tuple(sorted(tuple(ref().shape) for ref in params.values())))
+                         param_shapes=tuple(sorted(tuple(ref().shape) for ref in params.values())), plan=plan)
     if config.arch_mods:
         record.arch_mod_counts = apply_arch_mods(gm, config.arch_mods)
         log.info("%s: architecture Mods %s", record.name, record.arch_mod_counts)

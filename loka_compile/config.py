@@ -15,7 +15,8 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Any, Mapping
+import os
+from typing import Any, Mapping, Optional
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.passes import MODS
@@ -97,6 +98,9 @@ class LokaConfig:
     arch_mods: names in ARCH_MODS of opt-in architecture changes applied to the Dynamo
         graph (they change the model): `blocknorm` (LayerNorm -> BlockNorm), `no_bias`
         (linears lose their bias, except the heads), `hardswish` (SiLU -> hard-swish).
+    plan: path (str or os.PathLike) of a plan written by `loka_compile.save_plan`: its
+        sites take the plan's decisions (re-checked where they must still hold) and no
+        probe window runs; a plan for other parameters, device type or recipe is refused.
 
     Every bad value raises ValueError naming the valid ones, here at construction. Given
     as a dict to `torch.compile`, options are parsed at the first call, inside Dynamo,
@@ -116,6 +120,7 @@ class LokaConfig:
     mode: str = "default"
     disabled_mods: tuple = ()
     arch_mods: tuple = ()
+    plan: Optional[str] = None
 
     def __post_init__(self):
         from loka_compile.kernels import providers as provider_registry
@@ -132,6 +137,7 @@ class LokaConfig:
         self._set("exclude_modules", _check_names("exclude_modules", self.exclude_modules))
         self._set("disabled_mods", _check_names("disabled_mods", self.disabled_mods, MODS))
         self._set("arch_mods", _check_names("arch_mods", self.arch_mods, ARCH_MODS))
+        self._set("plan", _check_plan_path(self.plan))
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -212,3 +218,16 @@ def _check_names(name: str, value, valid=None) -> tuple:
     if unknown:
         raise ValueError(f"unknown {name} {unknown}; valid {name}: {list(valid)}")
     return tuple(value)
+
+
+def _check_plan_path(value) -> Optional[str]:
+    """None, or the path (str or os.PathLike) of an existing plan file, as a str."""
+    if value is None:
+        return None
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"plan must be None or a path (str or os.PathLike) of a file written by "
+                         f"loka_compile.save_plan, got {value!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"plan must be a path of a file written by loka_compile.save_plan; no such file: {path!r}")
+    return path

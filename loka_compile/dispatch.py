@@ -26,6 +26,10 @@ Rules, in order; the first that applies gives the reason:
                                               -> slower_than_bf16
   otherwise                                   -> fp8, on the fastest timed provider (the
                                                  first `select` gives when not timed)
+A site of a loaded plan (`LokaConfig.plan`) that passes the rules up to no_fp8_hardware
+takes the plan's measured decision (fp8, probe_unsafe, slower_than_bf16, provider_failed)
+instead of the rules after it, when its K, N, dtype and padding match and its provider
+can still serve it; otherwise it is decided here, with a warning.
 Emulation is used only where the device has no FP8 hardware: on an FP8 GPU it would be
 slower than the high-precision GEMM it replaces.
 """
@@ -41,7 +45,9 @@ from torch._inductor import list_mode_options
 from loka_compile import speed
 from loka_compile.config import RECIPES, LokaConfig
 from loka_compile.kernels import providers
+from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import padding_for
+from loka_compile.plan import MEASURED_REASONS
 from loka_compile.passes import Decision, GraphKind, Reason, Site
 
 log = logging.getLogger("loka")
@@ -67,8 +73,48 @@ def _alignment(site: Site, config: LokaConfig, hardware: bool):
     return k_pad, n_pad
 
 
-def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str, float],
-           upgraded_sites: Optional[Mapping[str, tuple]] = None) -> Decision:
+def _verdict(site: Site, *tables):
+    """A site's entry in verdict tables keyed by site id (plans) or by site key."""
+    for table in tables:
+        for key in (site.id, site.key):
+            if table and key and key in table:
+                return table[key]
+    return None
+
+
+def _from_plan(site: Site, entry, source: str, config: LokaConfig, hardware: bool, padding: tuple):
+    """A loaded plan's decision for the site, or None (then decided here) where it no
+    longer holds: a reason that follows from the model and config, another K/N or
+    dtype, other padding, or a provider that cannot serve the site now."""
+    reason = Reason(entry.reason)
+    if reason not in MEASURED_REASONS:
+        return None
+    dtype = str(site.dtype).replace("torch.", "")
+    # K and N where both are concrete (symbol names differ between compiles)
+    differs = any(isinstance(a, int) and isinstance(b, int) and a != b
+                  for a, b in zip(entry.shape[1:], site.shape[1:]))
+    if entry.dtype != dtype or differs:
+        log.warning("loka plan %s: site %s was planned at K x N %s %s, it is %s %s here; decided here",
+                    source, site.id, "x".join(map(str, entry.shape[1:])), entry.dtype,
+                    "x".join(map(str, site.shape[1:])), dtype)
+        return None
+    if not entry.fp8:
+        return entry.decision(source)
+    request = providers.GemmRequest(site.device, Scaling(entry.scaling), Fp8Format(entry.a_format),
+                                    Fp8Format(entry.b_format), site.dtype, site.batch is not None)
+    runnable = [p.name for p in providers.select(request)
+                if (not config.providers or p.name in config.providers) and p.emulated != hardware]
+    if entry.provider not in runnable or (entry.pad_k, entry.pad_n) != tuple(padding):
+        log.warning("loka plan %s: site %s cannot run as planned (provider %s, padding %s; here %s, %s); "
+                    "decided here", source, site.id, entry.provider, (entry.pad_k, entry.pad_n), runnable, padding)
+        return None
+    return entry.decision(source)
+
+
+def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Mapping[str, float]] = None,
+           upgraded_sites: Optional[Mapping[str, tuple]] = None, plan=None) -> Decision:
+    """`plan`: the compiled model's Plan; its verdicts (by site id) apply, and when it
+    was loaded from a file a site it holds takes its decision, re-checked."""
     m, k, n = site.shape
     if site.op == "packed_linear":
         return _fallback(Reason.PACKED_BY_FREEZING, "Inductor's freezing packed the weight for a CPU library "
@@ -90,12 +136,17 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
     recipe = config.recipe_spec
     if site.role in recipe.high_precision_roles:
         return _fallback(Reason.RECIPE_HIGH_PRECISION, f"{recipe.name} keeps {site.role.value}")
-    upgrade = (upgraded_sites or {}).get(site.key)
+    upgrade = _verdict(site, upgraded_sites, plan and plan.upgraded)
     if upgrade is not None:  # the Probe found tensorwise unsafe here and rowwise safe
         recipe = RECIPES["rowwise"]
 
     if not hardware and not config.emulate:
         return _fallback(Reason.NO_FP8_HARDWARE, f"{site.device} has no FP8 and emulate=False")
+    entry = plan.sites.get(site.id) if plan is not None and plan.source else None
+    if entry is not None:
+        planned = _from_plan(site, entry, plan.source, config, hardware, padding)
+        if planned is not None:
+            return planned
     a_format, b_format = recipe.formats(site.a_is_grad, site.b_is_grad)
     request = providers.GemmRequest(site.device, recipe.scaling, a_format, b_format, site.dtype,
                                     site.batch is not None)
@@ -111,9 +162,10 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Mapping[str
                                                   f" > {config.max_probe_error}, rowwise {upgrade[1]:.3g}")))
     chosen = dict(provider=candidates[0], scaling=recipe.scaling.value, a_format=a_format.value,
                   b_format=b_format.value, pad_k=pad_k, pad_n=pad_n, fast_accum=site.role in recipe.fast_accum_roles)
-    if site.key in unsafe_sites:
+    unsafe = _verdict(site, unsafe_sites, plan and plan.unsafe)
+    if unsafe is not None:
         return Decision(fp8=False, reason=Reason.PROBE_UNSAFE,
-                        detail=f"rel. error {unsafe_sites[site.key]:.3g} > {config.max_probe_error}", **chosen)
+                        detail=f"rel. error {unsafe:.3g} > {config.max_probe_error}", **chosen)
     if phase == "probe":
         return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.disabled_mods

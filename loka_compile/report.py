@@ -40,6 +40,7 @@ class SiteRecord:
     casts: dict = dataclasses.field(default_factory=dict)  # FP8 sites: "a"/"b" -> how it is cast
     fast_accum: bool = False          # FP8 sites: the GEMM accumulates in the fast mode
     padding: tuple = (0, 0)           # FP8 sites: zeros appended to K and N (the pad Mod)
+    id: str = ""                      # stable site id, "<kind>/<module>:<role>#<n>": the plan's key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _site_records(record) -> list:
                 key=site.key, probe=probe.STORE.summary(site.key),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
                 casts=dict(site.casts) if fp8 else {}, fast_accum=fp8 and decision.fast_accum,
-                padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0)))
+                padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id))
     return rows
 
 
@@ -149,13 +150,13 @@ class Report:
         return line + ("; fallbacks: " + "; ".join(fallbacks) if fallbacks else "")
 
     def table(self) -> str:
-        rows = [(s.graph, s.name, s.role, "x".join(map(str, s.shape)) + (f" (b={s.batch})" if s.batch else ""),
+        rows = [(s.graph, s.id, s.role, "x".join(map(str, s.shape)) + (f" (b={s.batch})" if s.batch else ""),
                  "yes" if s.fp8 else "no", s.provider, s.formats,
                  " ".join(f"{op}:{c.split(' ')[0]}" for op, c in s.casts.items()), s.reason,
                  f"{s.probe['max_rel_error']:.3g}" if s.probe else "",
                  f"{s.bf16_us / s.fp8_us:.2f}x" if s.fp8_us else "")
                 for s in self.sites]
-        return tabulate(rows, headers=["graph", "site", "role", "M x K x N", "fp8", "provider", "formats",
+        return tabulate(rows, headers=["graph", "site id", "role", "M x K x N", "fp8", "provider", "formats",
                                        "casts", "reason", "probe err", "fp8 speedup"])
 
     def overview(self, largest: int = 5) -> str:
@@ -196,11 +197,11 @@ class Report:
         return f"<loka Report: {self.summary()}>"
 
 
-def report(compiled: Optional[object] = None) -> Report:
-    """The report for a compiled model: every loka graph that reads one of its parameters.
-    Dynamo may serve a second instance of a class with the graphs compiled for the first;
-    a model none of whose parameters any graph has seen gets the graphs whose parameter
-    shapes it has. With a function, or no argument: every graph loka compiled here."""
+def records_for(compiled: Optional[object] = None) -> list:
+    """The graph records of a compiled model: every loka graph that reads one of its
+    parameters. Dynamo may serve a second instance of a class with the graphs compiled for
+    the first; a model none of whose parameters any graph has seen gets the graphs whose
+    parameter shapes it has. With a function, or no argument: every graph loka compiled here."""
     records = list(backend.GRAPHS)
     if isinstance(compiled, torch.nn.Module):
         module = getattr(compiled, "_orig_mod", compiled)
@@ -209,4 +210,9 @@ def report(compiled: Optional[object] = None) -> Report:
         shapes = collections.Counter(tuple(p.shape) for p in params)
         records = own or [r for r in records if r.param_shapes
                           and not collections.Counter(r.param_shapes) - shapes]
-    return Report(records)
+    return records
+
+
+def report(compiled: Optional[object] = None) -> Report:
+    """The report for a compiled model (the graphs `records_for` finds)."""
+    return Report(records_for(compiled))

@@ -76,6 +76,7 @@ class Site:
     b_major: str = "row"
     b_is_weight: bool = False  # B is a weight input of a forward/inference graph (through views)
     casts: dict = dataclasses.field(default_factory=dict)  # FP8 sites: operand -> how it is cast
+    id: str = ""             # stable across recompiles and processes: "<kind>/<module>:<role>#<n>" (plans)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ adds, slices and sums over a bmm's batch only, into the gradient of a parameter,
 dgrad), module path (from `nn_module_stack`, or `fwd_nn_module_stack` in the backward
 graph; `recovered_provenance` for the addmm Inductor makes of a gradient addition),
 M x K x N (symbolic where dynamic), which operands carry the incoming gradient,
-producers and consumers, and the autograd sequence number that links a backward GEMM to
-its forward one.
+producers and consumers, the autograd sequence number that links a backward GEMM to
+its forward one, and a stable id (`site_id`) under which plans keep the site.
 
 Declines: nothing to decline; every GEMM is recorded (Dispatch decides what goes FP8).
 """
@@ -399,6 +399,14 @@ def _packed_linear_site(node: torch.fx.Node, ctx: PassContext, name: str) -> Sit
                 consumers=tuple(consumers_of(node)), seq_nr=node.meta.get("seq_nr"))
 
 
+def site_id(kind: GraphKind, base: str, ordinal: int) -> str:
+    """The site's stable id, "<kind>/<module>:<role>[:recomputed]#<n>" (n: 1-based order
+    among the graph's sites of that module and role): the same for the same model code
+    across recompiles, reset(), the probe and FP8 variants and processes, since it reads
+    no node name and no graph counter."""
+    return f"{kind.value}/{base}#{ordinal}"
+
+
 def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
     grads = gradient_nodes(graph) if ctx.kind is GraphKind.BACKWARD else set()
     wgrads = weight_gradient_gemms(graph, ctx.param_input_indices, grads) if ctx.kind is GraphKind.BACKWARD else set()
@@ -408,8 +416,9 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
         if is_packed_linear(node):
             base = f"{module_path(node) or '<root>'}:fwd"
             names_seen[base] = names_seen.get(base, 0) + 1
-            ctx.sites.append(_packed_linear_site(
-                node, ctx, base if names_seen[base] == 1 else f"{base}#{names_seen[base]}"))
+            site = _packed_linear_site(node, ctx, base if names_seen[base] == 1 else f"{base}#{names_seen[base]}")
+            site.id = site_id(ctx.kind, base, names_seen[base])
+            ctx.sites.append(site)
             continue
         if node.op != "call_function" or node.target not in GEMM_OPS:
             continue
@@ -451,5 +460,6 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
             a_major=operand_major(a_val),
             b_major=operand_major(b_val),
             b_is_weight=weight_source(b, weights) is not None,
+            id=site_id(ctx.kind, base, names_seen[base]),
         ))
     return len(ctx.sites)

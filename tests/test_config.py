@@ -60,6 +60,9 @@ BAD_OPTIONS = [
     ({"arch_mods": ["layernorm"]}, r"valid arch_mods: \['blocknorm', 'no_bias', 'hardswish'\]"),
     ({"arch_mods": "blocknorm"}, r"arch_mods must be a list or tuple of names from \['blocknorm'"),
     ({"arch_mods": {"blocknorm"}}, "arch_mods must be a list or tuple"),
+    ({"plan": 3}, r"plan must be None or a path \(str or os.PathLike\) of a file written by loka_compile.save_plan"),
+    ({"plan": ""}, "plan must be None or a path"),
+    ({"plan": "/no/such/plan.json"}, "plan must be a path of a file written by loka_compile.save_plan; no such file"),
 ]
 
 
