@@ -40,7 +40,7 @@ from loka_compile.passes import Decision, PassContext, Reason, graph_kind, run_p
 from loka_compile.passes.arch_mods import apply_arch_mods
 from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenance
 from loka_compile.plan import Plan, load_plan, param_fingerprint
-from loka_compile.passes.horizontal_fusion import fuse_sibling_linears
+from loka_compile.passes.horizontal_fusion import HorizontalFusion, fuse_sibling_linears
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
 log = logging.getLogger("loka")
@@ -69,7 +69,7 @@ class GraphRecord:
     plan: Plan = dataclasses.field(default_factory=Plan)  # the graph's own: verdicts by site id, loaded sites
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
     arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
-    horizontal: Optional[object] = None  # the horizontal Mod's HorizontalFusion, when it ran
+    horizontal: Optional[HorizontalFusion] = None  # what the horizontal Mod did, when it ran
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     warned: bool = False
 
