@@ -64,6 +64,9 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
+# Probe metrics (`probe_metric`) and the bound each takes when max_probe_error is not given.
+PROBE_METRICS = {"row_rel_error": 0.1, "mere": 0.2}
+
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -81,8 +84,9 @@ class LokaConfig:
     exclude_modules: module-path prefixes whose GEMMs stay in high precision.
     probe_steps: calls of each compiled graph that run in high precision with Probe
         observers before FP8 starts (0: no probe window).
-    max_probe_error: a site whose observed FP8 relative error exceeds this after the
-        probe window stays in high precision (`probe_unsafe`).
+    max_probe_error: a site whose FP8 error bound (in `probe_metric`) exceeds this after
+        the probe window goes to a finer scaling whose bound is within it, else stays in
+        high precision (`probe_unsafe`). None: the metric's default (PROBE_METRICS).
     speed_check: on FP8 hardware, time each site's high-precision GEMM and loka's FP8 GEMM
         (casts included) at the site's shape and layouts when the graph compiles, and keep
         the site in high precision where FP8 is not faster (`slower_than_bf16`). Sites
@@ -101,6 +105,9 @@ class LokaConfig:
     plan: path (str or os.PathLike) of a plan written by `loka_compile.save_plan`: its
         sites take the plan's decisions (re-checked where they must still hold) and no
         probe window runs; a plan for other parameters, device type or recipe is refused.
+    probe_metric: what the Probe's per-site bound measures: "row_rel_error" (mean over
+        sampled output rows of each row's relative error; default bound 0.1) or "mere"
+        (LoKA's mean element-wise relative error; LoKA's bound 0.2).
 
     Every bad value raises ValueError naming the valid ones, here at construction. Given
     as a dict to `torch.compile`, options are parsed at the first call, inside Dynamo,
@@ -113,7 +120,7 @@ class LokaConfig:
     providers: tuple = ()
     exclude_modules: tuple = ()
     probe_steps: int = 0
-    max_probe_error: float = 0.1
+    max_probe_error: Optional[float] = None  # None: PROBE_METRICS[probe_metric]
     speed_check: bool = True
     min_fp8_speedup: float = 1.05
     fallback: bool = True
@@ -121,12 +128,16 @@ class LokaConfig:
     disabled_mods: tuple = ()
     arch_mods: tuple = ()
     plan: Optional[str] = None
+    probe_metric: str = "row_rel_error"
 
     def __post_init__(self):
         from loka_compile.kernels import providers as provider_registry
 
         _check_choice("recipe", self.recipe, sorted(RECIPES))
         _check_choice("mode", self.mode, list(MODES))
+        _check_choice("probe_metric", self.probe_metric, list(PROBE_METRICS))
+        if self.max_probe_error is None:
+            self._set("max_probe_error", PROBE_METRICS[self.probe_metric])
         for name in ("emulate", "fallback", "speed_check"):
             _check_bool(name, getattr(self, name))
         for name in ("min_gemm_dim", "probe_steps"):

@@ -16,9 +16,10 @@ Rules, in order; the first that applies gives the reason:
   no FP8 hardware and emulation off           -> no_fp8_hardware
   no provider supports the request            -> no_provider
   every candidate provider raised when timed at the site's shape -> provider_failed
-  Probe measured error above the bound        -> probe_unsafe (a tensorwise site whose
-                                                 rowwise error is within it goes rowwise
-                                                 instead, with the errors in its detail)
+  Probe measured error above the bound        -> probe_unsafe (unless a finer scaling,
+                                                 tensorwise -> rowwise -> blockwise, is
+                                                 within it and has a provider: the site
+                                                 goes there, each step's bound in its detail)
   graph still in its probe window             -> probing
   the site's FP8 form (casts as they will run, fused or standalone, plus the fastest
   provider's GEMM) not min_fp8_speedup faster than the high-precision GEMM, timed at the
@@ -36,13 +37,15 @@ slower than the high-precision GEMM it replaces.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from typing import Mapping, Optional
 
 import torch
 from torch._inductor import list_mode_options
 
-from loka_compile import speed
+from loka_compile import probe, speed
 from loka_compile.config import RECIPES, LokaConfig
 from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format, Scaling
@@ -136,9 +139,7 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
     recipe = config.recipe_spec
     if site.role in recipe.high_precision_roles:
         return _fallback(Reason.RECIPE_HIGH_PRECISION, f"{recipe.name} keeps {site.role.value}")
-    upgrade = _verdict(site, upgraded_sites, plan and plan.upgraded)
-    if upgrade is not None:  # the Probe found tensorwise unsafe here and rowwise safe
-        recipe = RECIPES["rowwise"]
+    upgrade = _upgrade_steps(_verdict(site, upgraded_sites, plan and plan.upgraded))
 
     if not hardware and not config.emulate:
         return _fallback(Reason.NO_FP8_HARDWARE, f"{site.device} has no FP8 and emulate=False")
@@ -147,25 +148,44 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
         planned = _from_plan(site, entry, plan.source, config, hardware, padding)
         if planned is not None:
             return planned
-    a_format, b_format = recipe.formats(site.a_is_grad, site.b_is_grad)
-    request = providers.GemmRequest(site.device, recipe.scaling, a_format, b_format, site.dtype,
-                                    site.batch is not None)
-    candidates = [p.name for p in providers.select(request)
-                  if (not config.providers or p.name in config.providers) and p.emulated != hardware]
+    def runnable(recipe):
+        a_format, b_format = recipe.formats(site.a_is_grad, site.b_is_grad)
+        request = providers.GemmRequest(site.device, recipe.scaling, a_format, b_format, site.dtype,
+                                        site.batch is not None)
+        return a_format, b_format, request, [p.name for p in providers.select(request)
+                                             if (not config.providers or p.name in config.providers)
+                                             and p.emulated != hardware]
+
+    upgrade_note = ""
+    if upgrade is not None:  # unsafe in its own scaling: the first finer one within the bound that runs here
+        measured = f"the Probe measured {probe.describe_steps(upgrade, config.max_probe_error, config.probe_metric)}"
+        for scaling, bound in upgrade[1:]:
+            if not bound <= config.max_probe_error or scaling not in _UPGRADE_RECIPES:
+                continue
+            a_format, b_format, request, candidates = runnable(_UPGRADE_RECIPES[scaling])
+            if candidates:
+                recipe, upgrade_note = _UPGRADE_RECIPES[scaling], f"{scaling}: {measured}"
+                break
+        else:
+            a_format, b_format, request, candidates = runnable(recipe)
+            return Decision(fp8=False, reason=Reason.PROBE_UNSAFE, provider=candidates[0] if candidates else "aten",
+                            scaling=recipe.scaling.value, a_format=a_format.value, b_format=b_format.value,
+                            detail=f"{measured}; no finer scaling within the bound has a provider here")
+    else:
+        a_format, b_format, request, candidates = runnable(recipe)
     if not candidates:
         return _fallback(Reason.NO_PROVIDER, f"none for {request.scaling.value} {a_format.value}x{b_format.value}"
                          f"{' batched' if request.batched else ''} on {site.device.type}")
     notes = ", ".join(f"{dim} padded {size}->{size + pad}" for dim, size, pad in (("K", k, pad_k), ("N", n, pad_n))
                        if pad)
-    if upgrade is not None:
-        notes = "; ".join(filter(None, (notes, f"rowwise: the Probe measured tensorwise rel. error {upgrade[0]:.3g}"
-                                                  f" > {config.max_probe_error}, rowwise {upgrade[1]:.3g}")))
+    notes = "; ".join(filter(None, (notes, upgrade_note)))
     chosen = dict(provider=candidates[0], scaling=recipe.scaling.value, a_format=a_format.value,
                   b_format=b_format.value, pad_k=pad_k, pad_n=pad_n, fast_accum=site.role in recipe.fast_accum_roles)
     unsafe = _verdict(site, unsafe_sites, plan and plan.unsafe)
     if unsafe is not None:
         return Decision(fp8=False, reason=Reason.PROBE_UNSAFE,
-                        detail=f"rel. error {unsafe:.3g} > {config.max_probe_error}", **chosen)
+                        detail=f"{probe.LABELS[config.probe_metric]} {unsafe:.3g} > {config.max_probe_error:g}",
+                        **chosen)
     if phase == "probe":
         return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.disabled_mods
@@ -200,6 +220,35 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
         return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, **chosen, **measured,
                         detail=f"{detail} ({timing.speedup:.2f}x < {config.min_fp8_speedup})")
     return Decision(fp8=True, reason=Reason.FP8, detail=detail, **chosen, **measured)
+
+
+# Where an upgrade goes: e4m3 operands, the rowwise recipe's roles (blockwise: 1x128 tiles of
+# A, 128x128 of B).
+_UPGRADE_RECIPES = {"rowwise": RECIPES["rowwise"],
+                    "blockwise": dataclasses.replace(RECIPES["rowwise"], name="blockwise", scaling=Scaling.BLOCKWISE,
+                                                     description="one scale per 1x128 tile of A, 128x128 of B")}
+
+
+def _upgrade_steps(entry) -> Optional[list]:
+    """An upgraded verdict as [[scaling, bound], ...] (the site's own first), from
+    (target, steps), or from (tensorwise bound, rowwise bound) as plans and the backend
+    give it today; None when there is none."""
+    if entry is None:
+        return None
+    if isinstance(entry[0], str):
+        return [[str(s), float(b)] for s, b in entry[1]]
+    return [["tensorwise", float(entry[0])], ["rowwise", float(entry[1])]]
+
+
+_GEMM_TIME = re.compile(r"(\w+) GEMM ([0-9.]+) us")
+_CANNOT_RUN = re.compile(r"(\w+) cannot run here \((.*?)\)(?=; \w+ cannot run here| \([0-9.]+x < |$)")
+
+
+def provider_times(detail: str) -> tuple[dict, dict]:
+    """({provider: GEMM us}, {provider: why it could not run}) from a decision's detail,
+    as `decide` writes the speed check's timings there (loaded plans' details included)."""
+    times = {name: float(us) for name, us in _GEMM_TIME.findall(detail or "")}
+    return times, dict(_CANNOT_RUN.findall(detail or ""))
 
 
 def uses_cuda_graphs(mode: str) -> bool:

@@ -19,6 +19,7 @@ read everything back once, when a probe window closes or a report is made.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -26,6 +27,8 @@ import numpy as np
 import torch
 
 from loka_compile.kernels import ops
+
+log = logging.getLogger("loka")
 
 _SUMMED = ("rel_error", "mere", "a_rms", "b_rms")
 _MAXED = ("rel_error", "a_amax", "b_amax", "rel_error_rowwise")
@@ -276,32 +279,100 @@ class ProbeStore:
 STORE = ProbeStore()
 ops.set_observer_sink(STORE.record)
 
-_ROWWISE = ops.candidate_name("rowwise", "e4m3", "e4m3")
+# The metrics a site may be judged by (`LokaConfig.probe_metric`): the summary's key for each.
+METRICS = {"row_rel_error": "rel_error", "mere": "mere"}
+# Finer scalings, in order: a site unsafe in its own scaling tries each later one.
+SCALING_CHAIN = ("tensorwise", "rowwise", "blockwise")
 
 
-def verdicts(keys, max_error: float) -> tuple[dict, dict]:
-    """(unsafe, upgraded) among `keys`, by the confidence bound (`upper_bound`) on each
-    site's row relative error across observations: a site whose bound for its own
-    candidate exceeds max_error (a NaN error counts) is upgraded to rowwise scaling when
-    it was tensorwise and the rowwise e4m3 bound is within max_error ({key: (its bound,
-    rowwise bound)}), else unsafe ({key: its bound}). Sites observed without candidate
-    statistics fall back to the largest observed error."""
+def _target_name(scaling: str) -> str:
+    # The upgrade's candidate: e4m3 on both operands (the rowwise recipe's formats).
+    return ops.candidate_name(scaling, "e4m3", "e4m3")
+
+
+def _site_metrics(keys) -> dict:
+    """key -> probe_metric of the graph that holds the site (backend.GRAPHS), where known."""
+    from loka_compile import backend
+
+    wanted, found = set(keys), {}
+    for record in list(backend.GRAPHS):
+        metric = getattr(record.config, "probe_metric", None)
+        for (_, _), ctx in record.contexts.items():
+            for site in ctx.sites:
+                if site.key in wanted and metric is not None:
+                    found.setdefault(site.key, metric)
+    return found
+
+
+def chain_steps(summary: dict, metric: str = "row_rel_error") -> list:
+    """[[scaling, bound], ...]: the site's own candidate, then each finer scaling measured
+    (e4m3), by `metric`'s bound. Sites without candidate statistics: the largest
+    observed error, and the rowwise one for a tensorwise site (row relative error)."""
+    if "chosen" not in summary:
+        steps = [["own", summary["max_rel_error"]]]
+        if "max_rel_error_rowwise" in summary:
+            steps = [["tensorwise", summary["max_rel_error"]], ["rowwise", summary["max_rel_error_rowwise"]]]
+        return steps
+    field = METRICS[metric]
+    candidates, chosen = summary["candidates"], summary["chosen"]
+    own = chosen.split("/")[0]
+    steps = [[own, float(candidates[chosen][field]["bound"])]]
+    finer = SCALING_CHAIN[SCALING_CHAIN.index(own) + 1:] if own in SCALING_CHAIN else ()
+    for scaling in finer:
+        cand = candidates.get(_target_name(scaling))
+        if cand is not None:
+            steps.append([scaling, float(cand[field]["bound"])])
+    return steps
+
+
+LABELS = {"row_rel_error": "rel. error", "mere": "MERE"}
+
+
+def describe_steps(steps, max_error: float, metric: str = "row_rel_error") -> str:
+    """"tensorwise rel. error 0.31 > 0.1, rowwise rel. error 0.04 <= 0.1": each step's bound."""
+    return ", ".join(f"{s} {LABELS[metric]} {b:.3g} {'>' if not b <= max_error else '<='} {max_error:g}"
+                     for s, b in steps)
+
+
+def verdicts(keys, max_error: float, metric=None, chain: bool = False) -> tuple[dict, dict]:
+    """(unsafe, upgraded) among `keys`, by the confidence bound (`upper_bound`) across
+    observations of `metric` ("row_rel_error" or "mere"; None: each site's graph's
+    `probe_metric`, else row relative error): a site whose bound for its own candidate
+    exceeds max_error (a NaN counts) goes to the first finer scaling (tensorwise ->
+    rowwise -> blockwise, e4m3) whose bound is within it, else it is unsafe ({key: its
+    bound}).
+
+    chain=True: upgraded = {key: (target scaling, [[scaling, bound], ...])}, the site's
+    own bound first, then every finer scaling measured (Dispatch takes the first within
+    the bound that a provider runs); each verdict is logged. chain=False
+    (the format plans of this version hold, and what the backend reads today): only
+    tensorwise -> rowwise, {key: (tensorwise bound, rowwise bound)}; a site that only
+    blockwise would save is unsafe. Sites without candidate statistics fall back to the
+    largest observed error (row relative error)."""
+    per_site = _site_metrics(keys) if metric is None else {}
     unsafe, upgraded = {}, {}
     for key in keys:
         summary = STORE.summary(key)
         if not summary:
             continue
-        if "chosen" in summary:
-            worst = summary["bound_rel_error"]
-            rowwise = summary["candidates"].get(_ROWWISE, {}).get("bound") \
-                if summary["chosen"].startswith("tensorwise/") else None
-        else:
-            worst = summary["max_rel_error"]
-            rowwise = summary.get("max_rel_error_rowwise")
-        if worst <= max_error:
+        site_metric = metric or per_site.get(key, "row_rel_error")
+        if site_metric not in METRICS:
+            raise ValueError(f"probe metric must be one of {sorted(METRICS)}, got {site_metric!r}")
+        steps = chain_steps(summary, site_metric)
+        own_bound = steps[0][1]
+        if own_bound <= max_error:
             continue
-        if rowwise is not None and rowwise <= max_error:
-            upgraded[key] = (worst, rowwise)
+        passing = [s for s, bound in steps[1:] if bound <= max_error
+                   and (chain or (steps[0][0] == "tensorwise" and s == "rowwise"))]
+        if not passing:
+            unsafe[key] = own_bound
+            if chain:
+                log.warning("loka probe: %s keeps high precision (%s)", key,
+                            describe_steps(steps, max_error, site_metric))
+        elif chain:
+            upgraded[key] = (passing[0], steps)
+            log.warning("loka probe: %s goes %s (%s)", key, passing[0],
+                        describe_steps(steps, max_error, site_metric))
         else:
-            unsafe[key] = worst
+            upgraded[key] = (own_bound, dict(steps)["rowwise"])
     return unsafe, upgraded

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from tabulate import tabulate
 
-from loka_compile import backend, probe
+from loka_compile import backend, dispatch, probe
 from loka_compile.passes import GraphKind, Reason
 
 
@@ -41,6 +41,10 @@ class SiteRecord:
     fast_accum: bool = False          # FP8 sites: the GEMM accumulates in the fast mode
     padding: tuple = (0, 0)           # FP8 sites: zeros appended to K and N (the pad Mod)
     id: str = ""                      # stable site id, "<kind>/<module>:<role>#<n>": the plan's key
+    # Probe verdict per FP8 candidate: name -> {"metric", "bound", "mean", "n", "within"}
+    verdicts: dict = dataclasses.field(default_factory=dict)
+    # Speed check per provider: name -> {"gemm_us" (None: could not run), "chosen", "lost"}
+    candidates: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,30 @@ class GraphReport:
 
 
 _KIND_ORDER = {GraphKind.FORWARD: 0, GraphKind.INFERENCE: 0, GraphKind.BACKWARD: 1}
+
+
+def _verdicts(summary: dict, config) -> dict:
+    """Each observed candidate's bound in the graph's probe metric, and whether it is within budget."""
+    metric = getattr(config, "probe_metric", "row_rel_error")
+    field = probe.METRICS[metric]
+    return {name: {"metric": metric, "bound": c[field]["bound"], "mean": c[field]["mean"], "n": c["n"],
+                   "within": c[field]["bound"] <= config.max_probe_error}
+            for name, c in summary.get("candidates", {}).items()}
+
+
+def _candidates(decision, fp8: bool) -> dict:
+    """Each timed provider's GEMM time, the one chosen, and why the others lost."""
+    times, failed = dispatch.provider_times(decision.detail)
+    out = {}
+    best = min(times.values()) if times else None
+    for name, us in times.items():
+        chosen = fp8 and name == decision.provider
+        lost = "" if chosen else (f"slower GEMM ({us:.1f} us vs {best:.1f} us)" if us > best
+                                  else "the site stays in high precision")
+        out[name] = {"gemm_us": us, "chosen": chosen, "lost": lost}
+    for name, why in failed.items():
+        out[name] = {"gemm_us": None, "chosen": False, "lost": f"cannot run here ({why})"}
+    return out
 
 
 def _site_records(record) -> list:
@@ -77,7 +105,8 @@ def _site_records(record) -> list:
                 scaling=decision.scaling if fp8 else "", formats=f"{decision.a_format} x {decision.b_format}" if fp8 else "",
                 producers=site.producers, consumers=site.consumers,
                 forward_site=forward_names.get(site.seq_nr, "") if kind is GraphKind.BACKWARD else "",
-                key=site.key, probe=probe.STORE.summary(site.key),
+                key=site.key, probe=(summary := probe.STORE.summary(site.key)),
+                verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
                 casts=dict(site.casts) if fp8 else {}, fast_accum=fp8 and decision.fast_accum,
                 padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id))
@@ -141,52 +170,68 @@ class Report:
         """"g0/forward" -> rewritten GraphModule, for print_readable()."""
         return {f"{g.name}/{kind}": gm for g in self.graphs for kind, gm in g.graph_modules.items()}
 
-    def summary(self) -> str:
+    def _flops(self) -> dict:
+        return {id(s): _flops(s) for s in self.sites}
+
+    def _headline(self) -> str:
+        flops = self._flops()
+        known = [s for s in self.sites if flops[id(s)] is not None]
+        total = sum(flops[id(s)] for s in known)
+        share = sum(flops[id(s)] for s in known if s.fp8) / total if total else 0.0
         fp8 = sum(s.fp8 for s in self.sites)
         fallbacks = [f"{g.name}: {g.fallback}" for g in self.graphs if g.fallback]
-        line = f"{len(self.sites)} GEMM sites in {len(self.graphs)} graph(s), {fp8} in FP8"
+        line = (f"{len(self.sites)} GEMM sites in {len(self.graphs)} graph(s), {fp8} in FP8 "
+                f"({100 * share:.0f}% of GEMM FLOPs, sites of concrete shape)")
         mods = ", ".join(f"{name} {n}" for name, n in self.mods.items() if n)
         line += f"; Mods: {mods}" if mods else ""
         return line + ("; fallbacks: " + "; ".join(fallbacks) if fallbacks else "")
+
+    def _kept_lines(self, largest: int) -> list:
+        """Counts by reason, and the largest sites left in high precision with theirs."""
+        kept = collections.Counter(s.reason for s in self.sites if not s.fp8)
+        if not kept:
+            return []
+        lines = ["kept in high precision: " + ", ".join(f"{r} {n}" for r, n in kept.most_common())]
+        flops = self._flops()
+        biggest = sorted((s for s in self.sites if not s.fp8 and flops[id(s)]), key=lambda s: -flops[id(s)])[:largest]
+        if biggest:
+            lines.append(f"largest sites left in high precision ({len(biggest)} of "
+                         f"{sum(not s.fp8 for s in self.sites)}):")
+            lines += [f"  {s.graph} {s.id or s.name} {'x'.join(map(str, s.shape))} "
+                      f"({flops[id(s)] / 1e6:.3g} MFLOP): {s.reason}" + (f" ({s.detail})" if s.detail else "")
+                      for s in biggest]
+        return lines
+
+    def summary(self, largest: int = 5) -> str:
+        """What to read first: sites and GEMM FLOPs in FP8 (and Mods, fallbacks), counts by
+        reason, and the largest sites left in high precision with their reasons."""
+        return "\n".join([self._headline(), *self._kept_lines(largest)])
 
     def table(self) -> str:
         rows = [(s.graph, s.id, s.role, "x".join(map(str, s.shape)) + (f" (b={s.batch})" if s.batch else ""),
                  "yes" if s.fp8 else "no", s.provider, s.formats,
                  " ".join(f"{op}:{c.split(' ')[0]}" for op, c in s.casts.items()), s.reason,
-                 f"{s.probe['max_rel_error']:.3g}" if s.probe else "",
+                _probe_cell(s),
                  f"{s.bf16_us / s.fp8_us:.2f}x" if s.fp8_us else "")
                 for s in self.sites]
         return tabulate(rows, headers=["graph", "site id", "role", "M x K x N", "fp8", "provider", "formats",
-                                       "casts", "reason", "probe err", "fp8 speedup"])
+                                       "casts", "reason", "probe bound (n)", "fp8 speedup"])
 
     def overview(self, largest: int = 5) -> str:
-        """What a user reads first: the summary line, FP8 sites per role and their share
-        of GEMM FLOPs, counts of the reasons the other sites stay in high precision, and
-        the largest of those sites. `table()` has every site."""
-        flops = {id(s): _flops(s) for s in self.sites}
-        known = [s for s in self.sites if flops[id(s)] is not None]
-        total = sum(flops[id(s)] for s in known)
-        fp8_share = sum(flops[id(s)] for s in known if s.fp8) / total if total else 0.0
+        """The summary, with FP8 sites per role and the FP8 weight copies; `table()` has every site."""
         roles = collections.OrderedDict()
         for s in self.sites:
             fp8_all = roles.setdefault(s.role, [0, 0])
             fp8_all[0] += s.fp8
             fp8_all[1] += 1
-        lines = [f"loka: {self.summary()}",
-                 "FP8 per role: " + ", ".join(f"{role} {n}/{all_}" for role, (n, all_) in roles.items())
-                 + f"; {100 * fp8_share:.0f}% of GEMM FLOPs (sites of concrete shape)"]
+        lines = [f"loka: {self._headline()}",
+                 "FP8 per role: " + ", ".join(f"{role} {n}/{all_}" for role, (n, all_) in roles.items())]
         fp8_bytes, bf16_bytes = self.cached_weight_bytes
         if self.cached_weights:
             lines.append(f"weights cached in FP8: {len(self.cached_weights)} operands, {fp8_bytes / 2**20:.2f} MiB "
                          f"read per call instead of {bf16_bytes / 2**20:.2f} MiB in bf16 "
                          f"(the copies are extra memory: the bf16 parameters stay with the model)")
-        kept = [s for s in self.sites if not s.fp8]
-        if kept:
-            reasons = collections.Counter(s.reason for s in kept)
-            lines.append("kept in high precision: " + ", ".join(f"{r} {n}" for r, n in reasons.most_common()))
-            biggest = sorted((s for s in kept if flops[id(s)]), key=lambda s: -flops[id(s)])[:largest]
-            lines += [f"  {s.graph} {s.name} {'x'.join(map(str, s.shape))}: {s.reason}"
-                      + (f" ({s.detail})" if s.detail else "") for s in biggest]
+        lines += self._kept_lines(largest)
         lines.append("every site: print(report.table())")
         return "\n".join(lines)
 
@@ -194,7 +239,15 @@ class Report:
         return self.overview()
 
     def __repr__(self) -> str:
-        return f"<loka Report: {self.summary()}>"
+        return f"<loka Report: {self._headline()}>"
+
+
+def _probe_cell(site: SiteRecord) -> str:
+    """The site's own candidate's bound and count, else the largest observed error."""
+    own = site.verdicts.get(site.probe.get("chosen", ""))
+    if own:
+        return f"{own['bound']:.3g} ({own['n']})"
+    return f"{site.probe['max_rel_error']:.3g}" if site.probe else ""
 
 
 def records_for(compiled: Optional[object] = None) -> list:

@@ -63,6 +63,8 @@ BAD_OPTIONS = [
     ({"plan": 3}, r"plan must be None or a path \(str or os.PathLike\) of a file written by loka_compile.save_plan"),
     ({"plan": ""}, "plan must be None or a path"),
     ({"plan": "/no/such/plan.json"}, "plan must be a path of a file written by loka_compile.save_plan; no such file"),
+    ({"probe_metric": "sqnr"}, r"valid probe_metrics \['row_rel_error', 'mere'\]"),
+    ({"probe_metric": None}, "valid probe_metrics"),
 ]
 
 
