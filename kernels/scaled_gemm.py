@@ -14,6 +14,8 @@ the site's `mm`/`addmm`/`bmm`/`baddbmm`, so:
 
 Layouts: A is cast to row-major [.., M, K] and B to column-major [.., K, N] (B's transpose
 is cast row by row), the layouts FP8 tensor cores read, so no transposed copy follows.
+Static activation scales (a calibrated plan, inference): A is cast with a constant
+(`quantize_static`), no amax reduction.
 Padding: K and N padded with zeros up to a multiple of 16 (`pad_k`, `pad_n`); zeros add
 nothing to the product and the padded output columns are sliced off.
 
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .quantize import Fp8Format, Scaling, quantize_along, quantize_blockwise, quantize_tensorwise
+from .quantize import Fp8Format, Scaling, cast_with_scale, quantize_along, quantize_blockwise, quantize_tensorwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,7 @@ class GemmSpec:
     pad_n: int = 0
     fused_casts: bool = True
     fast_accum: bool = False
+    a_static_scale: Optional[float] = None  # calibrated A scale (inference): no amax, A / s clamped
 
 
 def quantize_k_major(x: torch.Tensor, scaling: Scaling, fmt: Fp8Format, block_rows: int = 1):
@@ -68,6 +71,20 @@ def quantize_operand_aten(x: torch.Tensor, operand: str, scaling: Scaling, fmt: 
     return q_t.transpose(-1, -2), scale_t.transpose(-1, -2) if scale_t.dim() else scale_t
 
 
+def quantize_static(x: torch.Tensor, scale: float, scaling: Scaling, fmt: Fp8Format):
+    """A [.., M, K] cast with a calibrated constant scale: clamp(A / scale) -> fmt, one
+    pointwise op (no reduction), so Inductor fuses it into A's producer. Values beyond
+    the calibrated range saturate at +-fmt.max; inf and NaN become NaN. The scale is 0-d
+    (tensorwise) or the constant broadcast to [.., M, 1] (rowwise), so the GEMM is the
+    recipe's own. Blockwise sites are not given static scales."""
+    if scaling is Scaling.BLOCKWISE:
+        raise ValueError("static activation scales serve tensorwise and rowwise sites, not blockwise")
+    q = cast_with_scale(x, scale, fmt, non_finite_to_nan=True).contiguous()
+    if scaling is Scaling.TENSORWISE:
+        return q, torch.full((), scale, dtype=torch.float32, device=x.device)
+    return q, torch.full_like(x[..., :1], scale, dtype=torch.float32)
+
+
 def _pad(x: torch.Tensor, last: int, second_last: int) -> torch.Tensor:
     return F.pad(x, (0, last, 0, second_last)) if last or second_last else x
 
@@ -77,6 +94,8 @@ def cast_operand(x: torch.Tensor, operand: str, spec: GemmSpec):
     ATen ops with `fused_casts`, else one opaque `loka::quantize_operand` node."""
     if operand == "a":
         x, fmt = _pad(x, spec.pad_k, 0), spec.a_format
+        if spec.a_static_scale is not None:
+            return quantize_static(x, spec.a_static_scale, spec.scaling, fmt)
     else:
         x, fmt = _pad(x, spec.pad_n, spec.pad_k), spec.b_format
     if spec.fused_casts:

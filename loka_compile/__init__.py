@@ -21,8 +21,9 @@ from loka_compile.passes import Reason, Role
 from loka_compile.backend import loka_backend, reset
 from loka_compile.report import Report, SiteRecord, report
 from loka_compile.plan import Plan, load_plan, save_plan
+from loka_compile.calibrate import calibrate
 from loka_compile.modules import BlockNorm, apply_arch_mods
 
 __all__ = ["LokaConfig", "Recipe", "RECIPES", "MODES", "Reason", "Role", "loka_backend", "report", "Report",
-           "SiteRecord", "reset", "Plan", "save_plan", "load_plan"]
+           "SiteRecord", "reset", "Plan", "save_plan", "load_plan", "calibrate"]
 __version__ = "0.1.0"

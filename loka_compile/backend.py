@@ -96,9 +96,11 @@ class LokaPostGradPass(CustomGraphPass):
         record = self.record
         kind = graph_kind(graph)
         decide = functools.partial(dispatch.decide, config=record.config, phase=self.phase, plan=record.plan)
+        # Static activation scales (a calibrated plan) serve inference graphs only.
+        static = dict(record.plan.a_scales) if kind is passes.GraphKind.INFERENCE and record.plan.source else {}
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
-                          disabled_mods=frozenset(record.config.disabled_mods))
+                          disabled_mods=frozenset(record.config.disabled_mods), static_a_scales=static)
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
         run_passes(graph, ctx)
@@ -374,7 +376,7 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
         loaded = load_plan(config.plan)
         loaded.check(fingerprint, device_type, config.recipe)  # ValueError naming what differs
         plan = dataclasses.replace(loaded, params=fingerprint, unsafe=dict(loaded.unsafe),
-                                   upgraded=dict(loaded.upgraded))
+                                   upgraded=dict(loaded.upgraded), a_scales=dict(loaded.a_scales))
     record = GraphRecord(name=f"g{next(_graph_ids)}", config=config, params=params,
                          param_shapes=tuple(sorted(tuple(ref().shape) for ref in params.values())), plan=plan)
     if config.arch_mods:

@@ -74,6 +74,9 @@ class Plan:
     sites: dict = dataclasses.field(default_factory=dict)     # site id -> SitePlan
     unsafe: dict = dataclasses.field(default_factory=dict)    # site id -> observed FP8 error
     upgraded: dict = dataclasses.field(default_factory=dict)  # site id -> (tensorwise, rowwise error)
+    # Inference sites' static activation scales (`loka_compile.calibrate`): site id ->
+    # {"scale", "range", "policy", "error"}. Optional in the file: version-1 plans without it load.
+    a_scales: dict = dataclasses.field(default_factory=dict)
     source: str = ""                                          # the file it was loaded from ("": made here)
 
     def to_json(self) -> dict:
@@ -81,7 +84,8 @@ class Plan:
                 "params": {name: [list(shape), dtype] for name, (shape, dtype) in sorted(self.params.items())},
                 "sites": {sid: dataclasses.asdict(entry) for sid, entry in sorted(self.sites.items())},
                 "unsafe": dict(sorted(self.unsafe.items())),
-                "upgraded": {sid: list(errors) for sid, errors in sorted(self.upgraded.items())}}
+                "upgraded": {sid: list(errors) for sid, errors in sorted(self.upgraded.items())},
+                "a_scales": {sid: dict(entry) for sid, entry in sorted(self.a_scales.items())}}
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> "Plan":
@@ -94,9 +98,19 @@ class Plan:
             return cls(params={name: (tuple(shape), dtype) for name, (shape, dtype) in data["params"].items()},
                        device_type=data["device_type"], recipe=data["recipe"], version=data["version"], sites=sites,
                        unsafe={sid: float(e) for sid, e in data.get("unsafe", {}).items()},
-                       upgraded={sid: tuple(e) for sid, e in data.get("upgraded", {}).items()}, source=source)
+                       upgraded={sid: tuple(e) for sid, e in data.get("upgraded", {}).items()},
+                       a_scales={sid: _static_scale(e) for sid, e in data.get("a_scales", {}).items()}, source=source)
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"loka plan {source} is damaged: {type(error).__name__}: {error}") from None
+
+    def save(self, path) -> "Plan":
+        """Write this plan to `path` as JSON (atomically); returns it with `source` set."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+        return dataclasses.replace(self, source=path)
 
     def digest(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
@@ -124,6 +138,15 @@ class Plan:
         if found:
             raise ValueError(f"loka plan {self.source or '(in memory)'} was made for another model or setup: "
                              + "; ".join(found))
+
+
+def _static_scale(entry: dict) -> dict:
+    """A saved static activation scale, checked: a finite positive scale, its policy."""
+    scale = float(entry["scale"])
+    if not (scale > 0 and scale < float("inf")):
+        raise ValueError(f"static scale {scale!r} is not finite and positive")
+    return {"scale": scale, "range": float(entry["range"]), "policy": str(entry["policy"]),
+            "error": float(entry["error"])}
 
 
 def param_fingerprint(named_params) -> dict:
@@ -169,6 +192,7 @@ def plan_of(compiled) -> Plan:
             plan.params.update(record.plan.params)
         plan.unsafe.update(record.plan.unsafe)
         plan.upgraded.update(record.plan.upgraded)
+        plan.a_scales.update(record.plan.a_scales)
         ids = frozenset(s.id for (phase, _), ctx in record.contexts.items() if phase == record.phase
                         for s in ctx.sites)
         for (phase, kind), ctx in record.contexts.items():
@@ -190,10 +214,4 @@ def plan_of(compiled) -> Plan:
 def save_plan(compiled, path) -> Plan:
     """Write the plan of `compiled` (see `plan_of`) to `path` as JSON; returns it. Load it
     with `torch.compile(model, backend="loka", options={"plan": path})`."""
-    plan = plan_of(compiled)
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(plan.to_json(), f, indent=1)
-    os.replace(tmp, path)
-    return dataclasses.replace(plan, source=path)
+    return plan_of(compiled).save(path)

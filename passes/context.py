@@ -111,3 +111,5 @@ class PassContext:
     decisions: dict = dataclasses.field(default_factory=dict)   # site key -> Decision
     changes: dict = dataclasses.field(default_factory=dict)     # pass name -> count
     cached_weights: list = dataclasses.field(default_factory=list)  # weight_cache.CachedWeight, inference
+    # Inference graphs with a calibrated plan: site id -> {"scale", "policy", ...} (Plan.a_scales)
+    static_a_scales: dict = dataclasses.field(default_factory=dict)

@@ -16,6 +16,10 @@ In inference graphs with the `cached_weights` Mod on, a B operand that is a weig
 not cast in the graph: the GEMM reads its FP8 copy and scales as constants, made once
 and refreshed when the weight changes (`weight_cache.py`).
 
+In inference graphs compiled with a calibrated plan (`loka_compile.calibrate`), A of a
+tensorwise or rowwise site is cast with its constant scale: clamp(A / s) -> fp8, no amax
+(`scaled_gemm.quantize_static`); training graphs ignore static scales.
+
 Records on each lowered site how each operand is cast (`site.casts`, from
 `find_sites.cast_origin`): "fused into <op>" where Inductor computes the cast in the
 kernel of the op that produced the operand, else "standalone (<why>)". With
@@ -27,6 +31,7 @@ the report), addmm/baddbmm with beta or alpha other than 1 (Dispatch marks those
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -56,6 +61,10 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
                         decision.provider, site.dtype, decision.pad_k, decision.pad_n, fused_casts,
                         decision.fast_accum)
         site.casts = operand_casts(site, decision.scaling, fused_casts)
+        static = ctx.static_a_scales.get(site.id) if ctx.kind is GraphKind.INFERENCE else None
+        if static is not None and spec.scaling is not Scaling.BLOCKWISE:
+            spec = dataclasses.replace(spec, a_static_scale=float(static["scale"]))
+            site.casts["a"] = f"static scale (calibrated {static['policy']})"
         cached = cached_operand(node, b, spec, ctx) if cache_weights else None
         if cached is not None:
             site.casts["b"] = CACHED_WEIGHT

@@ -1,0 +1,141 @@
+"""Calibration: static activation scales for FP8 inference, from the Probe on real batches.
+
+    plan = loka_compile.calibrate(model, batches, policy="percentile")
+    plan.save("plan.json")
+    with torch.no_grad():
+        torch.compile(model, backend="loka", options={"plan": "plan.json"})(x)
+
+In the inference graph compiled with that plan, each planned site casts A with its
+constant scale (clamp(A / s) -> e4m3, no amax reduction), while its weight stays
+cached per output channel (`passes/weight_cache.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import torch
+
+from loka_compile import backend, probe
+from loka_compile.config import LokaConfig
+from loka_compile.kernels import metrics
+from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
+from loka_compile.kernels.scaled_gemm import quantize_static
+from loka_compile.passes import GraphKind, Reason
+from loka_compile.plan import Plan, plan_of
+
+log = logging.getLogger("loka")
+
+POLICIES = ("amax", "percentile")
+
+
+def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percentile: float = 99.99,
+              options=None) -> Plan:
+    """Run `model` on `batches` under `torch.no_grad()`, compiled with backend="loka" and a
+    probe window of `len(batches)` calls, and return its Plan with a static tensorwise
+    activation scale per inference FP8 site (`Plan.a_scales`, by site id; save it with
+    `plan.save(path)`, load it with `options={"plan": path}`).
+
+    Each batch is a tensor, a tuple of positional arguments or a dict of keyword
+    arguments. `options` are the compile's options (LokaConfig or mapping; `probe_steps`
+    is set here, `plan` must be unset). Per site, A's range is:
+    - "amax": the largest |A| the Probe saw over every calibration row;
+    - "percentile": the `percentile`-th percentile of |A| over the rows the Probe's
+      reservoir sampled (at most `probe.RESERVOIR_ROWS` rows per site, uniform over all
+      calibration rows), so outliers beyond it are clamped.
+    The scale is range / e4m3 max; at run time values beyond the range saturate at +-448.
+
+    Error check: the static cast is replayed on the reservoir's rows of A against the
+    reservoir's columns of B (cast as the site casts it), and its error against the fp64
+    product in `probe_metric` (row relative error by default) is compared with
+    `max_probe_error`: a site over that budget
+    stays bf16 (`probe_unsafe`, its detail naming the error). Tensorwise and rowwise
+    sites get static scales; blockwise sites keep dynamic ones."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("calibrate needs at least one batch")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
+    if not 0.0 < float(percentile) <= 100.0:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile!r}")
+    config = LokaConfig.from_options(options)
+    if config.plan is not None:
+        raise ValueError("calibrate makes a plan: leave the `plan` option unset")
+    config = dataclasses.replace(config, probe_steps=len(batches))
+    label = "amax" if policy == "amax" else f"percentile {float(percentile):g}"
+
+    known = {id(r) for r in backend.GRAPHS}
+    # A backend object of its own: Dynamo never serves this run with code compiled for another.
+    compiled = torch.compile(model, backend=functools.partial(backend.loka_backend, options=config))
+    with torch.no_grad():  # the FP8 variants compile when the windows close: inference graphs too
+        for batch in batches:
+            _call(compiled, batch)
+        records = [r for r in backend.GRAPHS if id(r) not in known]
+        ours = {id(r) for r in records}
+        for graph in list(backend._PROBING):  # windows close without one more call
+            if id(graph.record) in ours and graph.record.phase == "probe":
+                graph._close_probe_window()
+    plan = plan_of(compiled)
+    for record in records:
+        _static_scales(record, plan, config, policy, float(percentile), label)
+    # The calibration's graphs are its own: reports of the model's later compiles leave them out.
+    backend.GRAPHS[:] = [r for r in backend.GRAPHS if id(r) in known]
+    return plan
+
+
+def _call(compiled, batch):
+    if isinstance(batch, dict):
+        return compiled(**batch)
+    if isinstance(batch, (tuple, list)):
+        return compiled(*batch)
+    return compiled(batch)
+
+
+def _static_scales(record, plan: Plan, config: LokaConfig, policy: str, percentile: float, label: str) -> None:
+    budget, metric = config.max_probe_error, getattr(config, "probe_metric", "row_rel_error")
+    probed = record.contexts.get(("probe", GraphKind.INFERENCE))
+    final = record.contexts.get((record.phase, GraphKind.INFERENCE))
+    if probed is None or final is None:
+        return
+    decisions = {s.id: final.decisions.get(s.key) for s in final.sites}
+    for site in probed.sites:
+        decision = decisions.get(site.id)
+        summary = probe.STORE.summary(site.key)
+        if decision is None or not decision.fp8 or "operands" not in summary \
+                or decision.scaling not in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value):
+            continue
+        rows = probe.STORE.reservoir(site.key, "a")
+        rows = rows.reshape(-1, rows.shape[-1])
+        if policy == "amax":
+            value = summary["operands"]["a"]["amax"]
+        else:
+            value = float(torch.quantile(rows.float().abs().flatten(), percentile / 100.0))
+        fmt = Fp8Format(decision.a_format)
+        scale = float(scale_from_amax(torch.tensor(value), fmt)) if math.isfinite(value) else math.nan
+        error = _static_error(rows, probe.STORE.reservoir(site.key, "b"), scale, decision, metric) \
+            if math.isfinite(scale) else math.inf
+        if error <= budget:
+            plan.a_scales[site.id] = {"scale": scale, "range": float(value), "policy": label, "error": error}
+            continue
+        detail = (f"calibrated static scale ({label}): {metric} {error:.3g} > {budget} "
+                  f"on {rows.shape[0]} sampled rows")
+        log.warning("loka calibrate: %s stays in high precision (%s)", site.id, detail)
+        plan.unsafe[site.id] = error
+        if site.id in plan.sites:
+            plan.sites[site.id] = dataclasses.replace(plan.sites[site.id], fp8=False,
+                                                      reason=Reason.PROBE_UNSAFE.value, detail=detail)
+
+
+def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, decision, metric: str) -> float:
+    """`metric` (probe_metric: row_rel_error or mere) of the static-scale GEMM on sampled rows of A [R, K] and
+    columns of B [n, K] against their fp64 product."""
+    scaling = Scaling(decision.scaling)
+    a_q, a_s = quantize_static(a_rows, scale, scaling, Fp8Format(decision.a_format))
+    b_fmt = Fp8Format(decision.b_format)
+    b_q, b_s = quantize_along(b_cols, -1, b_fmt) if scaling is Scaling.ROWWISE else quantize_tensorwise(b_cols, b_fmt)
+    reference = a_rows.double() @ b_cols.double().T
+    value = (a_q.double() * a_s.double()) @ (b_q.double() * b_s.double()).T
+    return getattr(metrics, metric)(reference, value)

@@ -1,0 +1,168 @@
+"""Calibration: static activation scales from the Probe, saved in the plan, cast with a
+constant (no amax) in inference graphs; training graphs ignore them."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import loka_compile
+from loka_compile.backend import GRAPHS
+from loka_compile.passes import GraphKind, Reason
+from numerics import rel_error
+
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+E4M3_MAX = 448.0
+STATIC = "static scale (calibrated amax)"
+# Output error vs fp32 of the static-scale MLP below: measured 0.049 (dynamic rowwise 0.048).
+FLOOR = 0.08
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def batches(n=3, rows=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, 32, generator=g) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    torch._dynamo.reset()
+    loka_compile.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    plan = loka_compile.calibrate(model, batches())
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan.save(path)
+    return model, plan, str(path)
+
+
+def inference_graph():
+    (record,) = [r for r in GRAPHS if ("fp8", GraphKind.INFERENCE) in r.graph_modules]
+    return record.graph_modules[("fp8", GraphKind.INFERENCE)].graph
+
+
+def targets(graph):
+    return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+def test_calibrate_stores_one_static_scale_per_site_and_round_trips(calibrated):
+    model, plan, path = calibrated
+    assert not GRAPHS  # the calibration's own graphs are not left in the model's reports
+    assert sorted(plan.a_scales) == ["inference/fc1:fwd#1", "inference/fc2:fwd#1"]
+    for entry in plan.a_scales.values():
+        assert entry["policy"] == "amax" and entry["scale"] == pytest.approx(entry["range"] / E4M3_MAX)
+        assert entry["error"] < 0.1  # max_probe_error
+    assert max(b.abs().max() for b in batches()) == pytest.approx(plan.a_scales["inference/fc1:fwd#1"]["range"])
+    assert loka_compile.load_plan(path).a_scales == plan.a_scales
+    # a version-1 plan from before calibration (no "a_scales") still loads
+    data = json.load(open(path))
+    data.pop("a_scales")
+    old = pathlib_write(path + ".old.json", data)
+    assert loka_compile.load_plan(old).a_scales == {}
+    data["a_scales"] = {"inference/fc1:fwd#1": {"scale": -1.0, "range": 1.0, "policy": "amax", "error": 0.0}}
+    with pytest.raises(ValueError, match="damaged.*not finite and positive"):
+        loka_compile.load_plan(pathlib_write(path + ".bad.json", data))
+
+
+def pathlib_write(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return path
+
+
+def test_inference_with_plan_casts_a_with_its_constant_scale(calibrated):
+    model, plan, path = calibrated
+    x = torch.randn(32, 32)
+    with torch.no_grad():
+        ref = model(x)
+        static = torch.compile(model, backend="loka", options={"plan": path})(x)
+        graph = inference_graph()
+        report = loka_compile.report(model)
+        torch._dynamo.reset()
+        dynamic = torch.compile(model, backend="loka")(x)
+        dynamic_graph = [r for r in GRAPHS if r.plan.source == ""][-1].graph_modules[("fp8", GraphKind.INFERENCE)]
+    assert [s.casts["a"] for s in report.sites if s.id.startswith("inference/")] == [STATIC, STATIC]
+    # no amax reduction feeds A's cast (B is the cached weight): only pointwise ops before the convert
+    assert torch.ops.aten.amax.default not in targets(graph)
+    assert targets(graph).count(torch.ops.prims.convert_element_type.default) >= 2
+    assert torch.ops.aten.amax.default in targets(dynamic_graph.graph)  # the dynamic cast has one
+    static_err, dynamic_err = rel_error(ref, static), rel_error(ref, dynamic)
+    assert static_err < FLOOR and abs(static_err - dynamic_err) < 0.02, (static_err, dynamic_err)
+
+
+def test_values_beyond_the_calibrated_range_clamp_to_e4m3_max(calibrated):
+    model, plan, path = calibrated
+    bound = plan.a_scales["inference/fc1:fwd#1"]["scale"] * E4M3_MAX
+    x = torch.randn(32, 32)
+    x[0, :4] = torch.tensor([10.0, -10.0, 50.0, -50.0]) * bound  # far beyond the calibrated range
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="loka", options={"plan": path})
+        out, clamped = compiled(x), compiled(x.clamp(-bound, bound))
+        ref = model(x)
+    torch.testing.assert_close(out, clamped, rtol=0, atol=0)  # saturated, exactly as if clamped
+    assert rel_error(ref[0], out[0]) > 0.2  # documented: a static scale does not follow outliers
+    assert rel_error(ref[1:], out[1:]) < FLOOR
+
+
+def test_a_site_over_budget_with_its_static_scale_stays_bf16(tmp_path):
+    data = batches()
+    data[1][3, 5] = 1e6  # one outlier sets fc1's amax: every other row flushes to ~0
+    model = MLP()
+    plan = loka_compile.calibrate(model, data)
+    fc1 = plan.sites["inference/fc1:fwd#1"]
+    assert not fc1.fp8 and fc1.reason == Reason.PROBE_UNSAFE.value
+    assert "calibrated static scale (amax): row_rel_error" in fc1.detail and "> 0.1" in fc1.detail
+    assert "inference/fc1:fwd#1" not in plan.a_scales and "inference/fc2:fwd#1" in plan.a_scales
+    path = plan.save(tmp_path / "plan.json").source
+    with torch.no_grad():
+        torch.compile(model, backend="loka", options={"plan": path})(data[0])
+    sites = {s.id: s for s in loka_compile.report(model).sites}
+    assert sites["inference/fc1:fwd#1"].reason == Reason.PROBE_UNSAFE.value
+    assert "calibrated static scale (amax)" in sites["inference/fc1:fwd#1"].detail
+    assert sites["inference/fc2:fwd#1"].casts["a"] == STATIC
+
+
+def test_percentile_policy_gives_a_smaller_scale_than_amax_on_heavy_tails():
+    model = nn.Sequential(nn.Linear(32, 32))
+    t = torch.distributions.StudentT(2.0)
+    data = [t.sample((32, 32)) for _ in range(2)]
+    amax = loka_compile.calibrate(model, data).a_scales["inference/0:fwd#1"]
+    pct = loka_compile.calibrate(model, data, policy="percentile", percentile=99.9).a_scales["inference/0:fwd#1"]
+    assert pct["policy"] == "percentile 99.9" and amax["policy"] == "amax"
+    assert pct["scale"] < 0.8 * amax["scale"], (pct, amax)
+    # the percentile is over the reservoir's rows: here every calibration row
+    expected = torch.quantile(torch.cat(data).abs().flatten(), 0.999)
+    assert pct["range"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_training_graphs_ignore_static_scales(calibrated):
+    model, plan, path = calibrated
+    compiled = torch.compile(model, backend="loka", options={"plan": path})
+    compiled(torch.randn(32, 32))  # the training forward (the backward compiles alike, lazily)
+    (record,) = GRAPHS
+    forward = record.contexts[("fp8", GraphKind.FORWARD)]
+    assert forward.static_a_scales == {}
+    assert all(not s.casts["a"].startswith("static") for s in forward.sites if s.casts)
+    assert torch.ops.aten.amax.default in targets(record.graph_modules[("fp8", GraphKind.FORWARD)].graph)
+
+
+def test_calibrate_rejects_bad_arguments(calibrated):
+    model, _, path = calibrated
+    with pytest.raises(ValueError, match="policy must be one of"):
+        loka_compile.calibrate(model, batches(1), policy="max")
+    with pytest.raises(ValueError, match="at least one batch"):
+        loka_compile.calibrate(model, [])
+    with pytest.raises(ValueError, match="percentile"):
+        loka_compile.calibrate(model, batches(1), policy="percentile", percentile=0)
+    with pytest.raises(ValueError, match="leave the `plan` option unset"):
+        loka_compile.calibrate(model, batches(1), options={"plan": path})
