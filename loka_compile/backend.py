@@ -311,29 +311,26 @@ class LokaCompiledGraph:
         record = self.record
         ids = {s.key: s.id for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites}
         keys = list(ids)
-        unsafe, upgraded = _decide_once(lambda: _verdicts_by_id(ids, record.config.max_probe_error))
+        # probe.verdicts logs each verdict with every scaling's bound.
+        unsafe, upgraded = _decide_once(lambda: _verdicts_by_id(ids, record.config))
         # Kept by stable id in the graph's own plan: the FP8 variant's sites have the same ids.
         record.plan.unsafe.update(unsafe)
         record.plan.upgraded.update(upgraded)
-        for key, error in unsafe.items():
-            log.warning("loka probe: %s keeps high precision (FP8 relative error %.3g > %g)",
-                        key, error, record.config.max_probe_error)
-        for key, (tensorwise, rowwise) in upgraded.items():
-            log.warning("loka probe: %s goes rowwise (tensorwise FP8 relative error %.3g > %g, rowwise %.3g)",
-                        key, tensorwise, record.config.max_probe_error, rowwise)
         gm, example_inputs, tracing_context = self._pending
         self._pending = None
         _PROBING.discard(self)
         with torch._guards.tracing(tracing_context) if tracing_context is not None else contextlib.nullcontext():
             self.variants["fp8"] = self._compile(gm, example_inputs, "fp8")
         record.phase = "fp8"
-        log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded to rowwise",
+        log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded",
                  record.name, self.calls, len(keys), len(unsafe), len(upgraded))
 
 
-def _verdicts_by_id(ids: dict, max_error: float) -> tuple[dict, dict]:
-    """The Probe's (unsafe, upgraded) verdicts for sites key -> id, keyed by id."""
-    unsafe, upgraded = probe.verdicts(list(ids), max_error)
+def _verdicts_by_id(ids: dict, config: LokaConfig) -> tuple[dict, dict]:
+    """The Probe's (unsafe, upgraded) verdicts for sites key -> id, keyed by id; an unsafe
+    site is upgraded along tensorwise -> rowwise -> blockwise where a finer scaling's bound
+    is within the budget."""
+    unsafe, upgraded = probe.verdicts(list(ids), config.max_probe_error, metric=config.probe_metric, chain=True)
     return {ids[k]: v for k, v in unsafe.items()}, {ids[k]: tuple(v) for k, v in upgraded.items()}
 
 

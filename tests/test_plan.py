@@ -255,7 +255,7 @@ def _rank(rank, world_size, store_dir):
             with torch.no_grad():
                 compiled(x)
                 ids = {s.key: s.id for s in GRAPHS[0].contexts[("probe", GraphKind.INFERENCE)].sites}
-                own = loka_compile.backend._verdicts_by_id(ids, 0.1)  # what this rank alone would decide
+                own = loka_compile.backend._verdicts_by_id(ids, GRAPHS[0].config)  # what this rank alone would decide
                 compiled(x)
             plan = loka_compile.plan.plan_of(compiled)
             result = {"own": own, "upgraded": plan.upgraded, "unsafe": plan.unsafe,
