@@ -73,7 +73,8 @@ class Plan:
     version: int = FORMAT_VERSION
     sites: dict = dataclasses.field(default_factory=dict)     # site id -> SitePlan
     unsafe: dict = dataclasses.field(default_factory=dict)    # site id -> observed FP8 error
-    upgraded: dict = dataclasses.field(default_factory=dict)  # site id -> (target scaling, [[scaling, bound], ...]); older plans: (tensorwise, rowwise)
+    # site id -> (target scaling, [[scaling, bound], ...]); older plans: (tensorwise, rowwise)
+    upgraded: dict = dataclasses.field(default_factory=dict)
     # Inference sites' static activation scales (`loka_compile.calibrate`): site id ->
     # {"scale", "range", "policy", "error"}. Optional in the file: version-1 plans without it load.
     a_scales: dict = dataclasses.field(default_factory=dict)
