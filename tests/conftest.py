@@ -44,3 +44,20 @@ def fresh_compile_state():
     torch._dynamo.reset()
     loka_compile.reset()
     yield
+
+
+@pytest.fixture
+def store():
+    """A fresh Probe store as the observers' sink; the global one restored after."""
+    from loka_compile import probe
+    from loka_compile.kernels import ops
+
+    fresh = probe.ProbeStore()
+    ops.set_observer_sink(fresh.record)
+    saved = probe.STORE
+    probe.STORE = fresh
+    try:
+        yield fresh
+    finally:
+        probe.STORE = saved
+        ops.set_observer_sink(saved.record)

@@ -13,20 +13,6 @@ from loka_compile.kernels import ops
 from loka_compile.kernels.quantize import Fp8Format, cast_with_scale, scale_from_amax
 
 
-@pytest.fixture
-def store():
-    """A fresh store as the observers' sink; the global one restored after."""
-    fresh = probe.ProbeStore()
-    ops.set_observer_sink(fresh.record)
-    saved = probe.STORE
-    probe.STORE = fresh
-    try:
-        yield fresh
-    finally:
-        probe.STORE = saved
-        ops.set_observer_sink(saved.record)
-
-
 # ------------------------------------------------------------------ metrics
 
 

@@ -8,7 +8,7 @@ import torch
 
 import loka_compile
 from loka_compile import LokaConfig, dispatch, probe
-from loka_compile.kernels import ops, providers
+from loka_compile.kernels import providers
 from loka_compile.passes import Decision, Reason
 from loka_compile.passes.context import GraphKind, Role, Site
 from loka_compile.report import Report, SiteRecord
@@ -16,19 +16,6 @@ from loka_compile.report import Report, SiteRecord
 from numerics import row_rel_error
 
 M, K, N = 64, 256, 32
-
-
-@pytest.fixture
-def store():
-    fresh = probe.ProbeStore()
-    ops.set_observer_sink(fresh.record)
-    saved = probe.STORE
-    probe.STORE = fresh
-    try:
-        yield fresh
-    finally:
-        probe.STORE = saved
-        ops.set_observer_sink(saved.record)
 
 
 def _planted(seed: int, outlier_blocks=(0,)):
