@@ -185,3 +185,34 @@ def test_report_candidates_and_summary():
     report.sites = [_record()]
     assert report.summary() == report.summary().splitlines()[0] and "kept" not in report.summary()
     assert "100% of GEMM FLOPs" in report.summary()
+
+
+class PlantedLinear(torch.nn.Module):
+    """One linear whose weight zeroes the input's outlier feature (see `_planted`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(K, N, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(_planted(0)[1].t())
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_compiled_probe_window_sends_a_planted_site_blockwise():
+    """End to end: the backend asks the Probe for the whole chain, so a site that only 1x128
+    blocks save goes blockwise after the window, and its output is close to fp32."""
+    model = PlantedLinear()
+    compiled = torch.compile(model, backend="loka",
+                             options={"recipe": "tensorwise", "probe_steps": 2, "max_probe_error": 0.1})
+    with torch.no_grad():
+        for seed in range(3):
+            out = compiled(_planted(seed)[0])
+    site = next(s for s in loka_compile.report(compiled).sites if s.role == "fwd")
+    assert site.fp8 and site.scaling == "blockwise", (site.reason, site.scaling, site.detail)
+    assert "blockwise" in site.detail and "tensorwise rel. error" in site.detail
+    x = _planted(2)[0]
+    reference = x.double() @ model.fc.weight.double().t()
+    assert row_rel_error(reference, out) < 0.1
