@@ -290,20 +290,6 @@ def _target_name(scaling: str) -> str:
     return ops.candidate_name(scaling, "e4m3", "e4m3")
 
 
-def _site_metrics(keys) -> dict:
-    """key -> probe_metric of the graph that holds the site (backend.GRAPHS), where known."""
-    from loka_compile import backend
-
-    wanted, found = set(keys), {}
-    for record in list(backend.GRAPHS):
-        metric = getattr(record.config, "probe_metric", None)
-        for (_, _), ctx in record.contexts.items():
-            for site in ctx.sites:
-                if site.key in wanted and metric is not None:
-                    found.setdefault(site.key, metric)
-    return found
-
-
 def chain_steps(summary: dict, metric: str = "row_rel_error") -> list:
     """[[scaling, bound], ...]: the site's own candidate, then each finer scaling measured
     (e4m3), by `metric`'s bound. Sites without candidate statistics: the largest
@@ -336,26 +322,25 @@ def describe_steps(steps, max_error: float, metric: str = "row_rel_error") -> st
 
 def verdicts(keys, max_error: float, metric=None, chain: bool = False) -> tuple[dict, dict]:
     """(unsafe, upgraded) among `keys`, by the confidence bound (`upper_bound`) across
-    observations of `metric` ("row_rel_error" or "mere"; None: each site's graph's
-    `probe_metric`, else row relative error): a site whose bound for its own candidate
+    observations of `metric` ("row_rel_error" or "mere"; None: row relative error; the
+    backend passes the config's `probe_metric`): a site whose bound for its own candidate
     exceeds max_error (a NaN counts) goes to the first finer scaling (tensorwise ->
     rowwise -> blockwise, e4m3) whose bound is within it, else it is unsafe ({key: its
     bound}).
 
     chain=True: upgraded = {key: (target scaling, [[scaling, bound], ...])}, the site's
     own bound first, then every finer scaling measured (Dispatch takes the first within
-    the bound that a provider runs); each verdict is logged. chain=False
-    (the format plans of this version hold, and what the backend reads today): only
-    tensorwise -> rowwise, {key: (tensorwise bound, rowwise bound)}; a site that only
-    blockwise would save is unsafe. Sites without candidate statistics fall back to the
+    the bound that a provider runs); each verdict is logged; the backend asks for this.
+    chain=False (the format of plans written before the chain): only tensorwise ->
+    rowwise, {key: (tensorwise bound, rowwise bound)}; a site that only blockwise would
+    save is unsafe. Sites without candidate statistics fall back to the
     largest observed error (row relative error)."""
-    per_site = _site_metrics(keys) if metric is None else {}
     unsafe, upgraded = {}, {}
     for key in keys:
         summary = STORE.summary(key)
         if not summary:
             continue
-        site_metric = metric or per_site.get(key, "row_rel_error")
+        site_metric = metric or "row_rel_error"
         if site_metric not in METRICS:
             raise ValueError(f"probe metric must be one of {sorted(METRICS)}, got {site_metric!r}")
         steps = chain_steps(summary, site_metric)
