@@ -165,3 +165,29 @@ def test_cached_weights_follow_in_place_updates_under_cuda_graphs():
         out = compiled(x).clone()
         reference = model.float()(x.float())
     assert sqnr_db(reference, out) > 20.0
+
+
+def test_calibrated_static_scales_run_on_scaled_mm(tmp_path):
+    """A calibrated plan's constant activation scale reaches torch._scaled_mm (rowwise: the
+    scale broadcast to [M, 1]) under CUDA graphs, with the error of the dynamic cast."""
+    torch.manual_seed(0)
+    model = MLPWithNorm(d_in=256, hidden=512, d_out=64).cuda().bfloat16().eval()
+    batches = [torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    options = {"speed_check": False}
+    path = loka_compile.calibrate(model, batches, options=options).save(tmp_path / "plan.json").source
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference = copy.deepcopy(model).float()(x.float())
+        static = torch.compile(model, backend="loka", mode="reduce-overhead", options={**options, "plan": path})
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            out = static(x).clone()
+        report = loka_compile.report(static)
+        torch._dynamo.reset()
+        dynamic = torch.compile(model, backend="loka", options=options)(x)
+    static_sites = [s for s in report.sites if s.casts and s.casts["a"].startswith("static scale")]
+    assert static_sites and all(s.fp8 and s.provider.startswith("scaled_mm") for s in static_sites)
+    assert torch.isfinite(out).all()
+    static_db, dynamic_db = sqnr_db(reference, out.float()), sqnr_db(reference, dynamic.float())
+    print(f"\ncalibrated static SQNR {static_db:.1f} dB, dynamic {dynamic_db:.1f} dB")
+    assert static_db > OUTPUT_SQNR_FLOOR_DB and static_db > dynamic_db - 3.0
