@@ -153,7 +153,7 @@ def test_cached_weights_follow_in_place_updates_under_cuda_graphs():
     replay, they carry an optimizer step or load_state_dict into the next call."""
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
     model = model.cuda().bfloat16().eval()
-    compiled = torch.compile(model, backend="loka", mode="reduce-overhead", options={"speed_check": False})
+    compiled = torch.compile(model, backend="loka", options={"speed_check": False, "mode": "reduce-overhead"})
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(3):  # record, then replay
@@ -178,7 +178,7 @@ def test_calibrated_static_scales_run_on_scaled_mm(tmp_path):
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         reference = copy.deepcopy(model).float()(x.float())
-        static = torch.compile(model, backend="loka", mode="reduce-overhead", options={**options, "plan": path})
+        static = torch.compile(model, backend="loka", options={**options, "plan": path, "mode": "reduce-overhead"})
         for _ in range(3):
             torch.compiler.cudagraph_mark_step_begin()
             out = static(x).clone()
