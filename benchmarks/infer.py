@@ -45,6 +45,9 @@ lookups included.
 
 Configurations (`--configs`; `all` = every named one):
 - inductor_bf16_ro: torch.compile(mode="reduce-overhead") (CUDA graphs);
+- inductor_bf16_mk_ro: that with the multi-kernel reductions of loka's
+  benchmarked_reductions Mod: what that Mod gives bf16 alone (speedups stay against
+  inductor_bf16_ro);
 - loka_ro: backend "loka" in reduce-overhead mode, its defaults (Dispatch speed check on);
 - loka_all_fp8_ro: loka with {"speed_check": False}, every eligible site FP8;
 - loka_ro_no_cached_weights: loka_all_fp8_ro with {"disabled_mods": ["cached_weights"]}:
@@ -54,7 +57,7 @@ Configurations (`--configs`; `all` = every named one):
   (`PerTensor()`) on the Linears whose both dims are multiples of 16, then
   torch.compile(mode="reduce-overhead"); CUDA only (error rows elsewhere). Inductor's
   config is restored before every config, since quantize_ may change it;
-- the same without CUDA graphs (default mode): inductor_bf16, loka, loka_all_fp8,
+- the same without CUDA graphs (default mode): inductor_bf16, inductor_bf16_mk, loka, loka_all_fp8,
   loka_no_cached_weights, torchao_rowwise, torchao_tensorwise; and eager_bf16.
 Off CUDA a `_ro` name runs as its default-mode twin (CUDA graphs need CUDA). Loka rows
 take --loka-options under their own options; the JSON records both (`loka_options`).
@@ -95,6 +98,7 @@ _NO_CACHED_WEIGHTS = _ALL_FP8 + (("disabled_mods", ("cached_weights",)),)
 # (default-mode name, reduce-overhead name, kind, Config fields): each a pair of rows.
 _TWINS = [
     ("inductor_bf16", "inductor_bf16_ro", "inductor", {}),
+    ("inductor_bf16_mk", "inductor_bf16_mk_ro", "inductor", {"benchmarked_reductions": True}),
     ("loka", "loka_ro", "loka", {}),
     ("loka_all_fp8", "loka_all_fp8_ro", "loka", {"options": _ALL_FP8}),
     ("loka_no_cached_weights", "loka_ro_no_cached_weights", "loka",

@@ -32,7 +32,10 @@ batches, in one process:
 
 Configurations (`--configs`; `all` = every named one):
 - eager_bf16, eager_fp32; inductor_bf16 (default mode), inductor_bf16_ro (reduce-overhead,
-  CUDA graphs); torchao_{tensorwise,rowwise}[_ro] (torchao float8 training);
+  CUDA graphs); inductor_bf16_mk[_ro]: Inductor bf16 with the multi-kernel reductions of
+  loka's benchmarked_reductions Mod (speedups stay against plain Inductor bf16; read these
+  rows for what that Mod gives bf16 alone); torchao_{tensorwise,rowwise}[_ro] (torchao
+  float8 training);
 - loka, loka_ro: the loka backend with its defaults (Dispatch speed check on);
 - loka_all_fp8, loka_all_fp8_ro: loka with {"speed_check": False}, every eligible site FP8
   whether or not it pays (what the Mods must make fast);
@@ -109,7 +112,10 @@ class Config:
     """How one row trains: `kind` eager | inductor | torchao | loka; `mode` is the
     torch.compile mode (\"eager\" for eager rows); `recipe` the torchao float8 recipe;
     `options` the loka options of the row as (key, value) pairs (merged over --loka-options);
-    `ablated` the Mod a `<base>_no_<mod>` row switches off."""
+    `ablated` the Mod a `<base>_no_<mod>` row switches off; `benchmarked_reductions` an
+    inductor row compiled with the Inductor setting of loka's Mod of that name (`_mk` rows:
+    multi-kernel reductions on bf16, the baseline that tells that Mod's gain on non-FP8
+    kernels from FP8's)."""
 
     name: str
     kind: str
@@ -118,6 +124,7 @@ class Config:
     recipe: str | None = None
     options: tuple = ()
     ablated: str | None = None
+    benchmarked_reductions: bool = False
 
 
 _ALL_FP8 = (("speed_check", False),)  # every eligible site FP8, whether or not it pays
@@ -127,6 +134,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config("eager_fp32", "eager", "eager", dtype=torch.float32),
     Config("inductor_bf16", "inductor", "default"),
     Config("inductor_bf16_ro", "inductor", "reduce-overhead"),
+    Config("inductor_bf16_mk", "inductor", "default", benchmarked_reductions=True),
+    Config("inductor_bf16_mk_ro", "inductor", "reduce-overhead", benchmarked_reductions=True),
     Config("torchao_tensorwise", "torchao", "default", recipe="tensorwise"),
     Config("torchao_rowwise", "torchao", "default", recipe="rowwise"),
     Config("torchao_tensorwise_ro", "torchao", "reduce-overhead", recipe="tensorwise"),
@@ -332,6 +341,10 @@ def compile_unit(unit: nn.Module, cfg: Config, loka_options: dict | None = None)
         return unit
     mode = None if cfg.mode == "default" else cfg.mode
     if cfg.kind in ("inductor", "torchao"):
+        if cfg.benchmarked_reductions:  # torch.compile takes mode or options, not both
+            from torch._inductor import list_mode_options
+            from loka_compile.backend import BENCHMARKED_REDUCTIONS
+            return torch.compile(unit, options={**list_mode_options(cfg.mode), **BENCHMARKED_REDUCTIONS})
         return torch.compile(unit, mode=mode)
     if cfg.kind == "loka":
         if "loka" not in torch._dynamo.list_backends(exclude_tags=()):
@@ -663,7 +676,8 @@ def fill_relative(rows: list[dict]) -> None:
                      if c in by and by[c].get("final_logloss") is not None), None)
         # The bf16 rows compute the same function; their spread in held-out logloss is the
         # run-to-run noise (GPU nondeterminism, kernel choice) any quality delta must beat.
-        bf16_ll = [by[c]["final_logloss"] for c in ("eager_bf16", "inductor_bf16", "inductor_bf16_ro")
+        bf16_ll = [by[c]["final_logloss"] for c in ("eager_bf16", "inductor_bf16", "inductor_bf16_ro",
+                                                      "inductor_bf16_mk", "inductor_bf16_mk_ro")
                    if c in by and by[c].get("final_logloss") is not None]
         spread = (max(bf16_ll) - min(bf16_ll)) / min(bf16_ll) if len(bf16_ll) >= 2 else None
         for r in group:

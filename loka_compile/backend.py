@@ -152,6 +152,11 @@ class LokaProvenancePass(CustomGraphPass):
         return hashlib.sha256(f"{_passes_digest()}|{user}".encode()).hexdigest()
 
 
+# The benchmarked_reductions Mod's Inductor setting (Triton kernels only; CPU code generation
+# ignores it). Also what the benchmarks' `inductor_bf16_mk` baseline compiles with.
+BENCHMARKED_REDUCTIONS = {"triton.multi_kernel": 1}
+
+
 def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]) -> dict:
     patches = dict(list_mode_options(config.mode))
     if custom_pass is not None:
@@ -161,7 +166,7 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
         # report empty, so loka graphs are always compiled.
         patches["fx_graph_cache"] = False
         if "benchmarked_reductions" not in config.disabled_mods:
-            patches["triton.multi_kernel"] = 1  # Triton kernels only; CPU code generation ignores it
+            patches.update(BENCHMARKED_REDUCTIONS)
     return patches
 
 
