@@ -23,7 +23,8 @@ Rules, in order; the first that applies gives the reason:
   graph still in its probe window             -> probing
   the site's FP8 form (casts as they will run, fused or standalone, plus the fastest
   provider's GEMM) not min_fp8_speedup faster than the high-precision GEMM, timed at the
-  site's shape and layouts (`speed.py`; FP8 hardware, concrete dims)
+  site's shape and layouts (`speed.py`; FP8 hardware, concrete K and N; a symbolic M at
+  the power-of-two bucket of its compile-time size, in Decision.m_bucket and the detail)
                                               -> slower_than_bf16
   otherwise                                   -> fp8, on the fastest timed provider (the
                                                  first `select` gives when not timed)
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from typing import Mapping, Optional
 
 import torch
@@ -52,6 +52,7 @@ from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import padding_for
 from loka_compile.plan import MEASURED_REASONS
 from loka_compile.passes import Decision, GraphKind, Reason, Site
+from loka_compile.passes.context import Candidate
 
 log = logging.getLogger("loka")
 
@@ -211,15 +212,34 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
                     type(error).__name__, error)
         return Decision(fp8=True, reason=Reason.FP8, detail=f"speed not measured: {type(error).__name__}", **chosen)
     chosen["provider"] = timing.provider
-    measured = dict(bf16_us=round(timing.bf16_us, 2), fp8_us=round(timing.fp8_us, 2))
+    fp8 = timing.speedup >= config.min_fp8_speedup
+    measured = dict(bf16_us=round(timing.bf16_us, 2), fp8_us=round(timing.fp8_us, 2),
+                    candidates=_candidates(timing, fp8))
+    bucket = ""
+    if not isinstance(m, int):
+        measured["m_bucket"] = shape.m
+        bucket = f"M={m} timed at {shape.m}, the power of two at or above its compile-time size {speed.m_hint(site)}"
     others = ", ".join(f"{name} GEMM {us:.1f} us" for name, us in timing.gemm_us.items())
     timings = f"fp8 {timing.fp8_us:.1f} us ({others}; casts {timing.cast_us:.1f} us) vs {timing.bf16_us:.1f} us"
     cannot = "; ".join(f"{name} cannot run here ({why})" for name, why in timing.failed.items())
-    detail = "; ".join(filter(None, (notes, timings, cannot)))
-    if timing.speedup < config.min_fp8_speedup:
+    detail = "; ".join(filter(None, (notes, bucket, timings, cannot)))
+    if not fp8:
         return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, **chosen, **measured,
                         detail=f"{detail} ({timing.speedup:.2f}x < {config.min_fp8_speedup})")
     return Decision(fp8=True, reason=Reason.FP8, detail=detail, **chosen, **measured)
+
+
+def _candidates(timing: speed.SiteTiming, fp8: bool) -> tuple:
+    """Each timed provider: its GEMM time, whether the site runs on it, and why it lost."""
+    best = timing.gemm_us[timing.provider]
+    timed = []
+    for name, us in timing.gemm_us.items():
+        chosen = fp8 and name == timing.provider
+        lost = "" if chosen else (f"slower GEMM ({us:.1f} us vs {best:.1f} us)" if us > best
+                                  else "the site stays in high precision")
+        timed.append(Candidate(name, us, chosen, lost))
+    timed += [Candidate(name, None, False, f"cannot run here ({why})") for name, why in timing.failed.items()]
+    return tuple(timed)
 
 
 # Where an upgrade goes: e4m3 operands, the rowwise recipe's roles (blockwise: 1x128 tiles of
@@ -238,17 +258,6 @@ def _upgrade_steps(entry) -> Optional[list]:
     if isinstance(entry[0], str):
         return [[str(s), float(b)] for s, b in entry[1]]
     return [["tensorwise", float(entry[0])], ["rowwise", float(entry[1])]]
-
-
-_GEMM_TIME = re.compile(r"(\w+) GEMM ([0-9.]+) us")
-_CANNOT_RUN = re.compile(r"(\w+) cannot run here \((.*?)\)(?=; \w+ cannot run here| \([0-9.]+x < |$)")
-
-
-def provider_times(detail: str) -> tuple[dict, dict]:
-    """({provider: GEMM us}, {provider: why it could not run}) from a decision's detail,
-    as `decide` writes the speed check's timings there (loaded plans' details included)."""
-    times = {name: float(us) for name, us in _GEMM_TIME.findall(detail or "")}
-    return times, dict(_CANNOT_RUN.findall(detail or ""))
 
 
 def uses_cuda_graphs(mode: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from loka_compile.passes import Decision, Reason
+from loka_compile.passes.context import Candidate
 
 FORMAT_VERSION = 1
 
@@ -47,6 +48,9 @@ class SitePlan:
     bf16_us: Optional[float] = None
     fp8_us: Optional[float] = None
     detail: str = ""
+    # Optional in the file (plans saved before them load with none)
+    candidates: tuple = ()     # Candidate per provider the speed check timed
+    m_bucket: Optional[int] = None
 
     @classmethod
     def from_decision(cls, decision: Decision, shape: tuple, dtype) -> "SitePlan":
@@ -54,13 +58,20 @@ class SitePlan:
                    dtype=str(dtype).replace("torch.", ""), provider=decision.provider, scaling=decision.scaling,
                    a_format=decision.a_format, b_format=decision.b_format, pad_k=decision.pad_k,
                    pad_n=decision.pad_n, fast_accum=decision.fast_accum, bf16_us=decision.bf16_us,
-                   fp8_us=decision.fp8_us, detail=decision.detail)
+                   fp8_us=decision.fp8_us, detail=decision.detail, candidates=decision.candidates,
+                   m_bucket=decision.m_bucket)
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "SitePlan":
+        return cls(**{**entry, "shape": tuple(entry.get("shape", ())),
+                      "candidates": tuple(Candidate(**c) for c in entry.get("candidates", ()))})
 
     def decision(self, source: str) -> Decision:
         detail = "; ".join(filter(None, (self.detail, f"from plan {source}")))
         return Decision(fp8=self.fp8, reason=Reason(self.reason), provider=self.provider, scaling=self.scaling,
                         a_format=self.a_format, b_format=self.b_format, detail=detail, bf16_us=self.bf16_us,
-                        fp8_us=self.fp8_us, pad_k=self.pad_k, pad_n=self.pad_n, fast_accum=self.fast_accum)
+                        fp8_us=self.fp8_us, pad_k=self.pad_k, pad_n=self.pad_n, fast_accum=self.fast_accum,
+                        candidates=self.candidates, m_bucket=self.m_bucket)
 
 
 @dataclasses.dataclass
@@ -94,8 +105,7 @@ class Plan:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"loka plan {source}: format version {found!r}, this loka reads version {FORMAT_VERSION}")
         try:
-            sites = {sid: SitePlan(**{**entry, "shape": tuple(entry.get("shape", ()))})
-                     for sid, entry in data["sites"].items()}
+            sites = {sid: SitePlan.from_json(entry) for sid, entry in data["sites"].items()}
             return cls(params={name: (tuple(shape), dtype) for name, (shape, dtype) in data["params"].items()},
                        device_type=data["device_type"], recipe=data["recipe"], version=data["version"], sites=sites,
                        unsafe={sid: float(e) for sid, e in data.get("unsafe", {}).items()},

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from tabulate import tabulate
 
-from loka_compile import backend, dispatch, probe
+from loka_compile import backend, probe
 from loka_compile.passes import GraphKind, Reason
 
 
@@ -43,8 +43,11 @@ class SiteRecord:
     id: str = ""                      # stable site id, "<kind>/<module>:<role>#<n>": the plan's key
     # Probe verdict per FP8 candidate: name -> {"metric", "bound", "mean", "n", "within"}
     verdicts: dict = dataclasses.field(default_factory=dict)
+    # Re-checks' verdict changes (`recheck_every`), oldest first: {"step", "from", "to", "change", ...}
+    history: tuple = ()
     # Speed check per provider: name -> {"gemm_us" (None: could not run), "chosen", "lost"}
     candidates: dict = dataclasses.field(default_factory=dict)
+    m_bucket: Optional[int] = None    # symbolic M: the M the speed check timed the site at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +72,11 @@ def _verdicts(summary: dict, config) -> dict:
 
 
 def _candidates(decision, fp8: bool) -> dict:
-    """Each timed provider's GEMM time, the one chosen, and why the others lost."""
-    times, failed = dispatch.provider_times(decision.detail)
-    out = {}
-    best = min(times.values()) if times else None
-    for name, us in times.items():
-        chosen = fp8 and name == decision.provider
-        lost = "" if chosen else (f"slower GEMM ({us:.1f} us vs {best:.1f} us)" if us > best
-                                  else "the site stays in high precision")
-        out[name] = {"gemm_us": us, "chosen": chosen, "lost": lost}
-    for name, why in failed.items():
-        out[name] = {"gemm_us": None, "chosen": False, "lost": f"cannot run here ({why})"}
-    return out
+    """Each timed provider's GEMM time, the one chosen, and why the others lost (Dispatch's
+    candidates; a graph that fell back runs none of them)."""
+    return {c.provider: {"gemm_us": c.gemm_us, "chosen": c.chosen and fp8,
+                         "lost": c.lost or ("" if fp8 else "the site stays in high precision")}
+            for c in decision.candidates}
 
 
 def _site_records(record) -> list:
@@ -106,10 +102,12 @@ def _site_records(record) -> list:
                 producers=site.producers, consumers=site.consumers,
                 forward_site=forward_names.get(site.seq_nr, "") if kind is GraphKind.BACKWARD else "",
                 key=site.key, probe=(summary := probe.STORE.summary(site.key)),
+                history=tuple(record.plan.history.get(site.id, ())),
                 verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
                 casts=dict(site.casts) if fp8 else {}, fast_accum=fp8 and decision.fast_accum,
-                padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id))
+                padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id,
+                m_bucket=decision.m_bucket))
     return rows
 
 
@@ -208,7 +206,8 @@ class Report:
         return "\n".join([self._headline(), *self._kept_lines(largest)])
 
     def table(self) -> str:
-        rows = [(s.graph, s.id, s.role, "x".join(map(str, s.shape)) + (f" (b={s.batch})" if s.batch else ""),
+        rows = [(s.graph, s.id, s.role, "x".join(map(str, s.shape)) + (f" (b={s.batch})" if s.batch else "")
+                 + (f" (timed M={s.m_bucket})" if s.m_bucket else ""),
                  "yes" if s.fp8 else "no", s.provider, s.formats,
                  " ".join(f"{op}:{c.split(' ')[0]}" for op, c in s.casts.items()), s.reason,
                 _probe_cell(s),

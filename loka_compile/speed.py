@@ -29,12 +29,27 @@ How it times (medians of `TIMING_REPEATS` runs of `CALLS_PER_RUN` back-to-back c
 Timings are cached per (shape, layouts, casts, dtype, device, recipe, providers, graphed)
 for the life of the process, and kept across processes in the performance database
 (`perfdb.py`), keyed also by the GPU and the torch and triton versions.
+
+A symbolic M (a graph compiled with `dynamic=True`, or Dynamo's automatic dynamic
+recompile, whose batch dim is a symbol such as "s0" or "8*s0") is timed at the bucket of
+its size hint: the size of the example inputs the graph was compiled for, rounded up to a
+power of two (`m_bucket`). Powers of two land exactly on the batch sizes LRMs train and
+serve at (512, 2048, 8192, ...), are never more than 2x from the size seen, and keep a
+handful of database entries per K x N however many batch sizes recompile; a concrete M of
+the bucket's size shares its timing, which is the same measurement. The site keeps that
+decision at every M the graph later runs at: loka adds no guard on M, so Dynamo does not
+recompile for another batch size, and a batch far from the bucket runs the verdict taken
+at the bucket. Where the verdict flips across the batch sizes a model runs at, compile it
+with static shapes (`dynamic=False`): each batch size gets its own graph and timing. K or
+N symbolic, a batched (bmm) site, or an M without a size hint (a data-dependent size) are
+not timed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from typing import Optional
@@ -317,14 +332,47 @@ def cached_timings() -> dict:
     return dict(_cache)
 
 
+def m_hint(site) -> Optional[int]:
+    """M of a 2-D site at the sizes its graph was compiled for: M itself when concrete, else
+    the size hint of the symbolic M (the example inputs' size), None when it has none."""
+    if isinstance(site.shape[0], int):
+        return site.shape[0]
+    out = site.node.meta.get("val")
+    if out is None:
+        return None
+    rows = [_size_hint(d) for d in out.shape[:-1]]  # [M, N], or a packed linear's [..., N]
+    return None if None in rows else math.prod(rows)
+
+
+def _size_hint(dim) -> Optional[int]:
+    if not isinstance(dim, torch.SymInt):
+        return int(dim)
+    node = dim.node
+    hint = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr, allow_none=True)
+    return None if hint is None else int(hint)
+
+
+def m_bucket(m: int) -> int:
+    """The M a symbolic-M site is timed at: the next power of two at or above m (module
+    docstring)."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
 def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: bool = False,
                benchmarked_reductions: bool = False) -> Optional[SiteShape]:
-    """The timing key of a 2-D site with concrete dims, else None (symbolic or batched)."""
+    """The timing key of a 2-D site with concrete K and N: at its M when concrete, at the
+    bucket of its size hint when symbolic (module docstring); else None (symbolic K or N,
+    batched, or an M without a hint)."""
     from loka_compile.passes.find_sites import operand_casts
 
-    m, k, n = site.shape
-    if site.batch is not None or not all(isinstance(d, int) for d in (m, k, n)):
+    _, k, n = site.shape
+    if site.batch is not None or not (isinstance(k, int) and isinstance(n, int)):
         return None
+    m = m_hint(site)
+    if m is None:
+        return None
+    if not isinstance(site.shape[0], int):
+        m = m_bucket(m)
     casts = operand_casts(site, scaling)
     return SiteShape(m, k, n, site.a_major, site.b_major, site.op == "addmm", site.dtype, site.device,
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),

@@ -80,6 +80,16 @@ class Site:
 
 
 @dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One provider the speed check timed at a site."""
+
+    provider: str
+    gemm_us: Optional[float]          # its FP8 GEMM alone; None: it raised at the site's shape
+    chosen: bool                      # the site runs FP8 on it
+    lost: str = ""                    # why it was not chosen ("" when chosen)
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
     """Dispatch's verdict for one site."""
 
@@ -95,6 +105,8 @@ class Decision:
     pad_k: int = 0                    # zeros appended to K / N to reach a multiple of 16
     pad_n: int = 0
     fast_accum: bool = False          # the GEMM accumulates in the tensor cores' fast mode
+    candidates: tuple = ()            # Candidate per provider the speed check timed
+    m_bucket: Optional[int] = None    # symbolic M: the M the speed check timed the site at
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 from loka_compile import LokaConfig, dispatch, speed
 from loka_compile.passes import GraphKind, PassContext, Reason, Role, graph_kind, run_passes
+from loka_compile.passes.context import Candidate
 from loka_compile.passes.dispatch_sites import dispatch_sites
 from loka_compile.passes.find_sites import clean_module_path, find_sites
 from loka_compile.passes.lower import lower
@@ -345,9 +346,46 @@ class TestSpeedCheck:
         assert not decision.fp8 and decision.reason is Reason.PROVIDER_FAILED
         assert "CUBLAS_STATUS_NOT_SUPPORTED" in decision.detail
 
-    def test_symbolic_or_batched_sites_are_not_timed(self, fp8_site):
-        assert speed.site_shape(dataclasses.replace(fp8_site, shape=("s0", 64, 128)), "rowwise") is None
+    def test_symbolic_k_n_or_batched_sites_are_not_timed(self, fp8_site):
+        assert speed.site_shape(dataclasses.replace(fp8_site, shape=(32, "s1", 128)), "rowwise") is None
+        assert speed.site_shape(dataclasses.replace(fp8_site, shape=(32, 64, "s1")), "rowwise") is None
         assert speed.site_shape(dataclasses.replace(fp8_site, batch=4), "rowwise") is None
+
+    def test_m_buckets_are_the_next_power_of_two(self):
+        assert [speed.m_bucket(m) for m in (1, 2, 3, 48, 64, 65, 200, 8192)] == [1, 2, 4, 64, 64, 128, 256, 8192]
+
+    def test_symbolic_m_is_timed_at_its_bucket_and_decided_by_the_speed_rule(self, fp8_site, monkeypatch):
+        # The graph was traced at 32 rows; with those rows a symbol, its size hint is 24.
+        symbolic = dataclasses.replace(fp8_site, shape=("s0", 64, 128))
+        monkeypatch.setattr(speed, "m_hint", lambda site: 24 if site is symbolic else site.shape[0])
+        decision, calls = self._decide(symbolic, monkeypatch, bf16_us=10.0, fp8_us=12.0)
+        assert [shape.m for shape, _ in calls] == [32]
+        assert decision.reason is Reason.SLOWER_THAN_BF16 and decision.m_bucket == 32
+        assert "M=s0 timed at 32, the power of two at or above its compile-time size 24" in decision.detail
+        decision, _ = self._decide(symbolic, monkeypatch, bf16_us=10.0, fp8_us=5.0)
+        assert decision.reason is Reason.FP8 and decision.m_bucket == 32
+        decision, _ = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=5.0)
+        assert decision.m_bucket is None and "timed at" not in decision.detail  # a concrete M is no bucket
+
+    def test_symbolic_m_without_a_size_hint_is_not_timed(self, fp8_site, monkeypatch):
+        monkeypatch.setattr(speed, "m_hint", lambda site: None)
+        decision, calls = self._decide(dataclasses.replace(fp8_site, shape=("u0", 64, 128)), monkeypatch, 10.0, 20.0)
+        assert not calls and decision.reason is Reason.FP8 and decision.m_bucket is None
+
+    def test_candidates_are_recorded_per_provider(self, fp8_site, monkeypatch):
+        def timing(shape, scaling, a_format, b_format, providers, graphed, fast_accum=False):
+            return speed.SiteTiming(10.0, 5.0, "p1", {"p1": 4.0, "p2": 6.0}, 1.0, graphed,
+                                    failed={"p3": "RuntimeError: no (kernel)"})
+
+        monkeypatch.setattr(dispatch.speed, "site_timing", timing)
+        decision = dispatch.decide(fp8_site, LokaConfig(recipe="rowwise"), "fp8", {})
+        assert decision.fp8 and decision.provider == "p1"
+        assert decision.candidates == (Candidate("p1", 4.0, True, ""),
+                                       Candidate("p2", 6.0, False, "slower GEMM (6.0 us vs 4.0 us)"),
+                                       Candidate("p3", None, False, "cannot run here (RuntimeError: no (kernel))"))
+        slower = dispatch.decide(fp8_site, LokaConfig(recipe="rowwise", min_fp8_speedup=3.0), "fp8", {})
+        assert slower.reason is Reason.SLOWER_THAN_BF16 and not any(c.chosen for c in slower.candidates)
+        assert slower.candidates[0].lost == "the site stays in high precision"
 
     def test_fused_cast_charge_follows_the_persistent_row_limit(self, fp8_site):
         # A bf16 row that fits one persistent reduction costs the fused cast its FP8 byte of 3.

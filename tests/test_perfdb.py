@@ -180,3 +180,72 @@ class TestSiteTiming:
         timing = speed.site_timing(shape, **RECIPE)
         speed.clear_cache()
         assert speed.site_timing(shape, **RECIPE) == timing and len(measured) == 1
+
+
+class TestSymbolicBatch:
+    """A dynamic=True model on CPU with FP8 hardware stood in for (the emulated provider,
+    marked as hardware) and its timings faked: each symbolic-M site is timed at the bucket
+    of the example batch, stored under that bucket, and a later process reuses it."""
+
+    BATCH, BUCKET = 48, 64
+
+    @pytest.fixture
+    def fp8_machine(self, monkeypatch, cache_dir, fresh_compile_state):
+        from loka_compile import dispatch
+        from loka_compile.kernels import providers
+
+        as_hardware = dataclasses.replace(providers.get("emulated"), emulated=False)
+        monkeypatch.setattr(dispatch.providers, "has_fp8_hardware", lambda device: True)
+        monkeypatch.setattr(dispatch.providers, "select", lambda request: [as_hardware])
+        timed = []
+
+        def measure(shape, scaling, a_format, b_format, providers, graphed, fast_accum):
+            # FP8 pays on the wide layer (N = 128), not on the narrow one
+            timed.append(shape)
+            fp8_us = 5.0 if shape.n == 128 else 20.0
+            return speed.SiteTiming(10.0, fp8_us, providers[0], {providers[0]: fp8_us - 1.0}, 1.0, graphed)
+
+        monkeypatch.setattr(speed, "_measure_site", measure)
+        speed.clear_cache()
+        yield timed
+        speed.clear_cache()
+
+    @staticmethod
+    def _compile_and_run(batch):
+        import loka_compile
+
+        torch._dynamo.reset()
+        loka_compile.reset()
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
+        compiled = torch.compile(model, backend="loka", dynamic=True, options={"recipe": "rowwise"})
+        with torch.no_grad():
+            # the graph serves a batch far from the bucket too, with the bucket's decisions
+            for rows in (batch, 300):
+                x = torch.randn(rows, 64)
+                assert torch.allclose(compiled(x), model(x), rtol=0.1, atol=0.1)
+        report = loka_compile.report(compiled)
+        assert len(report.graphs) == 1
+        return report
+
+    def test_timed_at_the_bucket_stored_and_reused(self, fp8_machine, cache_dir, monkeypatch):
+        report = self._compile_and_run(self.BATCH)
+        sites = {s.shape[2]: s for s in report.sites}
+        assert all(isinstance(s.shape[0], str) for s in report.sites)  # M is symbolic
+        assert sorted((shape.m, shape.k, shape.n) for shape in fp8_machine) == [(64, 64, 128), (64, 128, 32)]
+        assert sites[128].fp8 and sites[128].reason == "fp8"
+        assert not sites[32].fp8 and sites[32].reason == "slower_than_bf16"
+        for site in report.sites:
+            assert site.m_bucket == self.BUCKET
+            assert f"timed at {self.BUCKET}, the power of two at or above its compile-time size {self.BATCH}" \
+                in site.detail
+        assert "(timed M=64)" in report.table()
+        stored = perfdb.PerfDB(cache_dir / perfdb.FILE_NAME).entries()
+        assert sorted((e["key"]["m"], e["key"]["n"]) for e in stored) == [(64, 32), (64, 128)]
+
+        # A fresh process compiling at another batch of the same bucket times nothing.
+        speed.clear_cache()
+        monkeypatch.setattr(perfdb, "_default", None)
+        again = self._compile_and_run(40)
+        assert len(fp8_machine) == 2
+        assert [(s.fp8, s.reason, s.m_bucket) for s in again.sites] == \
+            [(s.fp8, s.reason, s.m_bucket) for s in report.sites]

@@ -17,7 +17,8 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 import loka_compile
 from loka_compile import LokaConfig, dispatch
 from loka_compile.backend import GRAPHS
-from loka_compile.passes import GraphKind, PassContext, Reason, graph_kind
+from loka_compile.passes import Decision, GraphKind, PassContext, Reason, graph_kind
+from loka_compile.passes.context import Candidate
 from loka_compile.passes.find_sites import find_sites
 from loka_compile.plan import Plan, SitePlan
 from numerics import sqnr_db
@@ -233,6 +234,27 @@ def test_dispatch_rechecks_a_planned_site(caplog):
     assert decide(dataclasses.replace(planned, fp8=False, reason="too_small")) == fresh
     # a plan made here (not loaded) holds no decisions to take
     assert dispatch.decide(site, config, "fp8", plan=Plan(sites={site.id: slower})) == fresh
+
+
+def test_plan_keeps_speed_candidates_and_m_bucket_and_older_plans_load(tmp_path):
+    """A decision's timed providers and symbolic-M bucket go through a saved plan into the
+    decision it gives back; an entry saved before those fields loads with none."""
+    timed = (Candidate("p1", 2.0, True), Candidate("p3", None, False, "cannot run here (RuntimeError: no kernel)"))
+    decision = Decision(fp8=True, reason=Reason.FP8, provider="p1", scaling="rowwise", a_format="e4m3",
+                        b_format="e4m3", detail="M=s0 timed at 64", bf16_us=4.0, fp8_us=3.0, candidates=timed,
+                        m_bucket=64)
+    plan = Plan(device_type="cpu", recipe="rowwise",
+                sites={"forward/fc:fwd#1": SitePlan.from_decision(decision, ("s0", 64, 32), torch.float32)})
+    loaded = loka_compile.load_plan(plan.save(tmp_path / "plan.json").source)
+    back = loaded.sites["forward/fc:fwd#1"].decision(loaded.source)
+    assert back.candidates == timed and back.m_bucket == 64 and back.fp8_us == 3.0
+
+    older = json.loads((tmp_path / "plan.json").read_text())
+    for entry in older["sites"].values():
+        del entry["candidates"], entry["m_bucket"]
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    entry = loka_compile.load_plan(tmp_path / "older.json").sites["forward/fc:fwd#1"]
+    assert entry.candidates == () and entry.m_bucket is None and entry.fp8 and entry.provider == "p1"
 
 
 # -- distributed: rank 0 decides the verdicts, every rank compiles them ----------------

@@ -156,14 +156,22 @@ def _record(**kw):
 
 
 def test_report_candidates_and_summary():
-    detail = ("fp8 3.0 us (p1 GEMM 2.0 us, p2 GEMM 2.6 us; casts 1.0 us) vs 4.0 us; "
-              "p3 cannot run here (RuntimeError: no (kernel))")
+    from loka_compile.passes.context import Candidate
     from loka_compile.report import _candidates
-    cands = _candidates(Decision(fp8=True, reason=Reason.FP8, provider="p1", detail=detail), True)
+    timed = (Candidate("p1", 2.0, True), Candidate("p2", 2.6, False, "slower GEMM (2.6 us vs 2.0 us)"),
+             Candidate("p3", None, False, "cannot run here (RuntimeError: no (kernel))"))
+    decision = Decision(fp8=True, reason=Reason.FP8, provider="p1", detail="no timings in this text",
+                        candidates=timed)
+    cands = _candidates(decision, True)
     assert cands["p1"] == {"gemm_us": 2.0, "chosen": True, "lost": ""}
     assert cands["p2"]["lost"] == "slower GEMM (2.6 us vs 2.0 us)" and not cands["p2"]["chosen"]
     assert cands["p3"] == {"gemm_us": None, "chosen": False, "lost": "cannot run here (RuntimeError: no (kernel))"}
-    assert _candidates(Decision(fp8=False, reason=Reason.TOO_SMALL, detail="min dim 8 < 16"), False) == {}
+    # the graph fell back: the chosen provider runs nothing
+    assert _candidates(decision, False)["p1"] == {"gemm_us": 2.0, "chosen": False,
+                                                  "lost": "the site stays in high precision"}
+    # timings in a detail's text are no longer read back
+    detail = "fp8 3.0 us (p1 GEMM 2.0 us; casts 1.0 us) vs 4.0 us"
+    assert _candidates(Decision(fp8=True, reason=Reason.FP8, provider="p1", detail=detail), True) == {}
 
     report = Report([])
     report.sites = [_record(),
