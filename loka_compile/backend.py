@@ -13,6 +13,7 @@ gave the first (same fake mode and shape environment, so symbolic sizes stay sym
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -81,6 +82,7 @@ class GraphRecord:
 GRAPHS: list = []
 _graph_ids = itertools.count()
 _PROBING: "weakref.WeakSet" = weakref.WeakSet()  # compiled graphs in their probe window
+_RECHECKING: "weakref.WeakSet" = weakref.WeakSet()  # compiled graphs past it that re-check (recheck_every)
 
 
 class LokaPostGradPass(CustomGraphPass):
@@ -280,14 +282,20 @@ class LokaCompiledGraph:
         self.record = record
         self.param_input_indices = weight_input_indices(gm, example_inputs)
         self.calls = 0
+        self._rechecking = False  # the last call ran the probe variant for a re-check
+        self._builds = collections.OrderedDict()  # verdict signature -> _Fp8Build, most recent last
         if record.config.probe_steps and not record.plan.source:  # a loaded plan skips the window
-            # Kept until the probe window closes, to compile the FP8 variant then.
+            # Kept until the probe window closes, to compile the FP8 variant then (and with
+            # re-checks for good, to rebuild it).
             self._pending = (gm, example_inputs, torch._guards.TracingContext.try_get())
             record.phase = "probe"
             _PROBING.add(self)
         else:
             self._pending = None
             record.phase = "fp8"
+            if record.config.recheck_every:
+                log.info("%s: no re-checks: its decisions come from plan %s, without a probe window",
+                         record.name, record.plan.source)
         self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
 
     def _compile(self, gm, example_inputs, phase):
@@ -306,10 +314,15 @@ class LokaCompiledGraph:
 
     def __call__(self, *args):
         record = self.record
-        if record.phase == "probe":
-            if self.calls >= record.config.probe_steps:
-                self._close_probe_window()
-            self.calls += 1
+        if record.phase == "probe" and self.calls >= record.config.probe_steps:
+            self._close_probe_window()
+        if self._rechecking:  # the re-check call's backward has run by now, observers and all
+            self._rechecking = False
+            self._close_recheck()
+        self.calls += 1
+        every = record.config.recheck_every
+        if every and record.phase == "fp8" and self._builds and (self.calls - record.config.probe_steps) % every == 0:
+            return self._recheck_call(args)
         return self.variants[record.phase](*args)
 
     def _close_probe_window(self) -> None:
@@ -321,21 +334,164 @@ class LokaCompiledGraph:
         # Kept by stable id in the graph's own plan: the FP8 variant's sites have the same ids.
         record.plan.unsafe.update(unsafe)
         record.plan.upgraded.update(upgraded)
-        gm, example_inputs, tracing_context = self._pending
-        self._pending = None
         _PROBING.discard(self)
-        with torch._guards.tracing(tracing_context) if tracing_context is not None else contextlib.nullcontext():
-            self.variants["fp8"] = self._compile(gm, example_inputs, "fp8")
+        self.variants["fp8"] = self._compile_fp8()
+        if record.config.recheck_every:
+            self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants["fp8"])
+            _RECHECKING.add(self)
+        else:
+            self._pending = None
         record.phase = "fp8"
         log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded",
                  record.name, self.calls, len(keys), len(unsafe), len(upgraded))
 
+    def _compile_fp8(self):
+        """The FP8 variant, with the plan's verdicts as they stand, in Dynamo's tracing context."""
+        gm, example_inputs, tracing_context = self._pending
+        with torch._guards.tracing(tracing_context) if tracing_context is not None else contextlib.nullcontext():
+            return self._compile(gm, example_inputs, "fp8")
 
-def _verdicts_by_id(ids: dict, config: LokaConfig) -> tuple[dict, dict]:
+    # ---- re-checks (LokaConfig.recheck_every) ------------------------------------------
+
+    def _observed_sites(self) -> dict:
+        """key -> (site id, own scaling) of the sites the probe variant observes."""
+        return {site.key: (site.id, ctx.decisions[site.key].scaling)
+                for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for site in ctx.sites
+                if site.key in ctx.decisions and ctx.decisions[site.key].reason is Reason.PROBING}
+
+    def _recheck_call(self, args):
+        """One call through the probe variant, its observations the only ones the store
+        holds for these sites (a fresh window); the next call judges them."""
+        record = self.record
+        probe.STORE.forget(self._observed_sites())
+        self._rechecking = True
+        try:
+            return self.variants["probe"](*args)
+        except Exception as error:  # noqa: BLE001  (a re-check must never cost the model its call)
+            self._rechecking = False
+            log.warning("loka: %s: re-check at call %d failed (%s: %s); the call runs the FP8 variant",
+                        record.name, self.calls, type(error).__name__, error)
+            return self.variants["fp8"](*args)
+
+    def _close_recheck(self) -> None:
+        record = self.record
+        saved = dict(record.plan.unsafe), dict(record.plan.upgraded)
+        try:
+            self._judge_recheck()
+        except Exception as error:  # noqa: BLE001  (keep the running graph and the verdicts it was built with)
+            record.plan.unsafe, record.plan.upgraded = saved
+            log.warning("loka: %s: re-check at call %d failed (%s: %s); the graph keeps its decisions",
+                        record.name, self.calls, type(error).__name__, error)
+
+    def _judge_recheck(self) -> None:
+        """Each site the re-check call observed is judged afresh from those observations
+        alone; a change of verdict is logged and kept in the plan's history, and the FP8
+        variant is switched to one built with the new verdicts (compiled once per set)."""
+        record, config, step = self.record, self.record.config, self.calls
+        sites = {key: (sid, own) for key, (sid, own) in self._observed_sites().items() if probe.STORE.observed(key)}
+        unsafe, upgraded = _decide_once(lambda: _verdicts_by_id({k: sid for k, (sid, _) in sites.items()}, config,
+                                                                log_level=logging.DEBUG))
+        plan = record.plan
+        changes = []
+        for key, (sid, own) in sites.items():
+            before = _standing(sid, own, plan.unsafe, plan.upgraded)
+            after = _standing(sid, own, unsafe, upgraded)
+            if before != after:
+                steps = probe.chain_steps(probe.STORE.summary(key), config.probe_metric)
+                changes.append((sid, before, after, probe.describe_steps(steps, config.max_probe_error,
+                                                                         config.probe_metric)))
+            plan.unsafe.pop(sid, None)
+            plan.upgraded.pop(sid, None)
+        plan.unsafe.update(unsafe)
+        plan.upgraded.update(upgraded)
+        signature = _verdict_signature(plan, config)
+        if signature == next(reversed(self._builds)):
+            log.debug("%s: re-check at call %d: no verdict changed", record.name, step)
+            return
+        rebuilt = self._switch_build(signature)
+        for sid, before, after, steps in changes:
+            demoted = _CHAIN_RANK.get(after, 0) > _CHAIN_RANK.get(before, 0)
+            plan.history.setdefault(sid, []).append(
+                {"step": step + 1, "observed_at": step, "graph": record.name, "from": before, "to": after,
+                 "change": "demoted" if demoted else "promoted", "detail": steps})
+            log.log(logging.WARNING if demoted else logging.INFO,
+                    "loka re-check: %s site %s %s %s -> %s from call %d (%s)", record.name, sid,
+                    "demoted" if demoted else "promoted", before, after, step + 1, steps)
+        log.info("%s: re-check at call %d changed %d verdict(s); FP8 variant %s", record.name, step, len(changes),
+                 "rebuilt" if rebuilt else "reused from an earlier build with the same verdicts")
+
+    def _switch_build(self, signature) -> bool:
+        """Make the FP8 variant for `signature` the running one (its pass contexts and
+        graphs the record's, for reports and plans); True when it had to be compiled."""
+        record = self.record
+        current = next(reversed(self._builds))
+        self._builds[current].stash(record)
+        build = self._builds.pop(signature, None)
+        if build is None:
+            try:
+                build = _Fp8Build(self._compile_fp8())
+            except Exception:
+                self._builds[current].restore(record)
+                raise
+        self._builds[signature] = build
+        while len(self._builds) > _MAX_FP8_BUILDS:
+            self._builds.popitem(last=False)
+        build.restore(record)
+        self.variants["fp8"] = build.compiled
+        return build.contexts is None
+
+
+# FP8 variants a re-checking graph keeps, one per set of verdicts, so that a site whose bound
+# hovers at the budget costs a switch rather than a compile at each re-check.
+_MAX_FP8_BUILDS = 4
+# Rank of a verdict along the upgrade chain: moving up is a demotion.
+_CHAIN_RANK = {**{s: i for i, s in enumerate(probe.SCALING_CHAIN)}, "high precision": len(probe.SCALING_CHAIN)}
+
+
+class _Fp8Build:
+    """One compiled FP8 variant, and, while another runs, its pass contexts and graphs
+    (a training graph's backward is compiled at its first backward, so they are taken when
+    the variant stops running)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.contexts = None
+        self.graph_modules = None
+
+    def stash(self, record: GraphRecord) -> None:
+        self.contexts = {k: record.contexts.pop(k) for k in [k for k in record.contexts if k[0] == "fp8"]}
+        self.graph_modules = {k: record.graph_modules.pop(k) for k in [k for k in record.graph_modules
+                                                                       if k[0] == "fp8"]}
+
+    def restore(self, record: GraphRecord) -> None:
+        record.contexts.update(self.contexts or {})
+        record.graph_modules.update(self.graph_modules or {})
+
+
+def _standing(sid: str, own: str, unsafe: dict, upgraded: dict) -> str:
+    """Where verdicts put a site: its own scaling, an upgrade's target, or high precision."""
+    if sid in unsafe:
+        return "high precision"
+    if sid in upgraded:
+        target = upgraded[sid][0]
+        return target if isinstance(target, str) else "rowwise"  # plans from before the chain
+    return own
+
+
+def _verdict_signature(plan: Plan, config: LokaConfig) -> tuple:
+    """What of the plan's verdicts Dispatch acts on: the unsafe sites, and per upgraded
+    site the finer scalings within the budget (it takes the first a provider runs)."""
+    passing = {sid: tuple(s for s, bound in dispatch._upgrade_steps(entry)[1:] if bound <= config.max_probe_error)
+               for sid, entry in plan.upgraded.items()}
+    return frozenset(plan.unsafe), frozenset(passing.items())
+
+
+def _verdicts_by_id(ids: dict, config: LokaConfig, log_level: int = logging.WARNING) -> tuple[dict, dict]:
     """The Probe's (unsafe, upgraded) verdicts for sites key -> id, keyed by id; an unsafe
     site is upgraded along tensorwise -> rowwise -> blockwise where a finer scaling's bound
     is within the budget."""
-    unsafe, upgraded = probe.verdicts(list(ids), config.max_probe_error, metric=config.probe_metric, chain=True)
+    unsafe, upgraded = probe.verdicts(list(ids), config.max_probe_error, metric=config.probe_metric, chain=True,
+                                      log_level=log_level)
     return {ids[k]: v for k, v in unsafe.items()}, {ids[k]: tuple(v) for k, v in upgraded.items()}
 
 
@@ -411,8 +567,9 @@ def reset() -> None:
     global _graph_ids
     GRAPHS.clear()
     probe.STORE.clear()
-    if _PROBING:
+    if _PROBING or _RECHECKING:
         gc.collect()  # graphs Dynamo has dropped may still sit in reference cycles
-    # A graph still in its probe window keeps reporting observations under its site keys:
-    # new graphs must not take its name, or they would inherit its verdicts.
-    _graph_ids = itertools.count(max((int(g.record.name[1:]) + 1 for g in _PROBING), default=0))
+    # A graph still in its probe window, or re-checking, keeps reporting observations under its
+    # site keys: new graphs must not take its name, or they would inherit its verdicts.
+    observing = [*_PROBING, *_RECHECKING]
+    _graph_ids = itertools.count(max((int(g.record.name[1:]) + 1 for g in observing), default=0))

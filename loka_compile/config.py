@@ -108,6 +108,13 @@ class LokaConfig:
     probe_metric: what the Probe's per-site bound measures: "row_rel_error" (mean over
         sampled output rows of each row's relative error; default bound 0.1) or "mere"
         (LoKA's mean element-wise relative error; LoKA's bound 0.2).
+    recheck_every: after the probe window, every this many calls of a compiled graph one
+        call runs the probe variant again (observers, high-precision GEMMs), and the next
+        call judges each site afresh from that call's observations: a site whose bound
+        drifted over max_probe_error is demoted along the upgrade chain (to a finer
+        scaling, else high precision), one whose bound recovered is promoted back, and the
+        FP8 variant is rebuilt when a verdict changes. 0: off (the window decides once).
+        Needs probe_steps > 0.
 
     Every bad value raises ValueError naming the valid ones, here at construction. Given
     as a dict to `torch.compile`, options are parsed at the first call, inside Dynamo,
@@ -129,6 +136,7 @@ class LokaConfig:
     arch_mods: tuple = ()
     plan: Optional[str] = None
     probe_metric: str = "row_rel_error"
+    recheck_every: int = 0
 
     def __post_init__(self):
         from loka_compile.kernels import providers as provider_registry
@@ -140,8 +148,11 @@ class LokaConfig:
             self._set("max_probe_error", PROBE_METRICS[self.probe_metric])
         for name in ("emulate", "fallback", "speed_check"):
             _check_bool(name, getattr(self, name))
-        for name in ("min_gemm_dim", "probe_steps"):
+        for name in ("min_gemm_dim", "probe_steps", "recheck_every"):
             self._set(name, _check_non_negative_int(name, getattr(self, name)))
+        if self.recheck_every and not self.probe_steps:
+            raise ValueError(f"recheck_every={self.recheck_every} needs probe_steps > 0: a re-check runs the "
+                             "probe variant the window compiled")
         for name in ("max_probe_error", "min_fp8_speedup"):
             self._set(name, _check_positive_number(name, getattr(self, name)))
         self._set("providers", _check_names("providers", self.providers, provider_registry.names()))

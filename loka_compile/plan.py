@@ -89,6 +89,9 @@ class Plan:
     # Inference sites' static activation scales (`loka_compile.calibrate`): site id ->
     # {"scale", "range", "policy", "error"}. Optional in the file: version-1 plans without it load.
     a_scales: dict = dataclasses.field(default_factory=dict)
+    # Re-checks' verdict changes (`LokaConfig.recheck_every`): site id -> [{"step", "graph",
+    # "from", "to", "change", "detail"}, ...], oldest first. Optional in the file.
+    history: dict = dataclasses.field(default_factory=dict)
     source: str = ""                                          # the file it was loaded from ("": made here)
 
     def to_json(self) -> dict:
@@ -97,7 +100,8 @@ class Plan:
                 "sites": {sid: dataclasses.asdict(entry) for sid, entry in sorted(self.sites.items())},
                 "unsafe": dict(sorted(self.unsafe.items())),
                 "upgraded": {sid: list(errors) for sid, errors in sorted(self.upgraded.items())},
-                "a_scales": {sid: dict(entry) for sid, entry in sorted(self.a_scales.items())}}
+                "a_scales": {sid: dict(entry) for sid, entry in sorted(self.a_scales.items())},
+                "history": {sid: [dict(event) for event in events] for sid, events in sorted(self.history.items())}}
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> "Plan":
@@ -110,7 +114,9 @@ class Plan:
                        device_type=data["device_type"], recipe=data["recipe"], version=data["version"], sites=sites,
                        unsafe={sid: float(e) for sid, e in data.get("unsafe", {}).items()},
                        upgraded={sid: tuple(e) for sid, e in data.get("upgraded", {}).items()},
-                       a_scales={sid: _static_scale(e) for sid, e in data.get("a_scales", {}).items()}, source=source)
+                       a_scales={sid: _static_scale(e) for sid, e in data.get("a_scales", {}).items()},
+                       history={sid: [dict(event) for event in events] for sid, events in data.get("history", {}).items()},
+                       source=source)
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"loka plan {source} is damaged: {type(error).__name__}: {error}") from None
 
@@ -204,6 +210,8 @@ def plan_of(compiled) -> Plan:
         plan.unsafe.update(record.plan.unsafe)
         plan.upgraded.update(record.plan.upgraded)
         plan.a_scales.update(record.plan.a_scales)
+        for sid, events in record.plan.history.items():
+            plan.history.setdefault(sid, []).extend(events)
         ids = frozenset(s.id for (phase, _), ctx in record.contexts.items() if phase == record.phase
                         for s in ctx.sites)
         for (phase, kind), ctx in record.contexts.items():

@@ -266,6 +266,14 @@ class ProbeStore:
     def keys(self):
         return list(self._counts)
 
+    def forget(self, keys) -> None:
+        """Drop what the observers saw at these sites: a re-check judges each site from
+        its own observations only, so statistics from before a drift cannot mask it."""
+        with self._lock:
+            for key in keys:
+                for table in (self._sums, self._maxes, self._counts, self._operands, self._candidates, self._chosen):
+                    table.pop(key, None)
+
     def clear(self) -> None:
         with self._lock:
             self._sums.clear()
@@ -320,7 +328,8 @@ def describe_steps(steps, max_error: float, metric: str = "row_rel_error") -> st
                      for s, b in steps)
 
 
-def verdicts(keys, max_error: float, metric=None, chain: bool = False) -> tuple[dict, dict]:
+def verdicts(keys, max_error: float, metric=None, chain: bool = False,
+             log_level: int = logging.WARNING) -> tuple[dict, dict]:
     """(unsafe, upgraded) among `keys`, by the confidence bound (`upper_bound`) across
     observations of `metric` ("row_rel_error" or "mere"; None: row relative error; the
     backend passes the config's `probe_metric`): a site whose bound for its own candidate
@@ -334,7 +343,8 @@ def verdicts(keys, max_error: float, metric=None, chain: bool = False) -> tuple[
     chain=False (the format of plans written before the chain): only tensorwise ->
     rowwise, {key: (tensorwise bound, rowwise bound)}; a site that only blockwise would
     save is unsafe. Sites without candidate statistics fall back to the
-    largest observed error (row relative error)."""
+    largest observed error (row relative error). `log_level`: of the chain's verdict lines
+    (re-checks log only the verdicts that change, so they pass DEBUG)."""
     unsafe, upgraded = {}, {}
     for key in keys:
         summary = STORE.summary(key)
@@ -352,12 +362,12 @@ def verdicts(keys, max_error: float, metric=None, chain: bool = False) -> tuple[
         if not passing:
             unsafe[key] = own_bound
             if chain:
-                log.warning("loka probe: %s keeps high precision (%s)", key,
-                            describe_steps(steps, max_error, site_metric))
+                log.log(log_level, "loka probe: %s keeps high precision (%s)", key,
+                        describe_steps(steps, max_error, site_metric))
         elif chain:
             upgraded[key] = (passing[0], steps)
-            log.warning("loka probe: %s goes %s (%s)", key, passing[0],
-                        describe_steps(steps, max_error, site_metric))
+            log.log(log_level, "loka probe: %s goes %s (%s)", key, passing[0],
+                    describe_steps(steps, max_error, site_metric))
         else:
             upgraded[key] = (own_bound, dict(steps)["rowwise"])
     return unsafe, upgraded

@@ -65,6 +65,8 @@ BAD_OPTIONS = [
     ({"plan": "/no/such/plan.json"}, "plan must be a path of a file written by loka_compile.save_plan; no such file"),
     ({"probe_metric": "sqnr"}, r"valid probe_metrics \['row_rel_error', 'mere'\]"),
     ({"probe_metric": None}, "valid probe_metrics"),
+    ({"recheck_every": -1, "probe_steps": 1}, "recheck_every must be a non-negative int"),
+    ({"recheck_every": 100}, "recheck_every=100 needs probe_steps > 0"),
 ]
 
 
