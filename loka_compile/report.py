@@ -45,8 +45,6 @@ class SiteRecord:
     verdicts: dict = dataclasses.field(default_factory=dict)
     # Re-checks' verdict changes (`recheck_every`), oldest first: {"step", "from", "to", "change", ...}
     history: tuple = ()
-    # Re-checks' verdict changes (`recheck_every`), oldest first: {"step", "from", "to", "change", ...}
-    history: tuple = ()
     # Speed check per provider: name -> {"gemm_us" (None: could not run), "chosen", "lost"}
     candidates: dict = dataclasses.field(default_factory=dict)
     m_bucket: Optional[int] = None    # symbolic M: the M the speed check timed the site at
@@ -104,7 +102,6 @@ def _site_records(record) -> list:
                 producers=site.producers, consumers=site.consumers,
                 forward_site=forward_names.get(site.seq_nr, "") if kind is GraphKind.BACKWARD else "",
                 key=site.key, probe=(summary := probe.STORE.summary(site.key)),
-                history=tuple(record.plan.history.get(site.id, ())),
                 history=tuple(record.plan.history.get(site.id, ())),
                 verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
