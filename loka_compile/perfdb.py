@@ -7,7 +7,9 @@ they are kept in one JSON file, `perfdb.json` under `LOKA_CACHE_DIR` (default:
 compute capability, the torch and triton versions, loka's timing method, and everything
 the timing depends on (the `SiteShape` fields but the device, the scaling, the formats,
 the candidate providers, CUDA graphs or not, fast accumulation); its value holds the
-`SiteTiming` fields.
+`SiteTiming` fields. A site whose M is symbolic is keyed by the M it was timed at, the
+power-of-two bucket of its compile-time size (`speed.m_bucket`): every batch size of that
+bucket, and a concrete M of the bucket's size, reads one entry.
 
 Each insert re-reads the file under a lock, merges and replaces it atomically, so
 processes compiling side by side (one per rank) keep each other's entries. A file that
