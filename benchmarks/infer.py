@@ -1,11 +1,24 @@
-"""Inference benchmark over the LRM zoo: latency, throughput and output error per batch size.
+"""Inference benchmark over the LRM zoo: latency, throughput, output error and held-out quality per batch size.
 
     python -m benchmarks.infer --models dlrm_dcnv2 --preset tiny --configs inductor_bf16,loka --batches 1,32
+    python -m benchmarks.infer --preset paper --train-steps 200 --eval-batches 8   # quality after training
 
-For every model, every configuration starts from a deep copy of the same fp32 initial
+For every model, every configuration starts from a deep copy of the same fp32 master
 model, cast to bf16 (the embedding tables stay fp32), in `.eval()`, and every call below runs
 under `torch.no_grad()`, so Dynamo traces inference graphs (loka's `cached_weights` Mod
 applies to those only). In one process:
+
+- training (`--train-steps N`, default 0 = random initial weights): before the pools are
+  made and before any configuration, the master is trained N steps on the training stream
+  (`SyntheticRecsysData`, seed 1000 + --seed, as in benchmarks.train) exactly as
+  benchmarks.train's `eager_bf16` row trains: a copy with the dense arch in bf16 (weights,
+  gradients and Adam state bf16; the tables fp32), its BCE loss, Adam, lr warmup and lr
+  defaults, at its batch size for the preset (256 tiny, 8192 paper; `--train-batch`). So
+  the weights are "trained in bf16", and the fp32 master then holds them (bf16 -> fp32 is
+  exact), for every config and for the fp32 reference. Eager, not compiled: no compile
+  cost, and on an H100 benchmarks.train's eager_bf16 paper steps at batch 8192 took
+  12-78 ms (2026-11-22_H100_train), so 200 steps take 2.5-16 s plus data generation.
+  `training` in each row records steps, batch, lr and the first / last training loss;
 
 - latency: for each batch size of `--batches`, `--warmup` untimed calls (the first compiles
   that size; under CUDA graphs the next ones record), then `--iters` timed calls, one CUDA
@@ -22,12 +35,28 @@ applies to those only). In one process:
   run, against Inductor in the same mode (`inductor_bf16_ro` for reduce-overhead rows,
   `inductor_bf16` for default-mode and eager rows; `speedup_ref` names it);
 - error: after timing, at the largest batch size that ran (`error_batch`), the output of
-  the config on the first pool batch against an fp32 copy of the initial model on the same
-  input, ||out - ref|| / ||ref|| (`out_relerr`; TF32 off for the reference);
+  the config on the first pool batch against the fp32 master (the initial or the trained
+  weights) on the same input, ||out - ref|| / ||ref|| (`out_relerr`; TF32 off for the
+  reference);
+- quality: then, at that batch size (`eval_batch`), the config's compiled callable on
+  `--eval-batches` (default 8) held-out batches (made one at a time, lookups by the master
+  under --compile-scope dense; under CUDA graphs each output cloned before the next
+  replay): `logloss`, `ne`, `auc` (benchmarks.zoo.quality_metrics, as benchmarks.train),
+  and `logloss_rel_bf16`, `ne_rel_bf16`, `auc_rel_bf16` = this / the speedup_ref row's - 1
+  (same eval_batch, else none). `within_quality_target`: |ne_rel_bf16| and
+  |auc_rel_bf16| both <= 0.05% (issue 11's target, meant after --train-steps 200);
 - loka rows also record `loka_report`: the first line of `str(loka_compile.report(...))`,
-  `report.mods` (what each Mod did) and `report.cached_weight_bytes` (FP8 weight copies,
-  and the bf16 bytes they stand for). Each batch size is its own graph (see shapes below),
-  so the counts cover the graphs of every batch size that ran.
+  `report.mods` (what each Mod did), `static_scale_sites` (sites whose A was cast with a
+  calibrated constant scale) and `report.cached_weight_bytes` (FP8 weight copies, and the
+  bf16 bytes they stand for). Each batch size is its own graph (see shapes below), so the
+  counts cover the graphs of every batch size that ran;
+- loka_calibrated rows also record `calibration`: before compiling, loka_compile.calibrate
+  runs the row's bf16 copy on `--calibration-batches` (default 4) training-stream batches
+  at the largest batch size with `--calibration-policy` (amax); its plan (a temporary
+  file) is passed as options={"plan": path, "mode": ...}. `site_errors` holds each
+  static-scale site's calibrated error (the plan's `a_scales[site]["error"]`, loka's
+  probe_metric of the constant-scale GEMM on sampled rows), `unsafe` the sites left bf16
+  over max_probe_error, `seconds` the calibration time (not in any timing).
 
 Shapes: by default Dynamo's automatic dynamic shapes are off, so each batch size compiles
 its own static graph (and, under reduce-overhead, records its own CUDA graph), as a server
@@ -49,6 +78,8 @@ Configurations (`--configs`; `all` = every named one):
   benchmarked_reductions Mod: what that Mod gives bf16 alone (speedups stay against
   inductor_bf16_ro);
 - loka_ro: backend "loka" in reduce-overhead mode, its defaults (Dispatch speed check on);
+- loka_calibrated_ro: loka_ro with a calibrated plan (above): static activation scales, no
+  amax reduction at run time;
 - loka_all_fp8_ro: loka with {"speed_check": False}, every eligible site FP8;
 - loka_ro_no_cached_weights: loka_all_fp8_ro with {"disabled_mods": ["cached_weights"]}:
   the weights cast to FP8 on every call instead of once;
@@ -57,8 +88,9 @@ Configurations (`--configs`; `all` = every named one):
   (`PerTensor()`) on the Linears whose both dims are multiples of 16, then
   torch.compile(mode="reduce-overhead"); CUDA only (error rows elsewhere). Inductor's
   config is restored before every config, since quantize_ may change it;
-- the same without CUDA graphs (default mode): inductor_bf16, inductor_bf16_mk, loka, loka_all_fp8,
-  loka_no_cached_weights, torchao_rowwise, torchao_tensorwise; and eager_bf16.
+- the same without CUDA graphs (default mode): inductor_bf16, inductor_bf16_mk, loka,
+  loka_calibrated, loka_all_fp8, loka_no_cached_weights, torchao_rowwise,
+  torchao_tensorwise; and eager_bf16.
 Off CUDA a `_ro` name runs as its default-mode twin (CUDA graphs need CUDA). Loka rows
 take --loka-options under their own options; the JSON records both (`loka_options`).
 
@@ -73,11 +105,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +119,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.train import (_ALL_FP8, BudgetExceeded, Config, _error_text, _fmt, _fp8_linear_filter,
-                              _relerr, _torchao_import, compile_unit, device_tag, environment, log,
-                              loka_options_for, release_config, write_json)
-from benchmarks.zoo import MODEL_NAMES, SyntheticRecsysData, build_model, count_parameters, to_dense_dtype
+from benchmarks.train import CONFIGS as TRAIN_CONFIGS
+from benchmarks.train import (_ALL_FP8, BudgetExceeded, Config, Runner, _error_text, _fmt, _fp8_linear_filter,
+                              _make_optimizer, _relerr, _torchao_import, compile_unit, device_tag, environment,
+                              log, loka_options_for, release_config, train_step, write_json)
+from benchmarks.train import parse_args as train_parse_args
+from benchmarks.train import prepare as prepare_for_training
+from benchmarks.zoo import (MODEL_NAMES, SyntheticRecsysData, build_model, count_parameters, quality_metrics,
+                            to_dense_dtype)
 
 # ------------------------------------------------------------------ configurations
 
@@ -100,6 +138,7 @@ _TWINS = [
     ("inductor_bf16", "inductor_bf16_ro", "inductor", {}),
     ("inductor_bf16_mk", "inductor_bf16_mk_ro", "inductor", {"benchmarked_reductions": True}),
     ("loka", "loka_ro", "loka", {}),
+    ("loka_calibrated", "loka_calibrated_ro", "loka", {}),
     ("loka_all_fp8", "loka_all_fp8_ro", "loka", {"options": _ALL_FP8}),
     ("loka_no_cached_weights", "loka_ro_no_cached_weights", "loka",
      {"options": _NO_CACHED_WEIGHTS, "ablated": "cached_weights"}),
@@ -111,13 +150,19 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
     *(c for name, ro, kind, kw in _TWINS
       for c in (Config(name, kind, "default", **kw), Config(ro, kind, "reduce-overhead", **kw))),
 ]}
+# Loka rows compiled with a plan from loka_compile.calibrate: static activation scales.
+CALIBRATED = frozenset({"loka_calibrated", "loka_calibrated_ro"})
 # The default-mode twin of each reduce-overhead config: what a `_ro` name runs off CUDA.
 NO_CUDA_GRAPHS = {ro: name for name, ro, _, _ in _TWINS}
-DEFAULT_CONFIGS = ("inductor_bf16_ro", "loka_ro", "loka_all_fp8_ro", "loka_ro_no_cached_weights",
-                   "torchao_rowwise_ro", "torchao_tensorwise_ro")
+DEFAULT_CONFIGS = ("inductor_bf16_ro", "loka_ro", "loka_calibrated_ro", "loka_all_fp8_ro",
+                   "loka_ro_no_cached_weights", "torchao_rowwise_ro", "torchao_tensorwise_ro")
 # Speedups are against Inductor bf16 in the same mode.
 SPEEDUP_REF = {"reduce-overhead": "inductor_bf16_ro", "default": "inductor_bf16", "eager": "inductor_bf16"}
 DEFAULT_BATCHES = {"cuda": "1,64,512,4096,8192", "tiny": "1,64"}
+# Issue 11's quality target: held-out NE and AUC within 0.05% relative of Inductor bf16's.
+QUALITY_TOLERANCE = 5e-4
+# The training rows whose recipe --train-steps follows: dense arch and its Adam state in bf16.
+TRAINING_CONFIG = "eager_bf16"
 
 
 def config_for_device(name: str, cuda: bool) -> str:
@@ -144,9 +189,9 @@ def _quantize_torchao(dense: nn.Module, recipe: str) -> None:
               filter_fn=_fp8_linear_filter)
 
 
-def prepare(master: nn.Module, cfg: Config, scope: str, loka_options: dict | None, device: torch.device):
+def prepare_unit(master: nn.Module, cfg: Config, scope: str, device: torch.device) -> nn.Module:
     """A deep copy of the fp32 master (its dense arch only under --compile-scope dense) cast
-    to cfg.dtype, in eval mode, quantized for torchao rows, and compiled: (module, callable)."""
+    to cfg.dtype, in eval mode, quantized for torchao rows; compile_unit compiles it."""
     if cfg.kind == "torchao":
         if device.type != "cuda":
             raise RuntimeError(f"torchao float8 inference needs a CUDA device with FP8 support, not {device.type}")
@@ -162,7 +207,33 @@ def prepare(master: nn.Module, cfg: Config, scope: str, loka_options: dict | Non
     unit.eval()
     if cfg.kind == "torchao":
         _quantize_torchao(dense, cfg.recipe)
-    return unit, compile_unit(unit, cfg, loka_options)
+    return unit
+
+
+def calibrate_plan(setup: "ModelSetup", unit: nn.Module, cfg: Config, path: str) -> dict:
+    """loka_compile.calibrate on `unit` (the config's bf16 copy) with --calibration-batches
+    training-stream batches at the largest batch size, the row's loka options (no mode:
+    calibration runs without CUDA graphs) and --calibration-policy; the plan is saved to
+    `path`. Returns the row's `calibration` record, with each static-scale site's error."""
+    import loka_compile
+    args = setup.args
+    size = max(setup.pools)
+    with torch.no_grad():
+        batches = [setup.inputs(setup.train_data.batch(i, size, setup.device))
+                   for i in range(args.calibration_batches)]
+    options = {k: v for k, v in loka_options_for(cfg, args.loka_options).items() if k != "mode"}
+    t0 = time.perf_counter()
+    plan = loka_compile.calibrate(unit, batches, policy=args.calibration_policy, options=options)
+    seconds = time.perf_counter() - t0
+    plan.save(path)
+    del batches
+    # The calibration's compiled code and probe statistics are not the row's.
+    torch._dynamo.reset()
+    loka_compile.reset()
+    errors = {sid: entry["error"] for sid, entry in plan.a_scales.items()}
+    return {"policy": args.calibration_policy, "batch": size, "batches": args.calibration_batches,
+            "seconds": round(seconds, 2), "site_errors": errors,
+            "max_error": max(errors.values(), default=None), "unsafe": dict(plan.unsafe)}
 
 
 # ------------------------------------------------------------------ per-model setup
@@ -187,32 +258,38 @@ def summarize_ms(ms: list[float]) -> Timing:
 
 
 class ModelSetup:
-    """The fp32 master model, each batch size's pool of inputs and the fp32 references
-    shared by every config of one model."""
+    """The fp32 master model (trained first with --train-steps), each batch size's pool of
+    inputs and the fp32 references shared by every config of one model."""
 
     def __init__(self, name: str, args, device: torch.device, batches: list[int]):
         self.name, self.args, self.device = name, args, device
         self.master, self.spec = build_model(name, args.preset, seed=args.seed, device=device)
+        # The streams of benchmarks.train: same seeds, so the same batches.
+        self.train_data = SyntheticRecsysData(self.spec, seed=1000 + args.seed)
+        self.heldout_data = SyntheticRecsysData(self.spec, seed=2000 + args.seed)
+        # Before the pools: under --compile-scope dense they hold the trained tables' lookups.
+        self.training = train_master(self.master, self.train_data, args, device) if args.train_steps else None
         self.master.eval()
         self.unit = self.master.dense if args.compile_scope == "dense" else self.master
-        data = SyntheticRecsysData(self.spec, seed=2000 + args.seed)
         self.pools: dict[int, list[tuple]] = {}
         with torch.no_grad():
             for b in batches:
-                pool = []
-                for i in range(args.pool):
-                    batch = data.batch(i, b, device)
-                    inputs = (self.master.sparse(*batch.model_inputs()) if args.compile_scope == "dense"
-                              else batch.model_inputs())
-                    pool.append(inputs)
+                pool = [self.inputs(self.heldout_data.batch(i, b, device)) for i in range(args.pool)]
                 _check_pool(name, b, pool)
                 self.pools[b] = pool
         self._refs: dict[int, torch.Tensor] = {}
         self.params = count_parameters(self.master)
-        self.gflops_per_sample = self._count_flops(data)
+        self.gflops_per_sample = self._count_flops(self.heldout_data)
+
+    def inputs(self, batch) -> tuple:
+        """What the compiled unit takes for `batch`: the master's fp32 lookups and the dense
+        features under --compile-scope dense, the raw model inputs under `model`."""
+        if self.args.compile_scope == "dense":
+            return self.master.sparse(*batch.model_inputs())
+        return batch.model_inputs()
 
     def reference(self, batch: int) -> torch.Tensor:
-        """fp32 output of the initial model on the first pool batch of this size."""
+        """fp32 output of the master on the first pool batch of this size."""
         if batch not in self._refs:
             with torch.no_grad():
                 self._refs[batch] = self.unit(*self.pools[batch][0]).detach().double()
@@ -225,6 +302,54 @@ class ModelSetup:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             self.master(*data.batch(10**9, b, self.device).model_inputs())
         return counter.get_total_flops() / b / 1e9
+
+
+def train_master(master: nn.Module, data: SyntheticRecsysData, args, device: torch.device) -> dict:
+    """Train `master` --train-steps steps on the training stream the way benchmarks.train's
+    eager_bf16 row trains: a copy with its dense arch (and so its Adam state) in bf16, the
+    tables fp32, train.py's loss, optimizer, lr warmup and defaults for the preset (batch,
+    lr; --train-batch over its batch). Eager: no compile. The trained weights are then loaded
+    into the fp32 master (bf16 -> fp32 is exact). Returns the row's `training` record."""
+    targs = train_parse_args(["--preset", args.preset])
+    if args.train_batch:
+        targs.batch = args.train_batch
+    model = copy.deepcopy(master)
+    runner = Runner(model, "dense", prepare_for_training(model, TRAIN_CONFIGS[TRAINING_CONFIG], "dense"),
+                    cudagraphs=False)
+    opt, sched = _make_optimizer(model, targs, device)
+    t0 = time.perf_counter()
+    losses = [train_step(runner, opt, sched, data.batch(i, targs.batch, device)).detach()
+              for i in range(args.train_steps)]
+    losses = torch.stack(losses).float().tolist()  # one host sync, after the last step
+    seconds = time.perf_counter() - t0
+    if not all(math.isfinite(v) for v in losses):
+        bad = next(i for i, v in enumerate(losses) if not math.isfinite(v))
+        raise FloatingPointError(f"training loss is {losses[bad]} at step {bad}")
+    master.load_state_dict(model.state_dict())  # copies cast into the master's fp32 tensors
+    del model, runner, opt, sched
+    log(f"  trained {args.train_steps} steps at batch {targs.batch} ({TRAINING_CONFIG}) in {seconds:.1f}s: "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return {"steps": args.train_steps, "batch": targs.batch, "config": TRAINING_CONFIG, "lr": targs.lr,
+            "sparse_lr": targs.sparse_lr, "lr_warmup": targs.lr_warmup, "seconds": round(seconds, 2),
+            "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def held_out_quality(setup: ModelSetup, fn, batch: int, cudagraphs: bool) -> dict:
+    """Logloss / NE / AUC of `fn`'s logits on --eval-batches held-out batches of size
+    `batch`, made one at a time (no eval set held in memory between configs)."""
+    logits, labels = [], []
+    with torch.no_grad():
+        for i in range(setup.args.eval_batches):
+            data = setup.heldout_data.batch(i, batch, setup.device)
+            inputs = setup.inputs(data)
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            # A clone: the next CUDA-graph replay overwrites the output.
+            logits.append(fn(*inputs).detach().float().clone())
+            labels.append(data.labels)
+    m = quality_metrics(torch.cat(logits), torch.cat(labels))
+    return {"eval_batch": batch, "eval_rows": batch * setup.args.eval_batches,
+            "logloss": m["logloss"], "ne": m["ne"], "auc": m["auc"]}
 
 
 def _check_pool(name: str, batch: int, pool: list[tuple]) -> None:
@@ -249,7 +374,10 @@ def _base_row(model: str, cfg_name: str, args, batches: list[int]) -> dict:
         "disabled_mods": [cfg.ablated] if cfg and cfg.ablated else None,
         "batch_sizes": list(batches), "warmup": args.warmup, "iters": args.iters, "pool": args.pool,
         "per_batch": [], "speedup_ref": SPEEDUP_REF.get(cfg.mode) if cfg else None,
-        "error_batch": None, "out_relerr": None, "loka_report": None,
+        "error_batch": None, "out_relerr": None, "loka_report": None, "training": None,
+        "eval_batch": None, "eval_rows": None, "logloss": None, "ne": None, "auc": None,
+        "logloss_rel_bf16": None, "ne_rel_bf16": None, "auc_rel_bf16": None, "within_quality_target": None,
+        "calibration": None,
         "dense_params": None, "sparse_params": None, "gflops_per_sample": None, "wall_s": None, "error": None,
     }
 
@@ -288,11 +416,13 @@ def _time_batch(fn, pool: list[tuple], warmup: int, iters: int, cuda: bool, cuda
 
 
 def loka_report_summary(compiled) -> dict:
-    """First line of str(report), report.mods and report.cached_weight_bytes (if this loka
-    has it) of the graphs loka compiled for `compiled`."""
+    """First line of str(report), report.mods, the number of sites that cast A with a
+    calibrated static scale, and report.cached_weight_bytes (if this loka has it) of the
+    graphs loka compiled for `compiled`."""
     import loka_compile
     report = loka_compile.report(compiled)
-    out = {"summary": str(report).splitlines()[0], "mods": dict(report.mods)}
+    out = {"summary": str(report).splitlines()[0], "mods": dict(report.mods),
+           "static_scale_sites": sum(s.casts.get("a", "").startswith("static scale") for s in report.sites)}
     if hasattr(report, "cached_weight_bytes"):
         fp8_bytes, bf16_bytes = report.cached_weight_bytes
         out["cached_weight_bytes"] = {"fp8": fp8_bytes, "bf16": bf16_bytes}
@@ -307,18 +437,28 @@ def _restore_inductor_config(snapshot) -> None:
 def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, inductor_config=None) -> dict:
     row = _base_row(setup.name, cfg_name, args, list(setup.pools))
     row.update(dense_params=setup.params["dense"], sparse_params=setup.params["sparse"],
-               gflops_per_sample=setup.gflops_per_sample)
+               gflops_per_sample=setup.gflops_per_sample, training=setup.training)
     device = setup.device
     cuda = device.type == "cuda"
     start = time.perf_counter()
-    unit = fn = None
+    unit = fn = plan_dir = None
+    cudagraphs = False
     try:
         cfg = resolve_config(cfg_name)
         if deadline is not None and time.perf_counter() > deadline:
             raise BudgetExceeded("skipped: --total-seconds budget spent before this config")
         torch._dynamo.reset()
         _restore_inductor_config(inductor_config)
-        unit, fn = prepare(setup.master, cfg, args.compile_scope, args.loka_options, device)
+        unit = prepare_unit(setup.master, cfg, args.compile_scope, device)
+        if cfg_name in CALIBRATED:
+            plan_dir = tempfile.TemporaryDirectory(prefix="loka_plan_")  # kept until the row is done
+            plan_path = str(Path(plan_dir.name) / "plan.json")
+            row["calibration"] = calibrate_plan(setup, unit, cfg, plan_path)
+            cal = row["calibration"]
+            log(f"  {setup.name}/{cfg_name}: calibrated {len(cal['site_errors'])} static-scale sites in "
+                f"{cal['seconds']}s, max site error {_fmt(cal['max_error'], '.3e')}, {len(cal['unsafe'])} unsafe")
+            cfg = dataclasses.replace(cfg, options=cfg.options + (("plan", plan_path),))
+        fn = compile_unit(unit, cfg, args.loka_options)
         cudagraphs = cuda and cfg.mode == "reduce-overhead"
         budget_end = start + args.max_seconds
         done: list[int] = []
@@ -344,12 +484,13 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, i
     except Exception as e:  # noqa: BLE001 - every failure becomes a row
         row["error"] = _error_text(e)
         log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}")
-    # Output error and loka's report for whatever ran, even when a budget cut the row short.
+    # Output error, held-out quality and loka's report for whatever ran, even when a budget
+    # cut the row short.
     if fn is not None and row["per_batch"]:
+        b = max(r["batch"] for r in row["per_batch"])
         try:
-            b = max(r["batch"] for r in row["per_batch"])
             with torch.no_grad():
-                if cuda and cfg.mode == "reduce-overhead":
+                if cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
                 out = fn(*setup.pools[b][0]).detach().double().clone()
             row["error_batch"], row["out_relerr"] = b, _relerr(out, setup.reference(b))
@@ -359,6 +500,16 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, i
         except Exception as e:  # noqa: BLE001
             row["error"] = row["error"] or f"error measurement: {_error_text(e)}"
             log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}")
+        if args.eval_batches:
+            try:
+                row.update(held_out_quality(setup, fn, b, cudagraphs))
+                log(f"  {setup.name}/{cfg_name}: held out at batch {b}: logloss {row['logloss']:.5f}, "
+                    f"NE {row['ne']:.5f}, AUC {row['auc']:.5f}")
+                if not all(math.isfinite(row[k]) for k in ("logloss", "ne", "auc")):
+                    raise FloatingPointError(f"held-out metrics are not finite at batch {b}")
+            except Exception as e:  # noqa: BLE001
+                row["error"] = row["error"] or f"quality: {_error_text(e)}"
+                log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}")
         if cfg.kind == "loka":
             try:
                 row["loka_report"] = loka_report_summary(fn)
@@ -368,6 +519,8 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, i
     row["wall_s"] = round(time.perf_counter() - start, 2)
     del unit, fn
     release_config(row, f"{setup.name}/{cfg_name}", cuda)
+    if plan_dir is not None:
+        plan_dir.cleanup()
     return row
 
 
@@ -382,6 +535,21 @@ def fill_speedups(rows: list[dict]) -> None:
             e["speedup_vs_inductor_bf16"] = ref_ms[e["batch"]] / e["median_ms"] if e["batch"] in ref_ms else None
 
 
+def fill_quality(rows: list[dict]) -> None:
+    """Each row's held-out logloss / NE / AUC relative to its speedup_ref row (Inductor bf16
+    in the same mode, same model, same eval batch size), and whether NE and AUC are both
+    within QUALITY_TOLERANCE of it."""
+    by = {(r["model"], r["preset"], r["compile_scope"], r["config"]): r for r in rows}
+    for r in rows:
+        ref = by.get((r["model"], r["preset"], r["compile_scope"], r["speedup_ref"]))
+        comparable = (ref is not None and r.get("ne") is not None and ref.get("ne") is not None
+                      and r["eval_batch"] == ref["eval_batch"])
+        for k in ("logloss", "ne", "auc"):
+            r[f"{k}_rel_bf16"] = r[k] / ref[k] - 1.0 if comparable else None
+        r["within_quality_target"] = (max(abs(r["ne_rel_bf16"]), abs(r["auc_rel_bf16"])) <= QUALITY_TOLERANCE
+                                      if comparable else None)
+
+
 # ------------------------------------------------------------------ output
 
 
@@ -393,7 +561,8 @@ def format_table(rows: list[dict]) -> str:
     """Per row: model, config, median ms and speedup at each batch size, output error, error."""
     from tabulate import tabulate
     batches = sorted({e["batch"] for r in rows for e in r["per_batch"]} | {b for r in rows for b in r["batch_sizes"]})
-    cols = ["model", "config"] + [c for b in batches for c in (f"ms@{b}", f"x@{b}")] + ["out_err", "error"]
+    cols = (["model", "config"] + [c for b in batches for c in (f"ms@{b}", f"x@{b}")]
+            + ["out_err", "NE", "AUC", "dNE%", "dAUC%", "q_ok", "error"])
     table = []
     for r in rows:
         at = {e["batch"]: e for e in r["per_batch"]}
@@ -402,12 +571,32 @@ def format_table(rows: list[dict]) -> str:
             e = at.get(b, {})
             cells += [_fmt(e.get("median_ms"), ".4f"), _fmt(e.get("speedup_vs_inductor_bf16"), ".2f")]
         err = r.get("error") or ""
+        ok = r.get("within_quality_target")
         table.append([r["model"], r["config"], *cells, _fmt(r["out_relerr"], ".2e"),
+                      _fmt(r.get("ne"), ".5f"), _fmt(r.get("auc"), ".5f"), _percent(r.get("ne_rel_bf16")),
+                      _percent(r.get("auc_rel_bf16")), "" if ok is None else "yes" if ok else "no",
                       err if len(err) <= 60 else err[:57] + "..."])
     refs = sorted({r["speedup_ref"] for r in rows if r["speedup_ref"]})
-    return (tabulate(table, headers=cols, tablefmt="github")
-            + f"\nms@B: median ms per call at batch B; x@B: speedup vs {' / '.join(refs) or 'Inductor bf16'} "
-              "(same mode); out_err: vs fp32 at the largest batch that ran")
+    lines = [tabulate(table, headers=cols, tablefmt="github", disable_numparse=True),
+             f"ms@B: median ms per call at batch B; x@B: speedup vs {' / '.join(refs) or 'Inductor bf16'} "
+             "(same mode); out_err: vs fp32 at the largest batch that ran; NE, AUC: held out, at that batch; "
+             f"dNE%, dAUC%: vs the same reference; q_ok: both within {100 * QUALITY_TOLERANCE:g}%"]
+    trained = {r["model"]: r["training"] for r in rows if r.get("training")}
+    lines += [f"{m}: trained {t['steps']} steps at batch {t['batch']} ({t['config']}), loss "
+              f"{t['first_loss']:.4f} -> {t['last_loss']:.4f}" for m, t in trained.items()]
+    for r in rows:
+        cal = r.get("calibration")
+        if cal:
+            errors = sorted(cal["site_errors"].values())
+            spread = (f"site error median {statistics.median(errors):.3e}, max {errors[-1]:.3e}" if errors
+                      else "no site")
+            lines.append(f"{r['model']}/{r['config']}: {len(errors)} static-scale sites ({cal['policy']}), "
+                         f"{spread}; {len(cal['unsafe'])} left bf16 over the error budget")
+    return "\n".join(lines)
+
+
+def _percent(v: float | None) -> str:
+    return "" if v is None else format(100 * v, "+.3f")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -442,8 +631,17 @@ NOTES = {
     "inputs": "--pool distinct synthetic batches per batch size, cycled; made before any config",
     "compile_scope": "dense: lookups eager fp32 once per pool batch, untimed; dense arch compiled and timed",
     "dynamic_shapes": "false: one static graph (and CUDA graph) per batch size",
-    "loka_report": "first line of str(loka_compile.report(compiled)), report.mods, cached_weight_bytes; "
+    "loka_report": "first line of str(loka_compile.report(compiled)), report.mods, cached_weight_bytes, "
+                   "static_scale_sites (sites casting A with a calibrated constant scale); "
                    "over the graphs of every batch size",
+    "training": "--train-steps: the master trained first like benchmarks.train's eager_bf16 row (bf16 dense "
+                "arch, eager, its optimizer and lr warmup); every config starts from those weights",
+    "quality": "logloss / ne / auc: --eval-batches held-out batches at eval_batch (the largest batch that "
+               "ran), through the config's compiled callable; *_rel_bf16 = this / speedup_ref's - 1 (same "
+               f"eval_batch); within_quality_target: |ne_rel| and |auc_rel| <= {QUALITY_TOLERANCE}",
+    "calibration": "loka_calibrated rows: loka_compile.calibrate on --calibration-batches training-stream "
+                   "batches; site_errors = each static-scale site's error (the plan's a_scales[*].error, "
+                   "loka's probe_metric); unsafe = sites left bf16 over max_probe_error",
 }
 
 
@@ -474,6 +672,17 @@ def parse_args(argv=None):
     p.add_argument("--loka-options", type=json.loads, default=None,
                    help='JSON dict merged under the loka rows\' own options, e.g. \'{"probe_steps": 10}\'')
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="train the fp32 master this many steps (bf16 dense arch, eager, like benchmarks.train's "
+                        "eager_bf16 row) before any config; 0 = random initial weights")
+    p.add_argument("--train-batch", type=int, default=None,
+                   help="training batch size; default benchmarks.train's (256 tiny, 8192 paper)")
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="held-out batches (at the largest batch size that ran) for logloss / NE / AUC; 0 = none")
+    p.add_argument("--calibration-batches", type=int, default=4,
+                   help="training-stream batches (largest batch size) loka_compile.calibrate sees for the "
+                        "loka_calibrated rows")
+    p.add_argument("--calibration-policy", default="amax", help="loka_compile.calibrate policy: amax | percentile")
     p.add_argument("--max-seconds", type=float, default=300.0,
                    help="per-config budget: no further batch size starts once spent (row gets an error)")
     p.add_argument("--total-seconds", type=float, default=None,
@@ -484,6 +693,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.warmup < 3 or args.iters < 1 or args.pool < 1:
         p.error("--warmup must be >= 3 (compile, CUDA graph warmup and recording), --iters and --pool >= 1")
+    if min(args.train_steps, args.eval_batches) < 0 or args.calibration_batches < 1:
+        p.error("--train-steps and --eval-batches must be >= 0, --calibration-batches >= 1")
     return args
 
 
@@ -554,6 +765,7 @@ def main(argv=None) -> Path:
                 log(f"{name}/{c}: start")
                 rows.append(run_config(setup, c, args, deadline, inductor_config))
                 fill_speedups(rows)
+                fill_quality(rows)
                 write_json(out_path, env, rows, key=_row_key)
             del setup
             gc.collect()
@@ -562,6 +774,7 @@ def main(argv=None) -> Path:
     _restore_inductor_config(inductor_config)
 
     fill_speedups(rows)
+    fill_quality(rows)
     write_json(out_path, env, rows, key=_row_key)
     if args.plot:
         try:

@@ -440,6 +440,16 @@ def _make_optimizer(model: nn.Module, args, device: torch.device):
     return _Each(opts), _Each(scheds)
 
 
+def train_step(runner: Runner, opt: _Each, sched: _Each, batch) -> torch.Tensor:
+    """One training step (forward, BCE loss, backward, optimizer and lr step); the loss."""
+    loss, _ = runner.loss_and_logits(batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return loss
+
+
 def _relerr(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(x.double() - ref.double())
             / torch.linalg.vector_norm(ref.double()).clamp_min(1e-30)).item()
@@ -578,11 +588,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
             t_step = time.perf_counter()
-            loss, _ = runner.loss_and_logits(batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
+            loss = train_step(runner, opt, sched, batch)
             if timed:
                 if cuda:
                     ev[1].record()

@@ -74,25 +74,33 @@ def test_harness_runs_every_model_and_records_failures(tmp_path, one_thread, cap
     assert "| model" in table and "no_such_config" in table and "FP8 ceiling" in table
 
 
+INFER_TINY = ["--models", "dlrm_dcnv2", "--preset", "tiny", "--iters", "2", "--warmup", "3",
+              "--device", "cpu", "--cpu-threads", "1"]
+
+
 def test_infer_harness_times_each_batch_and_records_errors(tmp_path, one_thread, capsys):
     from benchmarks import infer
     # Off CUDA a reduce-overhead name runs as its default-mode twin.
     assert infer.config_for_device("loka_ro_no_cached_weights", cuda=False) == "loka_no_cached_weights"
     assert infer.config_for_device("torchao_rowwise_ro", cuda=False) == "torchao_rowwise"
+    assert infer.config_for_device("loka_calibrated_ro", cuda=False) == "loka_calibrated"
     assert infer.config_for_device("inductor_bf16_ro", cuda=True) == "inductor_bf16_ro"
     loka = "loka" in torch._dynamo.list_backends(exclude_tags=())
     path = infer.main([
-        "--models", "dlrm_dcnv2", "--preset", "tiny", "--configs", "inductor_bf16,loka_ro",
-        "--batches", "1,16", "--iters", "2", "--warmup", "3", "--device", "cpu", "--cpu-threads", "1",
+        *INFER_TINY, "--configs", "inductor_bf16,loka_ro,loka_calibrated_ro", "--batches", "1,16",
+        "--train-steps", "3", "--eval-batches", "2", "--calibration-batches", "2",
         "--out", str(tmp_path), "--name", "infer_smoke",
     ])
     assert path == tmp_path / "infer_smoke.json"
     result = json.loads(path.read_text())
     assert {"device", "torch", "triton", "torchao", "date"} <= set(result["env"])
     rows = {r["config"]: r for r in result["rows"]}
-    assert set(rows) == {"inductor_bf16", "loka"}
+    assert set(rows) == {"inductor_bf16", "loka", "loka_calibrated"}
     for c, r in rows.items():
-        if c == "loka" and not loka:
+        # Every row starts from the same trained master: bf16 training, train.py's batch.
+        assert r["training"]["steps"] == 3 and r["training"]["batch"] == 256
+        assert r["training"]["config"] == "eager_bf16" and math.isfinite(r["training"]["last_loss"])
+        if c != "inductor_bf16" and not loka:
             assert r["error"] and not r["per_batch"]
             continue
         assert r["error"] is None, (c, r["error"])
@@ -103,10 +111,47 @@ def test_infer_harness_times_each_batch_and_records_errors(tmp_path, one_thread,
             assert e["p10_ms"] <= e["median_ms"] <= e["p90_ms"]
         # bf16 (or FP8) against an fp32 copy at the largest batch: small but not zero error.
         assert r["error_batch"] == 16 and 0 < r["out_relerr"] < 0.1
-    assert all(e["speedup_vs_inductor_bf16"] == pytest.approx(1.0) for e in rows["inductor_bf16"]["per_batch"])
+        # Held-out quality at the largest batch, relative to Inductor bf16 (same mode).
+        assert r["eval_batch"] == 16 and r["eval_rows"] == 32
+        for key in ("logloss", "ne", "auc", "logloss_rel_bf16", "ne_rel_bf16", "auc_rel_bf16"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (c, key, r[key])
+        assert r["logloss"] > 0 and r["ne"] > 0 and 0 <= r["auc"] <= 1
+        assert isinstance(r["within_quality_target"], bool)
+    ref = rows["inductor_bf16"]
+    assert all(e["speedup_vs_inductor_bf16"] == pytest.approx(1.0) for e in ref["per_batch"])
+    assert ref["ne_rel_bf16"] == ref["auc_rel_bf16"] == ref["logloss_rel_bf16"] == 0.0
+    assert ref["within_quality_target"] is True and ref["calibration"] is None
     if loka:
         report = rows["loka"]["loka_report"]
         assert report["summary"].startswith("loka:") and "cached_weights" in report["mods"]
+        assert report["static_scale_sites"] == 0 and rows["loka"]["calibration"] is None
+        # The calibrated row: per-site calibration errors within loka's error budget, and
+        # its FP8 sites cast A with those constant scales.
+        cal = rows["loka_calibrated"]["calibration"]
+        assert cal["policy"] == "amax" and cal["batch"] == 16 and cal["batches"] == 2
+        assert cal["site_errors"] and all(0 < e < 0.1 for e in cal["site_errors"].values())
+        assert cal["max_error"] == max(cal["site_errors"].values())
+        assert rows["loka_calibrated"]["loka_report"]["static_scale_sites"] > 0
 
     table = capsys.readouterr().out
-    assert "| model" in table and "ms@16" in table and "x@1" in table
+    assert "| model" in table and "ms@16" in table and "x@1" in table and "dAUC%" in table
+    if loka:
+        assert "static-scale sites (amax)" in table
+
+
+def test_infer_quality_is_measured_on_the_trained_model(tmp_path, one_thread):
+    """Quality (and the fp32 reference) come from the trained master: eager bf16 with and
+    without 3 training steps gives another held-out logloss and another output."""
+    from benchmarks import infer
+    rows = {}
+    for steps in (0, 3):
+        path = infer.main([*INFER_TINY, "--configs", "eager_bf16", "--batches", "16", "--train-steps", str(steps),
+                           "--eval-batches", "2", "--out", str(tmp_path), "--name", f"steps{steps}"])
+        (rows[steps],) = json.loads(path.read_text())["rows"]
+    untrained, trained = rows[0], rows[3]
+    assert untrained["training"] is None and trained["training"]["steps"] == 3
+    for r in (untrained, trained):
+        assert r["error"] is None and math.isfinite(r["logloss"])
+        assert r["ne_rel_bf16"] is None  # no inductor_bf16 row to compare with
+    assert abs(trained["logloss"] / untrained["logloss"] - 1) > 1e-4, (trained["logloss"], untrained["logloss"])
+    assert trained["out_relerr"] != untrained["out_relerr"]
