@@ -115,7 +115,7 @@ class Plan:
                        unsafe={sid: float(e) for sid, e in data.get("unsafe", {}).items()},
                        upgraded={sid: tuple(e) for sid, e in data.get("upgraded", {}).items()},
                        a_scales={sid: _static_scale(e) for sid, e in data.get("a_scales", {}).items()},
-                       history={sid: [dict(event) for event in events] for sid, events in data.get("history", {}).items()},
+                       history={sid: [dict(e) for e in events] for sid, events in data.get("history", {}).items()},
                        source=source)
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"loka plan {source} is damaged: {type(error).__name__}: {error}") from None

@@ -202,8 +202,15 @@ class Report:
 
     def summary(self, largest: int = 5) -> str:
         """What to read first: sites and GEMM FLOPs in FP8 (and Mods, fallbacks), counts by
-        reason, and the largest sites left in high precision with their reasons."""
-        return "\n".join([self._headline(), *self._kept_lines(largest)])
+        reason, the largest sites left in high precision with their reasons, and the
+        re-checks' verdict changes."""
+        return "\n".join([self._headline(), *self._kept_lines(largest), *self._history_lines()])
+
+    def _history_lines(self) -> list:
+        """One line per site a re-check (`recheck_every`) moved: each change with its call."""
+        def change(event):
+            return f"{event['change']} {event['from']} -> {event['to']} at call {event['step']}"
+        return [f"re-checked {s.graph} {s.id}: " + ", ".join(map(change, s.history)) for s in self.sites if s.history]
 
     def table(self) -> str:
         rows = [(s.graph, s.id, s.role, "x".join(map(str, s.shape)) + (f" (b={s.batch})" if s.batch else "")
@@ -231,6 +238,7 @@ class Report:
                          f"read per call instead of {bf16_bytes / 2**20:.2f} MiB in bf16 "
                          f"(the copies are extra memory: the bf16 parameters stay with the model)")
         lines += self._kept_lines(largest)
+        lines += self._history_lines()
         lines.append("every site: print(report.table())")
         return "\n".join(lines)
 

@@ -60,6 +60,8 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(store, caplog
     promoted = [r for r in caplog.records if "promoted blockwise -> tensorwise from call 12" in r.getMessage()]
     assert [r.levelno for r in demoted] == [logging.WARNING] and [r.levelno for r in promoted] == [logging.INFO]
     assert "FP8 variant reused" in caplog.text  # the promotion went back to the window's build
+    assert (f"re-checked g0 {site.id}: demoted tensorwise -> blockwise at call 9, promoted blockwise -> tensorwise "
+            "at call 12") in loka_compile.report(compiled).summary().splitlines()
 
     # Outputs: the outliers cost tensorwise FP8 about the whole signal until the re-check saw
     # them (what every call would measure without re-checks); from the demotion on, in budget.
