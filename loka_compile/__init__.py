@@ -5,6 +5,7 @@ models.
     compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
     print(loka_compile.report(compiled))
     loka_compile.save_plan(compiled, "plan.json")            # options={"plan": "plan.json"} loads it
+    loka_compile.export_inference(model.eval(), (x,), "model.pt2")   # serve without loka
 """
 
 import os as _os
@@ -22,8 +23,10 @@ from loka_compile.backend import loka_backend, reset
 from loka_compile.report import Report, SiteRecord, report
 from loka_compile.plan import Plan, load_plan, save_plan
 from loka_compile.calibrate import calibrate
+from loka_compile.export import InferencePackage, export_inference
 from loka_compile.modules import BlockNorm, apply_arch_mods
 
 __all__ = ["LokaConfig", "Recipe", "RECIPES", "MODES", "Reason", "Role", "loka_backend", "report", "Report",
-           "SiteRecord", "reset", "Plan", "save_plan", "load_plan", "calibrate"]
+           "SiteRecord", "reset", "Plan", "save_plan", "load_plan", "calibrate", "export_inference",
+           "InferencePackage"]
 __version__ = "0.1.0"
