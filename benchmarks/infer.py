@@ -10,8 +10,8 @@ applies to those only). In one process:
 
 - training (`--train-steps N`, default 0 = random initial weights): before the pools are
   made and before any configuration, the master is trained N steps on the training stream
-  (`SyntheticRecsysData`, seed 1000 + --seed, as in benchmarks.train) exactly as
-  benchmarks.train's `eager_bf16` row trains: a copy with the dense arch in bf16 (weights,
+  (`SyntheticRecsysData`, seed 1000 + --seed, as in benchmarks.train) as
+  benchmarks.train's `eager_bf16` row trains its first N steps: a copy with the dense arch in bf16 (weights,
   gradients and Adam state bf16; the tables fp32), its BCE loss, Adam, lr warmup and lr
   defaults, at its batch size for the preset (256 tiny, 8192 paper; `--train-batch`). So
   the weights are "trained in bf16", and the fp32 master then holds them (bf16 -> fp32 is
