@@ -35,7 +35,6 @@ from loka_compile import backend
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format
-from loka_compile.passes import Reason
 from loka_compile.passes.find_sites import VIEW_LIKE
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.report import Report
@@ -108,7 +107,7 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     except Exception as error:
         if not config.fallback:
             raise
-        why = f"export failed: {type(error).__name__}: {error}"
+        why = f"export with loka failed: {type(error).__name__}: {error}"
         backend._warn_fallback(record, why)
         backend._forget_rewrite(record, why)
         written = torch._inductor.aoti_compile_and_package(
