@@ -15,7 +15,9 @@ with the `fused_casts` Mod off (the unfused baseline).
 `observe_gemm(a, b, site, scaling, a_format, b_format, a_is_grad=False, b_is_grad=False)`
 is the Probe's observer: it leaves the graph's values alone and hands operand statistics
 and the FP8 error of this GEMM under each candidate recipe (`gemm_statistics`) to the
-sink installed with `set_observer_sink` (the Probe's statistics store).
+sink installed with `set_observer_sink` (the Probe's statistics store). If measuring
+fails, it hands {"failed": why} instead and the step goes on (the store judges such a
+site unsafe): an observer never fails the model's step.
 """
 
 from __future__ import annotations
@@ -310,7 +312,11 @@ def observe_gemm(a: torch.Tensor, b: torch.Tensor, site: str, scaling: str, a_fo
     sink = _observer_sink[0]
     if sink is None or a.numel() == 0 or b.numel() == 0:
         return  # an empty product has no error to observe
-    sink(site, gemm_statistics(a, b, scaling, a_format, b_format, a_is_grad, b_is_grad))
+    try:
+        stats = gemm_statistics(a, b, scaling, a_format, b_format, a_is_grad, b_is_grad)
+    except Exception as error:  # noqa: BLE001
+        stats = {"failed": f"{type(error).__name__}: {error}"}
+    sink(site, stats)
 
 
 @observe_gemm.register_fake

@@ -9,6 +9,8 @@ in high precision) that runs for the first `probe_steps` calls, and, when that w
 closes, the FP8 variant, compiled then with the Probe's verdicts so that unsafe sites
 keep their high-precision GEMM. The second compile runs in the tracing context Dynamo
 gave the first (same fake mode and shape environment, so symbolic sizes stay symbolic).
+With `recheck_every` the probe variant runs again every N calls; when a re-check changes
+a verdict, the FP8 variant is recompiled the same way (once per set of verdicts).
 """
 
 from __future__ import annotations
@@ -397,9 +399,8 @@ class LokaCompiledGraph:
             before = _standing(sid, own, plan.unsafe, plan.upgraded)
             after = _standing(sid, own, unsafe, upgraded)
             if before != after:
-                steps = probe.chain_steps(probe.STORE.summary(key), config.probe_metric)
-                changes.append((sid, before, after, probe.describe_steps(steps, config.max_probe_error,
-                                                                         config.probe_metric)))
+                why = probe.describe_summary(probe.STORE.summary(key), config.max_probe_error, config.probe_metric)
+                changes.append((sid, before, after, why))
             plan.unsafe.pop(sid, None)
             plan.upgraded.pop(sid, None)
         plan.unsafe.update(unsafe)

@@ -213,10 +213,14 @@ class ProbeStore:
         self._operands: dict = {}    # key -> {"a": _OperandStats, "b": ...}
         self._candidates: dict = {}  # key -> {name: _CandidateStats}
         self._chosen: dict = {}      # key -> the site's own candidate name
+        self._failed: dict = {}      # key -> why the last failed observation failed
 
     def record(self, key: str, stats: dict) -> None:
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + 1
+            if "failed" in stats:  # unmeasured, so unsafe (`verdicts`)
+                self._failed[key] = stats["failed"]
+                return
             sums = self._sums.setdefault(key, {})
             maxes = self._maxes.setdefault(key, {})
             for name in _SUMMED:
@@ -245,6 +249,8 @@ class ProbeStore:
             count = self._counts.get(key, 0)
             if not count:
                 return {}
+            if key in self._failed:
+                return {"observations": count, "failed": self._failed[key]}
             sums, maxes = self._sums[key], self._maxes[key]
             out = {"observations": count}
             out.update({f"mean_{n}": float(sums[n]) / count for n in _SUMMED})
@@ -271,7 +277,8 @@ class ProbeStore:
         its own observations only, so statistics from before a drift cannot mask it."""
         with self._lock:
             for key in keys:
-                for table in (self._sums, self._maxes, self._counts, self._operands, self._candidates, self._chosen):
+                for table in (self._sums, self._maxes, self._counts, self._operands, self._candidates, self._chosen,
+                              self._failed):
                     table.pop(key, None)
 
     def clear(self) -> None:
@@ -282,6 +289,7 @@ class ProbeStore:
             self._operands.clear()
             self._candidates.clear()
             self._chosen.clear()
+            self._failed.clear()
 
 
 STORE = ProbeStore()
@@ -328,6 +336,13 @@ def describe_steps(steps, max_error: float, metric: str = "row_rel_error") -> st
                      for s, b in steps)
 
 
+def describe_summary(summary: dict, max_error: float, metric: str = "row_rel_error") -> str:
+    """What a site's verdict rests on: each chain step's bound, or why it was not measured."""
+    if "failed" in summary:
+        return f"an observation failed: {summary['failed']}"
+    return describe_steps(chain_steps(summary, metric), max_error, metric)
+
+
 def verdicts(keys, max_error: float, metric=None, chain: bool = False,
              log_level: int = logging.WARNING) -> tuple[dict, dict]:
     """(unsafe, upgraded) among `keys`, by the confidence bound (`upper_bound`) across
@@ -343,7 +358,8 @@ def verdicts(keys, max_error: float, metric=None, chain: bool = False,
     chain=False (the format of plans written before the chain): only tensorwise ->
     rowwise, {key: (tensorwise bound, rowwise bound)}; a site that only blockwise would
     save is unsafe. Sites without candidate statistics fall back to the
-    largest observed error (row relative error). `log_level`: of the chain's verdict lines
+    largest observed error (row relative error). A site with a failed observation is
+    unsafe (+inf): it was not measured. `log_level`: of the chain's verdict lines
     (re-checks log only the verdicts that change, so they pass DEBUG)."""
     unsafe, upgraded = {}, {}
     for key in keys:
@@ -353,6 +369,10 @@ def verdicts(keys, max_error: float, metric=None, chain: bool = False,
         site_metric = metric or "row_rel_error"
         if site_metric not in METRICS:
             raise ValueError(f"probe metric must be one of {sorted(METRICS)}, got {site_metric!r}")
+        if "failed" in summary:
+            unsafe[key] = math.inf
+            log.warning("loka probe: %s keeps high precision: an observation failed (%s)", key, summary["failed"])
+            continue
         steps = chain_steps(summary, site_metric)
         own_bound = steps[0][1]
         if own_bound <= max_error:

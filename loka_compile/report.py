@@ -254,6 +254,8 @@ def _probe_cell(site: SiteRecord) -> str:
     own = site.verdicts.get(site.probe.get("chosen", ""))
     if own:
         return f"{own['bound']:.3g} ({own['n']})"
+    if "failed" in site.probe:
+        return "failed"
     return f"{site.probe['max_rel_error']:.3g}" if site.probe else ""
 
 

@@ -153,3 +153,28 @@ def test_a_failed_recheck_keeps_the_running_graph(store, caplog, monkeypatch):
     assert "re-check at call 5 failed (RuntimeError: planted failure); the call runs the FP8 variant" \
         in caplog.text
     assert row_rel_error(x.double() @ model.fc.weight.double().t(), out) < BUDGET
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_a_failing_observer_keeps_the_step_and_sends_the_site_to_high_precision(store, monkeypatch, caplog):
+    """Observers run inside the model's step (a re-check's backward too): one that fails
+    reports the failure instead of raising, and an unmeasured site is not trusted in FP8."""
+    from loka_compile import probe
+    from loka_compile.kernels import ops
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("planted observer failure")
+
+    monkeypatch.setattr(ops, "gemm_statistics", fail)
+    model = PlantedLinear()
+    compiled = torch.compile(model, backend="loka", options={**OPTIONS, "probe_steps": 1})
+    x = _planted(0, ())[0]
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="loka"):
+        compiled(x)
+        out = compiled(x)
+    site = loka_compile.report(compiled).sites[0]
+    assert site.probe == {"observations": 1, "failed": "RuntimeError: planted observer failure"}
+    assert not site.fp8 and site.reason == "probe_unsafe", (site.reason, site.detail)
+    assert "an observation failed (RuntimeError: planted observer failure)" in caplog.text
+    assert probe.verdicts([site.key], BUDGET) == ({site.key: float("inf")}, {})
+    assert row_rel_error(x.double() @ model.fc.weight.double().t(), out) < 1e-5  # high precision
