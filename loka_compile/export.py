@@ -269,11 +269,23 @@ def _fold_weight_casts(gm: torch.fx.GraphModule) -> int:
                 only_views.add(node)
     with torch.utils._python_dispatch._disable_current_modes():
         folder.run()
-    # The values the rest of the graph reads, named while their ancestry is still the weight's.
-    frontier = {node: (value, _constant_name(node, value)) for node, value in folder.node_replacements.items()
+    # The values the rest of the graph reads, each with the weights it is made from (taken
+    # before any becomes a constant itself).
+    frontier = {node: (value, tuple(n.target for n in _ancestors(node) if n.op == "get_attr"))
+                for node, value in folder.node_replacements.items()
                 if node in from_weights and node not in only_views
                 and any(user not in computable for user in node.users)}
-    for node, (value, name) in frontier.items():
+    made = {}  # (weights, layout) -> the values made from them
+    for node, (value, weights) in frontier.items():
+        same = made.setdefault((weights, value.shape, value.stride(), value.dtype), [])
+        # A weight that two sites cast alike (a shared tower) is held once: Inductor keeps
+        # one copy of constants that are the same tensor.
+        shared = next((v for v in same if torch.equal(v, value)), None)
+        if shared is None:
+            same.append(value)
+        value = shared if shared is not None else value
+        base = weights[0].replace(".", "_") if len(weights) == 1 else node.name
+        name = base + ("_fp8" if value.dtype in _FP8_DTYPES else "_fp8_scale")
         replace_node_with_constant(gm, node, value, name=_unique_attr(gm, name))
     for node in gm.graph.find_nodes(op="get_attr"):
         if not node.users:
@@ -284,13 +296,6 @@ def _fold_weight_casts(gm: torch.fx.GraphModule) -> int:
     gm.graph.lint()
     gm.recompile()
     return len(frontier)
-
-
-def _constant_name(node: torch.fx.Node, value: torch.Tensor) -> str:
-    """"<weight>_fp8" for an FP8 weight, "<weight>_fp8_scale" for its scales."""
-    weights = [n.target for n in _ancestors(node) if n.op == "get_attr"]
-    base = weights[0].replace(".", "_") if len(weights) == 1 else node.name
-    return base + ("_fp8" if value.dtype in _FP8_DTYPES else "_fp8_scale")
 
 
 def _unique_attr(gm: torch.fx.GraphModule, base: str) -> str:

@@ -188,25 +188,27 @@ def test_package_serves_in_a_fresh_process_without_loka(exported):
 
 def test_folding_makes_fp8_weight_constants_and_leaves_plain_weights():
     """The fold on a small graph: a weight's FP8 cast and its scales become constants (the
-    emulated GEMM's dequantization stays in the graph); a weight read through a view only
-    (a high-precision GEMM) and the activation's cast are left alone."""
+    emulated GEMM's dequantization stays in the graph), held once for the two sites that
+    read the weight alike; a weight read through a view only (a high-precision GEMM) and
+    the activations' casts are left alone."""
     fp8_weight, plain_weight = torch.randn(32, 64), torch.randn(16, 32)
     spec = GemmSpec(Scaling.ROWWISE, Fp8Format.E4M3, Fp8Format.E4M3, "emulated", torch.float32)
 
     def forward(x):
-        return scaled_gemm(x, fp8_weight.t(), None, spec) @ plain_weight.t()
+        shared = scaled_gemm(x, fp8_weight.t(), None, spec) + scaled_gemm(x.relu(), fp8_weight.t(), None, spec)
+        return shared @ plain_weight.t()
 
     x = torch.randn(8, 64)
     gm = make_fx(forward)(x)
-    assert _fold_weight_casts(gm) == 2
-    constants = {node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")}
-    fp8 = [v for v in constants.values() if v.dtype == torch.float8_e4m3fn]
-    assert [tuple(v.shape) for v in fp8] == [(64, 32)] and fp8[0].stride() == (1, 64)  # column-major B
-    assert sorted(tuple(v.shape) for v in constants.values() if v.dtype == torch.float32) == [(1, 32), (16, 32)]
-    assert any(v is plain_weight for v in constants.values())
+    assert _fold_weight_casts(gm) == 4  # per site: the FP8 weight and its scales
+    constants = {id(v): v for v in (getattr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr"))}.values()
+    fp8 = [v for v in constants if v.dtype == torch.float8_e4m3fn]
+    assert [tuple(v.shape) for v in fp8] == [(64, 32)] and fp8[0].stride() == (1, 64)  # one copy, column-major B
+    assert sorted(tuple(v.shape) for v in constants if v.dtype == torch.float32) == [(1, 32), (16, 32)]
+    assert any(v is plain_weight for v in constants)
     fp8_ops = [n for n in gm.graph.nodes if n.op == "call_function"
                and getattr(n.meta.get("val"), "dtype", None) == torch.float8_e4m3fn]
-    assert len(fp8_ops) == 1 and _reads_an_input(fp8_ops[0])  # the activation's cast, per call
+    assert len(fp8_ops) == 2 and all(_reads_an_input(n) for n in fp8_ops)  # the activations' casts, per call
     torch.testing.assert_close(gm(x), forward(x), rtol=0, atol=0)
 
 
