@@ -89,7 +89,15 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     args = _check_arguments(model, example_inputs, path)
     path = os.fspath(path)
     params = list(model.named_parameters())
-    device_type = next((t.device.type for _, t in params), None) or _first_tensor(args).device.type
+    device = next((t.device for _, t in params), None) or _first_tensor(args).device
+    device_type = device.type
+    if config.speed_check and config.plan is None and providers.has_fp8_hardware(device):
+        # Dispatch learns that B is a cached weight from the graph's weight inputs; here the
+        # weights are constants, so it cannot tell.
+        log.warning("loka export: the speed check times each weight's FP8 cast as if it ran per call (the "
+                    "package holds it precomputed), so it may keep small sites in bf16 that backend='loka' "
+                    "puts in FP8; for the backend's decisions, export with its plan (options={'plan': path} "
+                    "from loka_compile.save_plan or calibrate)")
     record = backend.GraphRecord(name=f"export{next(_export_ids)}", config=config, params={},
                                  plan=_plan(config, param_fingerprint(params), device_type))
     dynamic_shapes = _batch_dims(args) if dynamic_batch else None
