@@ -107,7 +107,7 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     if dynamic_batch and not batch_dynamic:
         log.warning("loka export: torch.export fixed the batch size at %d (the model specializes dim 0 of "
                     "its first input); the package takes that batch size only", _first_tensor(args).shape[0])
-    loka_pass = _ExportPass(backend.LokaPostGradPass(record, "fp8", frozenset()), record,
+    loka_pass = _ExportPass(backend.LokaPostGradPass(record, "fp8", frozenset()),
                             fold="cached_weights" not in config.disabled_mods)
     try:
         written = torch._inductor.aoti_compile_and_package(
@@ -211,8 +211,8 @@ class _ExportPass(CustomGraphPass):
     deep-copies its config; the pass stays one object, so that what it records reaches
     the caller's GraphRecord."""
 
-    def __init__(self, loka_pass: backend.LokaPostGradPass, record: backend.GraphRecord, fold: bool):
-        self.loka_pass, self.record, self.fold = loka_pass, record, fold
+    def __init__(self, loka_pass: backend.LokaPostGradPass, fold: bool):
+        self.loka_pass, self.fold = loka_pass, fold
 
     def __deepcopy__(self, memo):
         return self
@@ -222,7 +222,7 @@ class _ExportPass(CustomGraphPass):
         if self.fold:
             folded = _fold_weight_casts(graph.owning_module)
             log.info("loka export: %d constants (FP8 weights and their scales) computed once, here", folded)
-            for ctx in self.record.contexts.values():
+            for ctx in self.loka_pass.record.contexts.values():
                 for site in ctx.sites:
                     if ctx.decisions[site.key].fp8:
                         for operand, producer in zip("ab", site.producers):
