@@ -82,9 +82,12 @@ def test_inference_and_dynamic_batch_on_gpu():
 
 
 def test_speed_check_keeps_sites_where_fp8_does_not_pay_in_bf16():
-    # The 4096-wide layer pays in FP8 in CUDA graphs; 8192x4096x64 does not: the GEMM is
-    # too thin for FP8 to gain what the casts cost.
-    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 64))
+    # The 4096-wide layer pays in FP8 in CUDA graphs; 8192x64x32 does not: a few microseconds
+    # of GEMM leave nothing for FP8 to gain. (8192x4096x64 used to be the thin site here, but
+    # with its weight cached and its cast fused into the ReLU the Triton FP8 GEMM wins it:
+    # 11.3 vs 14.4 us on the H100, 2026-11-24.)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 32))
     model = model.cuda().bfloat16().eval()
     compiled = torch.compile(model, backend="loka", mode="reduce-overhead")
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
@@ -92,9 +95,12 @@ def test_speed_check_keeps_sites_where_fp8_does_not_pay_in_bf16():
         out = compiled(x)
         assert sqnr_db(model(x).float(), out.float()) > OUTPUT_SQNR_FLOOR_DB
     report = loka_compile.report(compiled)
-    big, small = sorted(report.sites, key=lambda s: -s.shape[2])
+    by_n = {s.shape[2]: s for s in report.sites}
+    big, small = by_n[4096], by_n[32]
     assert big.fp8 and big.reason == "fp8" and big.bf16_us / big.fp8_us >= 1.05, str(report)
-    assert not small.fp8 and small.reason == "slower_than_bf16" and small.fp8_us > small.bf16_us, str(report)
+    assert not small.fp8 and small.reason == "slower_than_bf16", report.table()
+    for site in report.sites:  # each verdict follows its own timings
+        assert site.fp8 == (site.bf16_us / site.fp8_us >= 1.05), report.table()
     assert "slower_than_bf16" in str(report)
 
 

@@ -240,9 +240,30 @@ def test_a_plan_for_another_model_is_refused(exported, tmp_path):
                                       options={"plan": exported.plan_path})
 
 
+LOAD_PLAIN_PACKAGE = textwrap.dedent("""
+    import sys, torch
+    linear = torch.nn.Linear(32, 32).cuda()
+    x = torch.randn(8, 32, device="cuda")
+    path = torch._inductor.aoti_compile_and_package(torch.export.export(linear, (x,)), package_path=sys.argv[1])
+    print(torch._inductor.aoti_load_package(path)(x).shape)
+""")
+
+
+def _plain_cuda_package_loads(folder) -> bool:
+    """Whether this machine's torch can load any AOTInductor CUDA package: a process that
+    exports and loads one Linear without loka. (On the H100 lent on 2026-11-24, torch
+    2.11.0+cu130, aoti_load_package segfaulted for every CUDA package, loka's or not.)"""
+    loaded = subprocess.run([sys.executable, "-c", LOAD_PLAIN_PACKAGE, str(folder / "plain.pt2")],
+                            capture_output=True, text=True, timeout=600)
+    return loaded.returncode == 0
+
+
 @pytest.mark.cuda
 def test_cuda_bf16_round_trip_runs_scaled_mm(tmp_path):
     """bf16 on an FP8 GPU: the package's GEMMs are torch._scaled_mm on FP8 constants."""
+    if not _plain_cuda_package_loads(tmp_path):
+        pytest.skip("this torch cannot load an AOTInductor CUDA package even without loka (it crashes in "
+                    "aoti_load_package)")
     generator = torch.Generator().manual_seed(1)
     model = Ranker(dim=64, hidden=256).eval().to("cuda", torch.bfloat16)
     options = {"speed_check": False}  # small shapes: keep every eligible site in FP8
