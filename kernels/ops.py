@@ -18,10 +18,17 @@ and the FP8 error of this GEMM under each candidate recipe (`gemm_statistics`) t
 sink installed with `set_observer_sink` (the Probe's statistics store). If measuring
 fails, it hands {"failed": why} instead and the step goes on (the store judges such a
 site unsafe): an observer never fails the model's step.
+
+`perturb(out, site)` follows each forward GEMM of a probe variant when the output budget
+(`LokaConfig.max_output_error`) is on: it returns a copy of `out`, unless the process
+switch (`perturbing(site)`) names its site, when it returns `out * (1 + PERTURB_DELTA * z)`
+with z standard normal from a fixed seed. The backend switches one site on at a time to
+measure how much of a relative error at that GEMM reaches the graph's outputs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -326,3 +333,75 @@ def _(a, b, site, scaling, a_format, b_format, a_is_grad=False, b_is_grad=False)
 
 # An observer has no outputs: mark it effectful so dead-code elimination keeps it.
 torch.fx.node.has_side_effect(torch.ops.loka.observe_gemm.default)
+
+
+@contextlib.contextmanager
+def observers_off():
+    """No sink while inside: observers return at once and the store learns nothing (the
+    output budget's extra runs of a probe variant must not count as observations)."""
+    saved = _observer_sink[0]
+    _observer_sink[0] = None
+    try:
+        yield
+    finally:
+        _observer_sink[0] = saved
+
+
+# ---- Output-sensitivity perturbation (the output budget) --------------------------------
+
+# The relative size of the noise a switched-on `perturb` applies: about a clean e4m3 GEMM's
+# row relative error (0.04), so the model is measured where FP8 puts it, and far above
+# fp32/bf16 rounding of the outputs (1e-7 / 4e-3 relative) so the change it causes is not
+# rounding. Sensitivities are ratios (output change / delta): for a graph that is linear in
+# the GEMM's output, independent of delta.
+PERTURB_DELTA = 0.05
+# The noise's own seed: the same z at every run, so a measurement repeats and never moves
+# the model's RNG.
+_PERTURB_SEED = 0x5E45
+_perturbed_site: list[Optional[str]] = [None]
+
+
+@contextlib.contextmanager
+def perturbing(site: Optional[str]):
+    """Switch `perturb` on for one site key while inside (None: none, the default)."""
+    saved = _perturbed_site[0]
+    _perturbed_site[0] = site
+    try:
+        yield
+    finally:
+        _perturbed_site[0] = saved
+
+
+def _perturb_noise(out: torch.Tensor) -> torch.Tensor:
+    """1 + PERTURB_DELTA * z, z ~ N(0, 1) from the fixed seed, fp32, out's shape."""
+    generator = torch.Generator(device=out.device).manual_seed(_PERTURB_SEED)
+    z = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32)
+    return 1 + PERTURB_DELTA * z
+
+
+@torch.library.custom_op("loka::perturb", mutates_args=(), tags=_TAGS)
+def perturb(out: torch.Tensor, site: str) -> torch.Tensor:
+    result = torch.empty_like(out)
+    if _perturbed_site[0] != site or out.numel() == 0 or not out.is_floating_point():
+        return result.copy_(out)
+    return result.copy_(out.float() * _perturb_noise(out))
+
+
+@perturb.register_fake
+def _(out, site):
+    return torch.empty_like(out)
+
+
+def _perturb_setup(ctx, inputs, output):
+    ctx.perturbed = _perturbed_site[0] == inputs[1] and inputs[0].numel() > 0 and inputs[0].is_floating_point()
+
+
+def _perturb_backward(ctx, grad):
+    # The same noise again (fixed seed): d(out * n)/d(out) = n. Graphs never differentiate
+    # it (the probe pass runs after AOTAutograd); eager use and opcheck do.
+    if not ctx.perturbed:
+        return grad, None
+    return (grad.float() * _perturb_noise(grad)).to(grad.dtype), None
+
+
+perturb.register_autograd(_perturb_backward, setup_context=_perturb_setup)

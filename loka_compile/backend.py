@@ -11,6 +11,12 @@ keep their high-precision GEMM. The second compile runs in the tracing context D
 gave the first (same fake mode and shape environment, so symbolic sizes stay symbolic).
 With `recheck_every` the probe variant runs again every N calls; when a re-check changes
 a verdict, the FP8 variant is recompiled the same way (once per set of verdicts).
+
+With an output budget (`max_output_error`), the window's close also measures each forward
+site's sensitivity on the closing call's arguments (the probe variant once plain, once per
+site with noise at that site's output), keeps in high precision the sites the budget cannot
+afford (`output_budget`), and after the FP8 variant compiles measures its outputs' distance
+from the probe variant's on the same arguments.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import gc
 import hashlib
 import itertools
 import logging
+import math
 import operator
 import pathlib
+import time
 import unittest.mock
 import weakref
 from typing import Optional
@@ -37,9 +45,11 @@ from torch._inductor import fx_utils
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from loka_compile import dispatch, passes, probe
+from loka_compile import dispatch, output_budget, passes, probe
 from loka_compile.config import LokaConfig
-from loka_compile.passes import Decision, PassContext, Reason, graph_kind, run_passes
+from loka_compile.kernels import ops as loka_ops
+from loka_compile.output_budget import OutputBudget
+from loka_compile.passes import Decision, GraphKind, PassContext, Reason, Role, graph_kind, run_passes
 from loka_compile.passes.arch_mods import apply_arch_mods
 from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenance
 from loka_compile.plan import Plan, load_plan, param_fingerprint
@@ -74,6 +84,7 @@ class GraphRecord:
     arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
     horizontal: Optional[HorizontalFusion] = None  # what the horizontal Mod did, when it ran
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
+    output_budget: Optional[OutputBudget] = None  # what max_output_error measured and kept, when it acted
     warned: bool = False
 
     def reads(self, param: torch.Tensor) -> bool:
@@ -99,12 +110,13 @@ class LokaPostGradPass(CustomGraphPass):
         # A failure here reaches `_inner_compile`, which compiles the untouched graph.
         record = self.record
         kind = graph_kind(graph)
-        decide = functools.partial(dispatch.decide, config=record.config, phase=self.phase, plan=record.plan)
+        decide = functools.partial(_decide, record=record, phase=self.phase)
         # Static activation scales (a calibrated plan) serve inference graphs only.
         static = dict(record.plan.a_scales) if kind is passes.GraphKind.INFERENCE and record.plan.source else {}
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
-                          disabled_mods=frozenset(record.config.disabled_mods), static_a_scales=static)
+                          disabled_mods=frozenset(record.config.disabled_mods), static_a_scales=static,
+                          perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error))
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
         run_passes(graph, ctx)
@@ -121,6 +133,16 @@ class LokaPostGradPass(CustomGraphPass):
         plan = self.record.plan
         verdicts = sorted(plan.unsafe.items()), sorted(plan.upgraded.items()), plan.digest() if plan.source else ""
         return hashlib.sha256(f"{_passes_digest()}|{self.record.config}|{self.phase}|{verdicts}".encode()).hexdigest()
+
+
+def _decide(site, record: GraphRecord, phase: str, **kwargs) -> Decision:
+    """Dispatch's decision; a site the output budget keeps in high precision (in the plan's
+    unsafe verdicts) says so in its detail."""
+    decision = dispatch.decide(site, config=record.config, phase=phase, plan=record.plan, **kwargs)
+    kept = record.output_budget.kept if record.output_budget is not None else {}
+    if site.id in kept and decision.reason is Reason.PROBE_UNSAFE:
+        decision = dataclasses.replace(decision, detail=kept[site.id])
+    return decision
 
 
 def _is_dynamo_control(error: Exception) -> bool:
@@ -317,7 +339,7 @@ class LokaCompiledGraph:
     def __call__(self, *args):
         record = self.record
         if record.phase == "probe" and self.calls >= record.config.probe_steps:
-            self._close_probe_window()
+            self._close_probe_window(args)
         if self._rechecking:  # the re-check call's backward has run by now, observers and all
             self._rechecking = False
             self._close_recheck()
@@ -327,7 +349,10 @@ class LokaCompiledGraph:
             return self._recheck_call(args)
         return self.variants[record.phase](*args)
 
-    def _close_probe_window(self) -> None:
+    def _close_probe_window(self, args: Optional[tuple] = None) -> None:
+        """Judge the observed sites, apply the output budget on `args` (the closing call's
+        arguments; without them, as when `calibrate` closes a window, it does not act),
+        compile the FP8 variant."""
         record = self.record
         ids = {s.key: s.id for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites}
         keys = list(ids)
@@ -336,16 +361,149 @@ class LokaCompiledGraph:
         # Kept by stable id in the graph's own plan: the FP8 variant's sites have the same ids.
         record.plan.unsafe.update(unsafe)
         record.plan.upgraded.update(upgraded)
+        measured = self._apply_output_budget(args)
         _PROBING.discard(self)
         self.variants["fp8"] = self._compile_fp8()
+        if measured is not None:
+            self._verify_output_budget(*measured)
         if record.config.recheck_every:
             self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants["fp8"])
             _RECHECKING.add(self)
         else:
             self._pending = None
         record.phase = "fp8"
-        log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded",
-                 record.name, self.calls, len(keys), len(unsafe), len(upgraded))
+        log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded%s",
+                 record.name, self.calls, len(keys), len(unsafe), len(upgraded),
+                 f", {len(record.output_budget.kept)} kept for the output budget" if record.output_budget else "")
+
+    # ---- the output budget (LokaConfig.max_output_error) --------------------------------
+
+    def _budget_sites(self) -> dict:
+        """probe key -> site id of the forward sites the output budget weighs: observed
+        `fwd` sites of the probe variant's forward or inference graph, which carry a
+        `loka.perturb` (backward sites do not reach the outputs)."""
+        record = self.record
+        return {site.key: site.id for (phase, kind), ctx in record.contexts.items()
+                if phase == "probe" and kind is not GraphKind.BACKWARD and kind not in record.fallen_back
+                and not record.fallback and ctx.perturb_outputs
+                for site in ctx.sites
+                if site.role is Role.FWD and site.key in ctx.decisions
+                and ctx.decisions[site.key].reason is Reason.PROBING and probe.STORE.observed(site.key)}
+
+    def _apply_output_budget(self, args) -> Optional[tuple]:
+        """Measure each forward site's sensitivity on `args` and keep in high precision,
+        largest contribution first, the sites whose predicted output discrepancy the
+        budget cannot afford (in the plan's unsafe verdicts, the budget in their detail).
+        Returns (side runs, reference outputs) for `_verify_output_budget`, or None when
+        the budget is off or did not act. Never raises: a failure logs a warning and leaves
+        the per-site verdicts as they are."""
+        record, config = self.record, self.record.config
+        if not config.max_output_error:
+            return None
+        sites = self._budget_sites()
+        if not sites:
+            return None
+        measured = None
+        if args is None:
+            log.info("%s: output budget not applied: the probe window closed without a call to measure on",
+                     record.name)
+        else:
+            try:
+                measured = self._measure_sensitivities(args, sites)
+            except Exception as error:  # noqa: BLE001  (the budget must never cost the model its call)
+                log.warning("loka: %s: output budget: measuring the sites' sensitivities failed (%s: %s); "
+                            "the per-site verdicts stand", record.name, type(error).__name__, error)
+
+        def decide():  # on rank 0 when distributed; must not raise there, the other ranks wait for it
+            if measured is None:
+                return None
+            try:
+                return self._budget_verdicts(sites, measured[2], measured[3], measured[4])
+            except Exception as error:  # noqa: BLE001
+                log.warning("loka: %s: output budget failed (%s: %s); the per-site verdicts stand",
+                            record.name, type(error).__name__, error)
+                return None
+
+        decided = _decide_once(decide)
+        if decided is None:
+            return None
+        record.output_budget = decided
+        for sid in decided.kept:
+            record.plan.unsafe[sid] = decided.error[sid]
+        log.info("%s: output budget %g: predicted output discrepancy %.3g -> %.3g; %d of %d forward site(s) kept "
+                 "in high precision%s (sensitivities: %d runs, %.2f s)", record.name, decided.budget,
+                 decided.predicted_before, decided.predicted, len(decided.kept), len(decided.sensitivity),
+                 f": {', '.join(decided.kept)}" if decided.kept else "", decided.runs, decided.seconds)
+        return (measured[0], measured[1]) if measured is not None else None
+
+    def _measure_sensitivities(self, args, sites: dict) -> tuple:
+        """(side runs, reference outputs, {site id: sensitivity}, seconds, runs): the probe
+        variant once as it is, then once per site with noise at that site's output."""
+        start = time.perf_counter()
+        runs = _SideRuns(args)
+        variant = self.variants["probe"]
+        reference = runs.run(variant)
+        output_budget.check_reference(reference)
+        sensitivity = {}
+        for key, sid in sites.items():
+            with loka_ops.perturbing(key):
+                sensitivity[sid] = output_budget.discrepancy(runs.run(variant), reference) / loka_ops.PERTURB_DELTA
+        return runs, reference, sensitivity, time.perf_counter() - start, len(sites) + 1
+
+    def _budget_verdicts(self, sites: dict, sensitivity: dict, seconds: float, runs: int) -> OutputBudget:
+        """The budget's picks over the forward sites the per-site verdicts let go FP8, each
+        with its error in the scaling it would run (its own, or its upgrade's)."""
+        plan, config = self.record.plan, self.record.config
+        error, labels = {}, {}
+        for key, sid in sites.items():
+            if sid in plan.unsafe:
+                continue
+            summary = probe.STORE.summary(key)
+            target = plan.upgraded.get(sid, (None,))[0]
+            candidate = probe._target_name(target) if isinstance(target, str) else summary.get("chosen")
+            e = output_budget.candidate_error(summary, candidate) if candidate else None
+            if e is None:  # no candidate statistics: the largest observed error
+                e = float(summary.get("max_rel_error", math.inf))
+            error[sid], labels[sid] = e, (candidate or "own").split("/")[0]
+        kept, before, after = output_budget.keep_within(sensitivity, error, config.max_output_error, labels)
+        return OutputBudget(budget=config.max_output_error, sensitivity=sensitivity, error=error, kept=kept,
+                            predicted_before=before, predicted=after, seconds=seconds, runs=runs)
+
+    def _verify_output_budget(self, runs: "_SideRuns", reference: list) -> None:
+        """Run the FP8 variant on the closing call's arguments and record its outputs'
+        discrepancy from the probe variant's; warn when it exceeds the budget by over
+        VERIFY_SLACK (no recompile). Never raises."""
+        record, budget = self.record, self.record.output_budget
+        try:
+            budget.predicted_after = self._predicted_as_compiled()
+            budget.measured = output_budget.discrepancy(runs.run(self.variants["fp8"]), reference)
+        except Exception as error:  # noqa: BLE001
+            log.warning("loka: %s: output budget: measuring the FP8 variant's output failed (%s: %s)",
+                        record.name, type(error).__name__, error)
+            return
+        over = not budget.measured <= VERIFY_SLACK * budget.budget
+        log.log(logging.WARNING if over else logging.INFO,
+                "loka: %s: output discrepancy of the FP8 variant from high precision: measured %.3g, predicted %.3g "
+                "(budget max_output_error %g%s)", record.name, budget.measured, budget.predicted_after, budget.budget,
+                f", exceeded over {VERIFY_SLACK:g}x: the sensitivities did not predict it" if over else "")
+
+    def _predicted_as_compiled(self) -> float:
+        """D over the forward sites the FP8 variant runs in FP8, each at the scaling it runs."""
+        record, budget = self.record, self.record.output_budget
+        keys = {sid: key for key, sid in self._budget_sites().items()}
+        contributions = []
+        for (phase, kind), ctx in record.contexts.items():
+            if phase != "fp8" or kind is GraphKind.BACKWARD or kind in record.fallen_back or record.fallback:
+                continue
+            for site in ctx.sites:
+                decision = ctx.decisions.get(site.key)
+                if decision is None or not decision.fp8 or site.id not in budget.sensitivity:
+                    continue
+                candidate = loka_ops.candidate_name(decision.scaling, decision.a_format, decision.b_format)
+                e = output_budget.candidate_error(probe.STORE.summary(keys[site.id]), candidate) \
+                    if site.id in keys else None
+                contributions.append(budget.sensitivity[site.id] * (e if e is not None else budget.error[site.id]))
+        return output_budget.predicted(contributions)
 
     def _compile_fp8(self):
         """The FP8 variant, with the plan's verdicts as they stand, in Dynamo's tracing context."""
@@ -393,6 +551,10 @@ class LokaCompiledGraph:
         sites = {key: (sid, own) for key, (sid, own) in self._observed_sites().items() if probe.STORE.observed(key)}
         unsafe, upgraded = _decide_once(lambda: _verdicts_by_id({k: sid for k, (sid, _) in sites.items()}, config,
                                                                 log_level=logging.DEBUG))
+        # The output budget decided once, at the window's close: its sites stay kept.
+        kept = record.output_budget.kept if record.output_budget is not None else {}
+        unsafe.update({sid: record.plan.unsafe[sid] for sid, _ in sites.values()
+                       if sid in kept and sid not in unsafe and sid in record.plan.unsafe})
         plan = record.plan
         changes = []
         for key, (sid, own) in sites.items():
@@ -441,6 +603,53 @@ class LokaCompiledGraph:
         self.variants["fp8"] = build.compiled
         return build.contexts is None
 
+
+class _SideRuns:
+    """Extra runs of a compiled variant on one call's arguments that leave no trace: no
+    gradient, no Probe observation, each from the RNG state of the moment this was made (so
+    dropout draws alike in every run) with the caller's state restored after, and inputs
+    the graph mutates in place (BatchNorm's running statistics) restored to their values."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rng = _rng_state()
+        self.inputs = [(a, a.detach().clone(), a._version) for a in args
+                       if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
+                       and not a.is_inference()]
+
+    def run(self, variant) -> list:
+        """The floating outputs (copies) of variant(*args)."""
+        caller = _rng_state()
+        try:
+            _set_rng_state(self.rng)
+            with torch.no_grad(), loka_ops.observers_off():
+                return output_budget.float_outputs(variant(*self.args))
+        finally:
+            _set_rng_state(caller)
+            with torch.no_grad():
+                for i, (tensor, saved, version) in enumerate(self.inputs):
+                    if tensor._version != version:
+                        tensor.copy_(saved)
+                        self.inputs[i] = (tensor, saved, tensor._version)
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# The output budget's check after the FP8 variant compiles: a measured discrepancy over this
+# many times the budget is logged as a warning (the prediction missed; no recompile). The
+# sensitivities come from one noise draw per site and FP8 errors are not exactly a
+# per-element relative noise, so predictions within 1.5x are taken as agreeing.
+VERIFY_SLACK = 1.5
 
 # FP8 variants a re-checking graph keeps, one per set of verdicts, so that a site whose bound
 # hovers at the budget costs a switch rather than a compile at each re-check.

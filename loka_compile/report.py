@@ -48,6 +48,9 @@ class SiteRecord:
     # Speed check per provider: name -> {"gemm_us" (None: could not run), "chosen", "lost"}
     candidates: dict = dataclasses.field(default_factory=dict)
     m_bucket: Optional[int] = None    # symbolic M: the M the speed check timed the site at
+    # Output budget (`max_output_error`): the relative change of the graph's outputs per unit of
+    # relative noise at this GEMM's output (forward sites; None when not measured)
+    sensitivity: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,22 @@ class GraphReport:
     fallback: Optional[str]
     graph_modules: dict     # kind -> the rewritten post-grad GraphModule of the active phase
     config: object
+    # What the output budget measured and kept (`output_budget.OutputBudget`: sensitivities,
+    # errors, kept sites, predicted and measured output discrepancy), None when it did not act
+    output_budget: Optional[object] = None
+
+    @property
+    def predicted_output_error(self) -> Optional[float]:
+        """The output discrepancy the budget predicted for the FP8 variant as compiled."""
+        budget = self.output_budget
+        if budget is None:
+            return None
+        return budget.predicted_after if budget.predicted_after is not None else budget.predicted
+
+    @property
+    def measured_output_error(self) -> Optional[float]:
+        """The FP8 variant's output discrepancy from high precision, measured at the window's close."""
+        return None if self.output_budget is None else self.output_budget.measured
 
 
 _KIND_ORDER = {GraphKind.FORWARD: 0, GraphKind.INFERENCE: 0, GraphKind.BACKWARD: 1}
@@ -85,6 +104,8 @@ def _site_records(record) -> list:
     for kind in (GraphKind.FORWARD, GraphKind.INFERENCE):
         if kind in contexts:
             forward_names.update({s.seq_nr: s.name for s in contexts[kind].sites if s.seq_nr is not None})
+    budget = getattr(record, "output_budget", None)
+    sensitivity = budget.sensitivity if budget is not None else {}
     rows = []
     for kind in sorted(contexts, key=_KIND_ORDER.get):
         ctx = contexts[kind]
@@ -107,7 +128,7 @@ def _site_records(record) -> list:
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
                 casts=dict(site.casts) if fp8 else {}, fast_accum=fp8 and decision.fast_accum,
                 padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id,
-                m_bucket=decision.m_bucket))
+                m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id)))
     return rows
 
 
@@ -129,7 +150,7 @@ class Report:
     def __init__(self, records):
         self.graphs = [GraphReport(r.name, r.phase, r.fallback or "; ".join(r.fallen_back.values()) or None,
                                    {kind.value: gm for (phase, kind), gm in r.graph_modules.items() if phase == r.phase},
-                                   r.config) for r in records]
+                                   r.config, getattr(r, "output_budget", None)) for r in records]
         self.sites = [row for r in records for row in _site_records(r)]
         self._arch_mods = collections.Counter()
         self._horizontal = collections.Counter()
@@ -203,8 +224,24 @@ class Report:
     def summary(self, largest: int = 5) -> str:
         """What to read first: sites and GEMM FLOPs in FP8 (and Mods, fallbacks), counts by
         reason, the largest sites left in high precision with their reasons, and the
+        output budget's predicted and measured output discrepancy per graph, and the
         re-checks' verdict changes."""
-        return "\n".join([self._headline(), *self._kept_lines(largest), *self._history_lines()])
+        return "\n".join([self._headline(), *self._kept_lines(largest), *self._budget_lines(),
+                          *self._history_lines()])
+
+    def _budget_lines(self) -> list:
+        """One line per graph where the output budget (`max_output_error`) acted."""
+        lines = []
+        for g in self.graphs:
+            b = g.output_budget
+            if b is None:
+                continue
+            measured = f", measured {b.measured:.3g}" if b.measured is not None else ""
+            lines.append(f"output budget {g.name}: predicted output discrepancy {b.predicted_before:.3g} with every "
+                         f"safe forward site in FP8, {g.predicted_output_error:.3g} as compiled{measured} "
+                         f"(max_output_error {b.budget:g}); {len(b.kept)} of {len(b.sensitivity)} forward site(s) "
+                         f"kept in high precision")
+        return lines
 
     def _history_lines(self) -> list:
         """One line per site a re-check (`recheck_every`) moved: each change with its call."""
@@ -238,6 +275,7 @@ class Report:
                          f"read per call instead of {bf16_bytes / 2**20:.2f} MiB in bf16 "
                          f"(the copies are extra memory: the bf16 parameters stay with the model)")
         lines += self._kept_lines(largest)
+        lines += self._budget_lines()
         lines += self._history_lines()
         lines.append("every site: print(report.table())")
         return "\n".join(lines)

@@ -125,3 +125,6 @@ class PassContext:
     cached_weights: list = dataclasses.field(default_factory=list)  # weight_cache.CachedWeight, inference
     # Inference graphs with a calibrated plan: site id -> {"scale", "policy", ...} (Plan.a_scales)
     static_a_scales: dict = dataclasses.field(default_factory=dict)
+    # Probe graphs under an output budget (`LokaConfig.max_output_error`): the probe pass puts
+    # a `loka.perturb` after each forward-role GEMM, for the budget's sensitivity runs.
+    perturb_outputs: bool = False

@@ -12,15 +12,25 @@ The observer reads A and B and reports their statistics and the FP8 error of eac
 candidate recipe to the Probe's store (the gradient flags say which operands may take
 e5m2); the GEMM itself stays in high precision.
 
+With `ctx.perturb_outputs` (an output budget, `LokaConfig.max_output_error`), each such
+site of role `fwd` in a forward or inference graph also gets
+    C = aten.mm(A, B)
+    C' = loka.perturb(C, site_key)      # every user of C reads C'
+a copy of C unless the backend switches the site on (`kernels.ops.perturbing`), when it is
+C * (1 + delta z): what the budget's sensitivity runs measure. Backward graphs get none (their
+GEMMs, recomputed forward ones included, do not reach the forward's outputs).
+
 Declines: sites that would not go FP8 anyway (nothing to learn), and every graph outside
 the probe phase.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from .context import PassContext, Reason
+from .context import GraphKind, PassContext, Reason, Role
 from .find_sites import operands
 
 
@@ -40,4 +50,23 @@ def probe(graph: torch.fx.Graph, ctx: PassContext) -> int:
                  bool(getattr(site, "a_is_grad", False)), bool(getattr(site, "b_is_grad", False))))
         observer.meta["val"] = None
         inserted += 1
+        if ctx.perturb_outputs and site.role is Role.FWD and ctx.kind is not GraphKind.BACKWARD:
+            _perturb_output(graph, site)
     return inserted
+
+
+def _perturb_output(graph: torch.fx.Graph, site) -> None:
+    """Every user of the site's GEMM reads `loka.perturb` of it instead."""
+    node = site.node
+    with graph.inserting_after(node):
+        noisy = graph.call_function(torch.ops.loka.perturb.default, (node, site.key))
+    node.replace_all_uses_with(noisy, delete_user_cb=lambda user: user is not noisy)
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        mode = getattr(value, "fake_mode", None)
+        with mode if mode is not None else contextlib.nullcontext():
+            noisy.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                                    device=value.device)
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in node.meta:
+            noisy.meta[key] = node.meta[key]

@@ -67,6 +67,8 @@ BAD_OPTIONS = [
     ({"probe_metric": None}, "valid probe_metrics"),
     ({"recheck_every": -1, "probe_steps": 1}, "recheck_every must be a non-negative int"),
     ({"recheck_every": 100}, "recheck_every=100 needs probe_steps > 0"),
+    ({"max_output_error": -0.1}, r"max_output_error must be a positive finite number, or None or 0 for off"),
+    ({"max_output_error": "0.003"}, "max_output_error must be a positive finite number"),
 ]
 
 

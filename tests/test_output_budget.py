@@ -1,0 +1,262 @@
+"""The output budget (`max_output_error`): per forward site a sensitivity measured by noise
+injection at the probe window's close, the sites the budget cannot afford kept in high
+precision, the FP8 variant's output discrepancy measured after it compiles."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import loka_compile
+from loka_compile import LokaConfig, backend, output_budget
+from loka_compile.kernels import ops
+from loka_compile.passes import GraphKind
+
+from models import MLPWithNorm
+from numerics import rel_error
+
+# One noise draw over the outputs: its relative size measures delta within about
+# 1 / sqrt(2 n) (n = 4096 output elements here: 1.1%); 5% is over 4 standard deviations.
+SENSITIVITY_RTOL = 0.05
+D = 64        # planted model: width and batch
+SMALL = 1e-3  # the planted insensitive site's scale
+
+
+class PlantedSensitivity(nn.Module):
+    """fc1's output is the model's output (sensitivity 1); fc2's is scaled by 1e-3 and
+    added to it, a residual about 1000 times larger (sensitivity about 1e-3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, D, bias=False)
+        self.fc2 = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        return self.fc1(x) + SMALL * self.fc2(x)
+
+
+def _analytic(model, x) -> dict:
+    """relerr(out with fc_i's output times (1 + delta z), out) / delta for z of unit rms:
+    ||fc_i term|| / ||out||."""
+    with torch.no_grad():
+        out = model(x)
+        return {"fc1": float(model.fc1(x).norm() / out.norm()), "fc2": float(SMALL * model.fc2(x).norm() / out.norm())}
+
+
+def _run(model, options, calls=3, x=None, train=False):
+    """Compile, call `calls` times on x (the window closes at call 3 with probe_steps 2)."""
+    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise", "probe_steps": 2, **options})
+    x = torch.randn(D, D) if x is None else x
+    for _ in range(calls):
+        if train:
+            out = compiled(x)
+            out.square().mean().backward()
+        else:
+            with torch.no_grad():
+                out = compiled(x)
+    return compiled, out
+
+
+def _sites(compiled) -> dict:
+    """module -> forward SiteRecord (the planted fc1's GEMM takes fc2's term as its addend,
+    so its module reads "<root>")."""
+    return {("fc2" if s.module == "fc2" else "fc1"): s for s in loka_compile.report(compiled).sites
+            if s.role == "fwd"}
+
+
+def _perturb_nodes(record, kind=GraphKind.INFERENCE) -> int:
+    gm = record.graph_modules[("probe", kind)]
+    return sum(n.target is torch.ops.loka.perturb.default for n in gm.graph.nodes)
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_planted_sensitivities_and_the_budget_keeps_the_sensitive_site(store, caplog):
+    model, x = PlantedSensitivity(), torch.randn(D, D)
+    with caplog.at_level(logging.INFO, logger="loka"):
+        compiled, out = _run(model, {}, x=x)  # the default budget, 0.003
+    sites = _sites(compiled)
+    expected = _analytic(model, x)
+    # measured: fc1 0.989 (analytic 1.000), fc2 9.68e-4 (analytic 1.00e-3)
+    assert expected["fc1"] == pytest.approx(1.0, abs=2 * SMALL)
+    for name, site in sites.items():
+        assert site.sensitivity == pytest.approx(expected[name], rel=SENSITIVITY_RTOL), (name, site.sensitivity)
+
+    # Contributions s * e: fc1 0.036, fc2 3.5e-5; the budget 0.003 lies between.
+    assert not sites["fc1"].fp8 and sites["fc1"].reason == "probe_unsafe"
+    assert "output budget" in sites["fc1"].detail and "max_output_error 0.003" in sites["fc1"].detail
+    assert f"sensitivity {sites['fc1'].sensitivity:.3g}" in sites["fc1"].detail
+    assert sites["fc2"].fp8
+    graph = loka_compile.report(compiled).graphs[0]
+    budget = graph.output_budget
+    assert list(budget.kept) == [sites["fc1"].id]
+    assert budget.predicted_before > 0.003 >= budget.predicted
+    assert budget.measured == pytest.approx(budget.predicted, rel=0.5) and budget.measured <= 0.003
+    assert graph.measured_output_error == budget.measured and graph.predicted_output_error == budget.predicted_after
+    # the output is within the budget of the high-precision product
+    with torch.no_grad():
+        assert rel_error(model(x).double(), out) <= 0.003
+    summary = loka_compile.report(compiled).summary()
+    assert "output budget g0: predicted output discrepancy" in summary and "1 of 2 forward site(s) kept" in summary
+    assert "g0: output budget 0.003" in caplog.text and "kept in high precision: " + sites["fc1"].id in caplog.text
+    # the extra runs observed nothing: two observations per site, the window's
+    assert all(store.observed(k) == 2 for k in store.keys())
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_loose_budget_puts_both_in_fp8_and_off_changes_nothing(store):
+    model, x = PlantedSensitivity(), torch.randn(D, D)
+    loose, out_loose = _run(model, {"max_output_error": 0.1}, x=x)
+    assert all(s.fp8 for s in _sites(loose).values())
+    assert loka_compile.report(loose).graphs[0].output_budget.kept == {}
+
+    torch._dynamo.reset()
+    off, out_off = _run(copy.deepcopy(model), {"max_output_error": None}, x=x)  # a report of its own
+    assert all(s.fp8 and s.sensitivity is None for s in _sites(off).values())
+    record = loka_compile.report(off).graphs[0]
+    assert record.output_budget is None and "output budget" not in loka_compile.report(off).summary()
+    assert [_perturb_nodes(r) for r in backend.GRAPHS] == [2, 0]
+    assert torch.equal(out_loose, out_off)  # the same FP8 variant
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_lrm_stack_output_within_budget(store, train):
+    """Linear -> LayerNorm -> ReLU x2 -> head, rowwise. Each site contributes about 0.036
+    (sensitivity ~1, rel. error ~0.036): all-FP8 is predicted at 0.064, so a budget of 0.06
+    keeps one site (measured: fc2, after it 0.0507 predicted, 0.0484 measured)."""
+    budget = 0.06
+    model, x = MLPWithNorm(), torch.randn(64, 64)
+    compiled, out = _run(model, {"max_output_error": budget}, x=x, train=train)
+    report = loka_compile.report(compiled)
+    graph = report.graphs[0]
+    fwd = [s for s in report.sites if s.role == "fwd"]
+    assert len(fwd) == 3 and all(s.sensitivity is not None and 0.5 < s.sensitivity < 2 for s in fwd)
+    assert all(s.sensitivity is None for s in report.sites if s.role != "fwd")
+    kept = [s for s in fwd if not s.fp8]
+    assert [s.id for s in kept] == list(graph.output_budget.kept) and len(kept) == 1
+    assert graph.output_budget.predicted_before > budget >= graph.predicted_output_error
+    with torch.no_grad():
+        reference = model(x)  # the high-precision model (fp32, eager)
+        assert rel_error(reference.double(), out) <= budget
+        assert rel_error(reference.double(), out) == pytest.approx(graph.measured_output_error, rel=1e-3)
+        fresh = torch.randn(64, 64)
+        assert rel_error(model(fresh).double(), compiled(fresh)) <= budget
+    if train:  # backward sites keep the per-site rule: all FP8
+        assert all(s.fp8 for s in report.sites if s.role != "fwd")
+
+
+def test_perturb_op_passes_opcheck_and_is_inert_when_off():
+    x = torch.randn(8, 32, requires_grad=True)
+    torch.library.opcheck(torch.ops.loka.perturb.default, (x, "g0/forward/mm"))
+    torch.library.opcheck(torch.ops.loka.perturb.default, (x.detach().t(), "g0/forward/mm"))
+    assert torch.equal(torch.ops.loka.perturb(x, "s"), x)
+    big = torch.randn(256, 256)
+    with ops.perturbing("other"):
+        assert torch.equal(torch.ops.loka.perturb(big, "s"), big)
+    with ops.perturbing("s"):
+        noisy = torch.ops.loka.perturb(big, "s")
+        assert torch.equal(noisy, torch.ops.loka.perturb(big, "s"))  # fixed seed
+    assert rel_error(big, noisy) == pytest.approx(ops.PERTURB_DELTA, rel=SENSITIVITY_RTOL)
+    assert torch.equal(torch.ops.loka.perturb(big, "s"), big)  # switched off again
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_probe_variant_is_bit_equal_with_and_without_perturb_ops(store):
+    """Switch off, the inserted ops are copies: the probe variant's outputs are those of
+    the same variant compiled without them, bit for bit."""
+    model, x = MLPWithNorm(), torch.randn(64, 64)
+    outs = []
+    for budget in (0.003, None):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="loka", options={"probe_steps": 5, "max_output_error": budget})
+        with torch.no_grad():
+            outs.append(compiled(x))
+    assert [_perturb_nodes(r) for r in backend.GRAPHS] == [3, 0]
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_a_failing_sensitivity_step_logs_and_keeps_todays_decisions(store, caplog, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(backend.LokaCompiledGraph, "_measure_sensitivities", fail)
+    model, x = PlantedSensitivity(), torch.randn(D, D)
+    with caplog.at_level(logging.WARNING, logger="loka"):
+        compiled, out = _run(model, {}, x=x, calls=4)
+    assert "measuring the sites' sensitivities failed (RuntimeError: planted failure)" in caplog.text
+    sites = _sites(compiled)
+    assert all(s.fp8 and s.sensitivity is None for s in sites.values())  # the per-site verdicts: both FP8
+    assert loka_compile.report(compiled).graphs[0].output_budget is None
+    with torch.no_grad():
+        assert rel_error(model(x).double(), out) < 0.1
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_a_failing_check_after_compile_logs_and_the_model_runs(store, caplog, monkeypatch):
+    def fail(self):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(backend.LokaCompiledGraph, "_predicted_as_compiled", fail)
+    model, x = PlantedSensitivity(), torch.randn(D, D)
+    with caplog.at_level(logging.WARNING, logger="loka"):
+        compiled, out = _run(model, {}, x=x)
+    assert "measuring the FP8 variant's output failed (RuntimeError: planted failure)" in caplog.text
+    assert not _sites(compiled)["fc1"].fp8 and _sites(compiled)["fc2"].fp8  # the budget's picks stand
+    assert loka_compile.report(compiled).graphs[0].measured_output_error is None
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_rechecks_run_the_perturb_ops_inert_and_keep_the_budgets_sites(store, caplog):
+    model, x = PlantedSensitivity(), torch.randn(D, D)
+    compiled = torch.compile(model, backend="loka",
+                             options={"recipe": "rowwise", "probe_steps": 2, "recheck_every": 2})
+    outs = {}
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="loka"):
+        reference = model(x).double()
+        for call in range(1, 8):  # re-checks at calls 4 and 6, judged at 5 and 7
+            outs[call] = rel_error(reference, compiled(x))
+    assert outs[4] < 1e-6 and outs[6] < 1e-6, outs  # the probe variant, perturb ops switched off
+    sites = _sites(compiled)
+    assert not sites["fc1"].fp8 and "output budget" in sites["fc1"].detail and sites["fc2"].fp8
+    assert sites["fc1"].history == () and "promoted" not in caplog.text
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_saved_plan_keeps_the_budgets_verdict(store, tmp_path):
+    model, x = PlantedSensitivity(), torch.randn(D, D)
+    compiled, _ = _run(model, {}, x=x)
+    fc1 = _sites(compiled)["fc1"]
+    plan = loka_compile.save_plan(compiled, tmp_path / "plan.json")
+    assert fc1.id in plan.unsafe and "output budget" in plan.sites[fc1.id].detail
+    torch._dynamo.reset()
+    loaded = torch.compile(copy.deepcopy(model), backend="loka",  # a report of its own
+                           options={"recipe": "rowwise", "plan": str(tmp_path / "plan.json")})
+    with torch.no_grad():
+        loaded(x)
+    again = {s.id: s for s in loka_compile.report(loaded).sites}[fc1.id]
+    assert not again.fp8 and "output budget" in again.detail and "from plan" in again.detail
+
+
+def test_budget_arithmetic():
+    sensitivity = {"a": 1.0, "b": 0.5, "c": 1e-3}
+    error = {"a": 0.04, "b": 0.04, "c": 0.04}
+    kept, before, after = output_budget.keep_within(sensitivity, error, 0.03)
+    assert before == pytest.approx((0.04 ** 2 + 0.02 ** 2 + 4e-5 ** 2) ** 0.5)
+    assert list(kept) == ["a"] and after == pytest.approx((0.02 ** 2 + 4e-5 ** 2) ** 0.5)
+    assert output_budget.keep_within(sensitivity, error, 1.0)[0] == {}
+    assert list(output_budget.keep_within({"a": float("nan"), "b": 1.0}, {"a": 0.01, "b": 0.04}, 0.05)[0]) == ["a"]
+    ref = [torch.ones(4), torch.ones(2, 2)]
+    assert output_budget.discrepancy([torch.full((4,), 1.1), torch.ones(2, 2)], ref) == pytest.approx(0.2 / 8 ** 0.5)
+    with pytest.raises(ValueError, match="not finite"):
+        output_budget.check_reference([torch.tensor([float("nan")])])
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True, "0.003"])
+def test_bad_budget_values_raise(value):
+    with pytest.raises(ValueError, match="max_output_error must be a positive finite number, or None or 0 for off"):
+        LokaConfig(max_output_error=value)
+    assert LokaConfig(max_output_error=0).max_output_error is None
+    assert LokaConfig().max_output_error == 0.003
