@@ -52,8 +52,10 @@ applies to those only). In one process:
   counts cover the graphs of every batch size that ran;
 - loka_calibrated rows also record `calibration`: before compiling, loka_compile.calibrate
   runs the row's bf16 copy on `--calibration-batches` (default 4) training-stream batches
-  at the largest batch size with `--calibration-policy` (amax); its plan (a temporary
-  file) is passed as options={"plan": path, "mode": ...}. `site_errors` holds each
+  at the largest batch size with `--calibration-policy` (amax) and the row's loka options;
+  its plan (a temporary file: static scales and the Probe's verdicts, no speed decisions)
+  is passed as options={"plan": path, "mode": ...}, so the row's compile runs the speed
+  check in its own mode with each site's static scale. `site_errors` holds each
   static-scale site's calibrated error (the plan's `a_scales[site]["error"]`, loka's
   probe_metric of the constant-scale GEMM on sampled rows), `unsafe` the sites left bf16
   over max_probe_error, `seconds` the calibration time (not in any timing).
@@ -212,18 +214,19 @@ def prepare_unit(master: nn.Module, cfg: Config, scope: str, device: torch.devic
 
 def calibrate_plan(setup: "ModelSetup", unit: nn.Module, cfg: Config, path: str) -> dict:
     """loka_compile.calibrate on `unit` (the config's bf16 copy) with --calibration-batches
-    training-stream batches at the largest batch size, the row's loka options (no mode:
-    calibration runs without CUDA graphs) and --calibration-policy; the plan is saved to
-    `path`. Returns the row's `calibration` record, with each static-scale site's error."""
+    training-stream batches at the largest batch size, the row's loka options and
+    --calibration-policy; the plan is saved to `path`. Calibration runs no speed check, so
+    the row's compile decides speed in its mode. Returns the row's `calibration` record,
+    with each static-scale site's error."""
     import loka_compile
     args = setup.args
     size = max(setup.pools)
     with torch.no_grad():
         batches = [setup.inputs(setup.train_data.batch(i, size, setup.device))
                    for i in range(args.calibration_batches)]
-    options = {k: v for k, v in loka_options_for(cfg, args.loka_options).items() if k != "mode"}
     t0 = time.perf_counter()
-    plan = loka_compile.calibrate(unit, batches, policy=args.calibration_policy, options=options)
+    plan = loka_compile.calibrate(unit, batches, policy=args.calibration_policy,
+                                  options=loka_options_for(cfg, args.loka_options))
     seconds = time.perf_counter() - t0
     plan.save(path)
     del batches

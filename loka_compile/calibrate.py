@@ -7,7 +7,8 @@
 
 In the inference graph compiled with that plan, each planned site casts A with its
 constant scale (clamp(A / s) -> e4m3, no amax reduction), while its weight stays
-cached per output channel (`passes/weight_cache.py`).
+cached per output channel (`passes/weight_cache.py`). Calibration decides what it can
+measure, safety; whether FP8 pays is decided when the served model compiles, in its mode.
 """
 
 from __future__ import annotations
@@ -34,14 +35,21 @@ POLICIES = ("amax", "percentile")
 
 def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percentile: float = 99.99,
               options=None) -> Plan:
-    """Run `model` on `batches` under `torch.no_grad()`, compiled with backend="loka" and a
-    probe window of `len(batches)` calls, and return its Plan with a static tensorwise
-    activation scale per inference FP8 site (`Plan.a_scales`, by site id; save it with
-    `plan.save(path)`, load it with `options={"plan": path}`).
+    """Run `model` on `batches` under `torch.no_grad()`, compiled with backend="loka", a
+    probe window of `len(batches)` calls and no speed check, and return its Plan with a
+    static activation scale per inference site the Probe judged safe and FP8 can serve
+    (`Plan.a_scales`, by site id; save it with `plan.save(path)`, load it with
+    `options={"plan": path}`).
+
+    The plan holds the Probe's verdicts (unsafe, upgraded), the scales, and the sites'
+    decisions without a speed check: a compile that loads it on FP8 hardware with
+    `speed_check` on times each FP8 site there, in its own mode (CUDA graphs or not) and
+    with A cast by its static scale, and keeps in high precision where FP8 does not pay.
+    So `mode` does not matter here; compile the served model with its own.
 
     Each batch is a tensor, a tuple of positional arguments or a dict of keyword
     arguments. `options` are the compile's options (LokaConfig or mapping; `probe_steps`
-    is set here, `plan` must be unset). Per site, A's range is:
+    and `speed_check` are set here, `plan` must be unset). Per site, A's range is:
     - "amax": the largest |A| the Probe saw over every calibration row;
     - "percentile": the `percentile`-th percentile of |A| over the rows the Probe's
       reservoir sampled (at most `probe.RESERVOIR_ROWS` rows per site, uniform over all
@@ -64,7 +72,8 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     config = LokaConfig.from_options(options)
     if config.plan is not None:
         raise ValueError("calibrate makes a plan: leave the `plan` option unset")
-    config = dataclasses.replace(config, probe_steps=len(batches))
+    # No speed check: every safe site FP8 can serve gets its scale; speed is the serving compile's.
+    config = dataclasses.replace(config, probe_steps=len(batches), speed_check=False)
     label = "amax" if policy == "amax" else f"percentile {float(percentile):g}"
 
     known = {id(r) for r in backend.GRAPHS}

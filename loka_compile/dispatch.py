@@ -21,17 +21,20 @@ Rules, in order; the first that applies gives the reason:
                                                  within it and has a provider: the site
                                                  goes there, each step's bound in its detail)
   graph still in its probe window             -> probing
-  the site's FP8 form (casts as they will run, fused or standalone, plus the fastest
-  provider's GEMM) not min_fp8_speedup faster than the high-precision GEMM, timed at the
-  site's shape and layouts (`speed.py`; FP8 hardware, concrete K and N; a symbolic M at
-  the power-of-two bucket of its compile-time size, in Decision.m_bucket and the detail)
+  the site's FP8 form (casts as they will run, fused or standalone, A's with its
+  calibrated static scale where the graph has one, plus the fastest provider's GEMM) not
+  min_fp8_speedup faster than the high-precision GEMM, timed at the site's shape and
+  layouts (`speed.py`; FP8 hardware, concrete K and N; a symbolic M at the power-of-two
+  bucket of its compile-time size, in Decision.m_bucket and the detail)
                                               -> slower_than_bf16
   otherwise                                   -> fp8, on the fastest timed provider (the
                                                  first `select` gives when not timed)
 A site of a loaded plan (`LokaConfig.plan`) that passes the rules up to no_fp8_hardware
 takes the plan's measured decision (fp8, probe_unsafe, slower_than_bf16, provider_failed)
 instead of the rules after it, when its K, N, dtype and padding match and its provider
-can still serve it; otherwise it is decided here, with a warning.
+can still serve it; otherwise it is decided here, with a warning. A planned fp8 that no
+speed check timed (a compile with speed_check off, as `loka_compile.calibrate` runs) is
+timed here when this compile checks speed, in this compile's mode.
 Emulation is used only where the device has no FP8 hardware: on an FP8 GPU it would be
 slower than the high-precision GEMM it replaces.
 """
@@ -93,6 +96,8 @@ def _from_plan(site: Site, entry, source: str, config: LokaConfig, hardware: boo
     reason = Reason(entry.reason)
     if reason not in MEASURED_REASONS:
         return None
+    if entry.fp8 and entry.fp8_us is None and hardware and config.speed_check:
+        return None  # FP8 without a speed measurement: the speed check runs here, in this compile's mode
     dtype = str(site.dtype).replace("torch.", "")
     # K and N where both are concrete (symbol names differ between compiles)
     differs = any(isinstance(a, int) and isinstance(b, int) and a != b
@@ -116,9 +121,11 @@ def _from_plan(site: Site, entry, source: str, config: LokaConfig, hardware: boo
 
 
 def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Mapping[str, float]] = None,
-           upgraded_sites: Optional[Mapping[str, tuple]] = None, plan=None) -> Decision:
+           upgraded_sites: Optional[Mapping[str, tuple]] = None, plan=None, a_static: bool = False) -> Decision:
     """`plan`: the compiled model's Plan; its verdicts (by site id) apply, and when it
-    was loaded from a file a site it holds takes its decision, re-checked."""
+    was loaded from a file a site it holds takes its decision, re-checked. `a_static`:
+    the graph casts the site's A with a calibrated static scale (`PassContext.static_a_scale`;
+    tensorwise and rowwise only), so the speed check times that cast."""
     m, k, n = site.shape
     if site.op == "packed_linear":
         return _fallback(Reason.PACKED_BY_FREEZING, "Inductor's freezing packed the weight for a CPU library "
@@ -190,8 +197,9 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
     if phase == "probe":
         return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.disabled_mods
+    a_static = a_static and chosen["scaling"] != Scaling.BLOCKWISE.value
     shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached,
-                             "benchmarked_reductions" not in config.disabled_mods) if hardware else None
+                             "benchmarked_reductions" not in config.disabled_mods, a_static) if hardware else None
     if shape is not None and not config.speed_check:
         try:
             chosen["provider"] = speed.runnable_providers(shape, chosen["scaling"], chosen["a_format"],
@@ -220,7 +228,8 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
         measured["m_bucket"] = shape.m
         bucket = f"M={m} timed at {shape.m}, the power of two at or above its compile-time size {speed.m_hint(site)}"
     others = ", ".join(f"{name} GEMM {us:.1f} us" for name, us in timing.gemm_us.items())
-    timings = f"fp8 {timing.fp8_us:.1f} us ({others}; casts {timing.cast_us:.1f} us) vs {timing.bf16_us:.1f} us"
+    casts = f"casts {timing.cast_us:.1f} us{', A with its static scale' if shape.a_static else ''}"
+    timings = f"fp8 {timing.fp8_us:.1f} us ({others}; {casts}) vs {timing.bf16_us:.1f} us"
     cannot = "; ".join(f"{name} cannot run here ({why})" for name, why in timing.failed.items())
     detail = "; ".join(filter(None, (notes, bucket, timings, cannot)))
     if not fp8:

@@ -91,15 +91,17 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     params = list(model.named_parameters())
     device = next((t.device for _, t in params), None) or _first_tensor(args).device
     device_type = device.type
-    if config.speed_check and config.plan is None and providers.has_fp8_hardware(device):
+    plan = _plan(config, param_fingerprint(params), device_type)
+    untimed = config.plan is None or any(e.fp8 and e.fp8_us is None for e in plan.sites.values())
+    if config.speed_check and untimed and providers.has_fp8_hardware(device):
         # Dispatch learns that B is a cached weight from the graph's weight inputs; here the
         # weights are constants, so it cannot tell.
         log.warning("loka export: the speed check times each weight's FP8 cast as if it ran per call (the "
                     "package holds it precomputed), so it may keep small sites in bf16 that backend='loka' "
                     "puts in FP8; for the backend's decisions, export with its plan (options={'plan': path} "
-                    "from loka_compile.save_plan or calibrate)")
-    record = backend.GraphRecord(name=f"export{next(_export_ids)}", config=config, params={},
-                                 plan=_plan(config, param_fingerprint(params), device_type))
+                    "from loka_compile.save_plan of the model compiled with backend='loka'; a calibrated plan "
+                    "leaves the speed check to the compile that loads it)")
+    record = backend.GraphRecord(name=f"export{next(_export_ids)}", config=config, params={}, plan=plan)
     dynamic_shapes = _batch_dims(args) if dynamic_batch else None
     with torch.no_grad():
         program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)

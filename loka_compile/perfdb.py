@@ -5,11 +5,13 @@ compile; the timings depend only on the site's shape and recipe and on the machi
 they are kept in one JSON file, `perfdb.json` under `LOKA_CACHE_DIR` (default:
 `$XDG_CACHE_HOME/loka`, else `~/.cache/loka`). An entry's key holds the device's name and
 compute capability, the torch and triton versions, loka's timing method, and everything
-the timing depends on (the `SiteShape` fields but the device, the scaling, the formats,
-the candidate providers, CUDA graphs or not, fast accumulation); its value holds the
-`SiteTiming` fields. A site whose M is symbolic is keyed by the M it was timed at, the
-power-of-two bucket of its compile-time size (`speed.m_bucket`): every batch size of that
-bucket, and a concrete M of the bucket's size, reads one entry.
+the timing depends on (the `SiteShape` fields but the device, among them how each operand
+is cast, so an A cast with a calibrated static scale never shares an entry with a dynamic
+cast; the scaling, the formats, the candidate providers, CUDA graphs or not, fast
+accumulation); its value holds the `SiteTiming` fields. A site whose M is symbolic is
+keyed by the M it was timed at, the power-of-two bucket of its compile-time size
+(`speed.m_bucket`): every batch size of that bucket, and a concrete M of the bucket's
+size, reads one entry.
 
 Each insert re-reads the file under a lock, merges and replaces it atomically, so
 processes compiling side by side (one per rank) keep each other's entries. A file that

@@ -20,15 +20,20 @@ candidate provider, on fresh random operands of the site's shape, dtype and layo
              (measured on the H100: MaskNet's K = 3456 casts fused into threshold_backward
              and relu added 0.6-0.9x of a standalone cast, not 1/3). A weight whose
              FP8 copy is cached (inference, the `cached_weights` Mod) costs nothing.
+             An A with a calibrated static scale (an inference site of a plan from
+             `loka_compile.calibrate`) is cast clamp(A / s) -> fp8, pointwise with no
+             reduction (`scaled_gemm.quantize_static`): fused into its producer it adds
+             its FP8 byte per element at any row length; standalone it is one
+             pointwise kernel that reads A and writes its FP8 copy K-major.
 
 How it times (medians of `TIMING_REPEATS` runs of `CALLS_PER_RUN` back-to-back calls):
 - compiled with CUDA graphs (`reduce-overhead`, `max-autotune`): each run replays a CUDA
   graph of the calls, so host launch work is excluded, as it is in the model;
 - otherwise: CUDA events around plain calls, so a call that is bound by host work (Python
   dispatch of a small GEMM) is timed as the model will pay it.
-Timings are cached per (shape, layouts, casts, dtype, device, recipe, providers, graphed)
-for the life of the process, and kept across processes in the performance database
-(`perfdb.py`), keyed also by the GPU and the torch and triton versions.
+Timings are cached per (shape, layouts, casts, a static A, dtype, device, recipe, providers,
+graphed) for the life of the process, and kept across processes in the performance
+database (`perfdb.py`), keyed also by the GPU and the torch and triton versions.
 
 A symbolic M (a graph compiled with `dynamic=True`, or Dynamo's automatic dynamic
 recompile, whose batch dim is a symbol such as "s0" or "8*s0") is timed at the bucket of
@@ -48,6 +53,7 @@ not timed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import statistics
@@ -82,6 +88,7 @@ class SiteShape:
     a_fused: bool = False
     b_fused: bool = False
     b_cached: bool = False  # B is a weight whose FP8 copy is cached: no cast per call
+    a_static: bool = False  # A has a calibrated static scale: a pointwise cast, no amax
     pad_k: int = 0
     pad_n: int = 0
     persistent_row_max: int = 1024  # longest row a fused cast reduces in one pass
@@ -174,11 +181,33 @@ PERSISTENT_ROW_MAX = 1024
 MULTI_KERNEL_PERSISTENT_ROW_MAX = 4096
 
 
-def _fused_fraction(dtype: torch.dtype, row: int, persistent_row_max: int = PERSISTENT_ROW_MAX) -> float:
+def _fused_fraction(dtype: torch.dtype, row: int, persistent_row_max: int = PERSISTENT_ROW_MAX,
+                    static: bool = False) -> float:
     """Share of a standalone cast's time that a cast fused into its producer still costs
     (module docstring): its FP8 byte out of the bytes a standalone cast moves when the row
-    fits a persistent reduction, else all of it."""
-    return 1.0 / (torch.finfo(dtype).bits // 8 + 1) if row <= persistent_row_max else 1.0
+    fits a persistent reduction or the cast has no reduction (`static`: a calibrated
+    scale), else all of it."""
+    return 1.0 / (torch.finfo(dtype).bits // 8 + 1) if static or row <= persistent_row_max else 1.0
+
+
+def _static_cast(x: torch.Tensor, scaling: str, fmt: str):
+    """A's static cast, for timing: (the FP8 operand and scale that `quantize_static`, the
+    lowering's cast, gives the GEMM; a call that runs the cast as the compiled graph does).
+    Inductor compiles `quantize_static` to one pointwise kernel that reads A and writes its
+    FP8 copy K-major (the divide and clamp move no bytes); eager, each of its ops would be
+    a kernel of its own, so the timed call is that one pass: a converting copy into a
+    K-major FP8 tensor. Measured on the H100 (torch 2.11, bf16 A, M = 8192, rowwise, in
+    CUDA graphs), at K = 1024 / 3456 / 8192: the copy 8.8 / 31.3 / 70.4 us, Inductor's
+    compiled `quantize_static` 14.1 / 50.3 / 114.5 us, eager `quantize_static` 196 / 656 /
+    1517 us, the dynamic `loka.quantize_operand` 11.5 / 48.9 / 75.9 us: the copy is the
+    pass's bytes at full bandwidth, Inductor's kernel up to 1.6x that."""
+    from loka_compile.kernels.quantize import Fp8Format, Scaling, scale_from_amax
+    from loka_compile.kernels.scaled_gemm import quantize_static
+
+    fp8 = Fp8Format(fmt)
+    scale = float(scale_from_amax(x.abs().amax().float(), fp8))
+    out = torch.empty(x.shape, dtype=fp8.dtype, device=x.device)
+    return quantize_static(x, scale, Scaling(scaling), fp8), lambda: out.copy_(x)
 
 
 def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
@@ -243,13 +272,17 @@ def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, 
         cast_us = 0.0
         quantized = {}
         for operand, x, fmt, fused in (("a", a_p, a_format, shape.a_fused), ("b", b_p, b_format, shape.b_fused)):
-            quantized[operand] = torch.ops.loka.quantize_operand(x, operand, scaling, fmt)
+            static = operand == "a" and shape.a_static
+            if static:
+                quantized[operand], cast = _static_cast(x, scaling, fmt)
+            else:
+                quantized[operand] = torch.ops.loka.quantize_operand(x, operand, scaling, fmt)
+                cast = functools.partial(torch.ops.loka.quantize_operand, x, operand, scaling, fmt)
             if operand == "b" and shape.b_cached:
                 continue
-            standalone = _time_calls_us(lambda: torch.ops.loka.quantize_operand(x, operand, scaling, fmt),
-                                        device, graphed)
-            cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k, shape.persistent_row_max)
-                                     if fused else 1.0)
+            standalone = _time_calls_us(cast, device, graphed)
+            cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k, shape.persistent_row_max,
+                                                     static) if fused else 1.0)
         (a_q, a_s), (b_q, b_s) = quantized["a"], quantized["b"]
         gemm_runs, failed = {}, {}
         for name in providers:
@@ -359,10 +392,10 @@ def m_bucket(m: int) -> int:
 
 
 def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: bool = False,
-               benchmarked_reductions: bool = False) -> Optional[SiteShape]:
+               benchmarked_reductions: bool = False, a_static: bool = False) -> Optional[SiteShape]:
     """The timing key of a 2-D site with concrete K and N: at its M when concrete, at the
     bucket of its size hint when symbolic (module docstring); else None (symbolic K or N,
-    batched, or an M without a hint)."""
+    batched, or an M without a hint). `a_static`: A is cast with a calibrated static scale."""
     from loka_compile.passes.find_sites import operand_casts
 
     _, k, n = site.shape
@@ -373,9 +406,9 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
         return None
     if not isinstance(site.shape[0], int):
         m = m_bucket(m)
-    casts = operand_casts(site, scaling)
+    casts = operand_casts(site, scaling, a_static=a_static)
     return SiteShape(m, k, n, site.a_major, site.b_major, site.op == "addmm", site.dtype, site.device,
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
-                     b_cached=b_cached, pad_k=pad_k, pad_n=pad_n,
+                     b_cached=b_cached, a_static=a_static, pad_k=pad_k, pad_n=pad_n,
                      persistent_row_max=MULTI_KERNEL_PERSISTENT_ROW_MAX if benchmarked_reductions
                      else PERSISTENT_ROW_MAX)

@@ -117,7 +117,7 @@ class PassContext:
     kind: GraphKind
     phase: str                                   # "probe" or "fp8"
     param_input_indices: frozenset               # forward inputs that are parameters
-    decide: Callable[[Site], Decision]
+    decide: Callable[..., Decision]              # (site, a_static=bool) -> Decision
     disabled_mods: frozenset = frozenset()      # names from MODS switched off
     sites: list = dataclasses.field(default_factory=list)
     decisions: dict = dataclasses.field(default_factory=dict)   # site key -> Decision
@@ -128,3 +128,8 @@ class PassContext:
     # Probe graphs under an output budget (`LokaConfig.max_output_error`): the probe pass puts
     # a `loka.perturb` after each forward-role GEMM, for the budget's sensitivity runs.
     perturb_outputs: bool = False
+
+    def static_a_scale(self, site: Site) -> Optional[dict]:
+        """The calibrated static scale of `site`'s A in this graph (inference graphs only),
+        None where A has a dynamic one. Blockwise decisions ignore it (Dispatch, lower)."""
+        return self.static_a_scales.get(site.id) if self.kind is GraphKind.INFERENCE else None

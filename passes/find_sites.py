@@ -126,7 +126,8 @@ _LIBRARY_PRODUCERS = {*GEMM_OPS, aten._scaled_mm.default, aten.embedding.default
                       aten.convolution.default, aten.index_select.default}
 
 
-def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fused_casts: bool = True) -> str:
+def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fused_casts: bool = True,
+                static_scale: bool = False) -> str:
     """How the FP8 cast of GEMM operand `which` ("a" or "b") runs once Inductor compiles
     the graph: "fused into <op>" where its producer is an ATen op Inductor generates a
     kernel for (a norm, an activation, a residual add; decomposed ops are named by their
@@ -135,8 +136,12 @@ def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fu
     its FP8 copy; else "standalone (<why>)": a graph input (a weight, a saved
     activation), a library kernel's or custom op's output, scales across the producer's
     rows (a transposed operand: the cast re-reads it column by column), or tensorwise
-    scaling (the whole tensor's amax comes first)."""
-    if not fused_casts:
+    scaling (the whole tensor's amax comes first).
+
+    `static_scale`: the cast divides by a calibrated constant (`scaled_gemm.quantize_static`,
+    ATen ops whatever `fused_casts`), a pointwise op with no amax, so it fuses into such a
+    producer whatever the scaling and the layout."""
+    if not fused_casts and not static_scale:
         return "standalone (loka.quantize_operand)"
     producer = skip_views_up(operand)
     if producer.op == "placeholder":
@@ -148,17 +153,18 @@ def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fu
             or target.namespace != "aten":
         return f"standalone (after {getattr(target, '__name__', target)})"
     name = (producer.meta.get("original_aten") or target).__name__.split(".")[0]
-    if scaling == "tensorwise":
+    if scaling == "tensorwise" and not static_scale:
         return f"standalone (tensorwise amax of {name}'s output)"
-    if major != ("row" if which == "a" else "column"):
+    if major != ("row" if which == "a" else "column") and not static_scale:
         return f"standalone (scales across {name}'s rows)"
     return f"fused into {name}"
 
 
-def operand_casts(site: Site, scaling: str, fused_casts: bool = True) -> dict:
-    """`cast_origin` of both operands of a site: {"a": ..., "b": ...}."""
+def operand_casts(site: Site, scaling: str, fused_casts: bool = True, a_static: bool = False) -> dict:
+    """`cast_origin` of both operands of a site: {"a": ..., "b": ...}; `a_static`: A is
+    cast with a calibrated static scale."""
     a, b, _, _ = operands(site.node)
-    return {"a": cast_origin(a, "a", site.a_major, scaling, fused_casts),
+    return {"a": cast_origin(a, "a", site.a_major, scaling, fused_casts, static_scale=a_static),
             "b": cast_origin(b, "b", site.b_major, scaling, fused_casts)}
 
 

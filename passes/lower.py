@@ -61,7 +61,7 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
                         decision.provider, site.dtype, decision.pad_k, decision.pad_n, fused_casts,
                         decision.fast_accum)
         site.casts = operand_casts(site, decision.scaling, fused_casts)
-        static = ctx.static_a_scales.get(site.id) if ctx.kind is GraphKind.INFERENCE else None
+        static = ctx.static_a_scale(site)
         if static is not None and spec.scaling is not Scaling.BLOCKWISE:
             spec = dataclasses.replace(spec, a_static_scale=float(static["scale"]))
             site.casts["a"] = f"static scale (calibrated {static['policy']})"

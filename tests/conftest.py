@@ -61,3 +61,24 @@ def store():
     finally:
         probe.STORE = saved
         ops.set_observer_sink(saved.record)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """loka's cache directory (the performance database) of this test alone."""
+    monkeypatch.setenv("LOKA_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def fp8_hardware(monkeypatch):
+    """FP8 hardware stood in for on CPU: Dispatch sees an FP8 device whose one provider is
+    the emulated GEMM marked as a hardware kernel (so the speed check runs)."""
+    import dataclasses
+
+    from loka_compile import dispatch
+    from loka_compile.kernels import providers
+
+    as_hardware = dataclasses.replace(providers.get("emulated"), emulated=False)
+    monkeypatch.setattr(dispatch.providers, "has_fp8_hardware", lambda device: True)
+    monkeypatch.setattr(dispatch.providers, "select", lambda request: [as_hardware])

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import loka_compile
+from loka_compile import perfdb, speed
 from loka_compile.backend import GRAPHS
 from loka_compile.passes import GraphKind, Reason
 from numerics import rel_error
@@ -154,6 +155,58 @@ def test_training_graphs_ignore_static_scales(calibrated):
     assert forward.static_a_scales == {}
     assert all(not s.casts["a"].startswith("static") for s in forward.sites if s.casts)
     assert torch.ops.aten.amax.default in targets(record.graph_modules[("fp8", GraphKind.FORWARD)].graph)
+
+
+@pytest.fixture
+def timed(fp8_hardware, cache_dir, monkeypatch):
+    """Each timing the speed check asks for on stand-in FP8 hardware, as (shape, graphed);
+    the measurement is faked: FP8 pays at these small sites only where A has a static
+    scale (a dynamic cast's amax costs more than FP8 saves, as on the H100 for small sites)."""
+    calls = []
+    site_timing = speed.site_timing
+
+    def asked(shape, scaling, a_format, b_format, providers, graphed, fast_accum=False):
+        calls.append((shape, graphed))
+        return site_timing(shape, scaling, a_format, b_format, providers, graphed, fast_accum)
+
+    def measure(shape, scaling, a_format, b_format, providers, graphed, fast_accum):
+        fp8_us = 5.0 if shape.a_static else 20.0
+        return speed.SiteTiming(10.0, fp8_us, providers[0], {providers[0]: 4.0}, fp8_us - 4.0, graphed)
+
+    monkeypatch.setattr(speed, "site_timing", asked)
+    monkeypatch.setattr(speed, "_measure_site", measure)
+    speed.clear_cache()
+    yield calls
+    speed.clear_cache()
+
+
+def test_calibration_leaves_the_speed_check_to_the_serving_compile(timed, cache_dir, tmp_path):
+    """Sites a dynamic-scale compile finds slower still get their static scale; the plan
+    holds no speed decision, so the compile that loads it times each site in its own mode
+    (CUDA graphs) with A cast by its static scale."""
+    model, data, mode = MLP(), batches(), {"mode": "reduce-overhead"}
+    with torch.no_grad():
+        torch.compile(model, backend="loka", options=mode)(data[0])
+    assert {s.reason for s in loka_compile.report(model).sites} == {Reason.SLOWER_THAN_BF16.value}
+    assert len(timed) == 2 and not any(shape.a_static for shape, _ in timed)  # dynamic casts
+    torch._dynamo.reset()
+    loka_compile.reset()
+    timed.clear()
+
+    plan = loka_compile.calibrate(model, data, options=mode)
+    assert not timed  # calibration times nothing
+    assert sorted(plan.a_scales) == ["inference/fc1:fwd#1", "inference/fc2:fwd#1"]
+    assert all(entry.fp8 and entry.reason == Reason.FP8.value and entry.fp8_us is None and entry.bf16_us is None
+               and not entry.candidates for entry in plan.sites.values())
+    path = plan.save(tmp_path / "plan.json").source
+    with torch.no_grad():
+        torch.compile(model, backend="loka", options={**mode, "plan": path})(data[0])
+    assert len(timed) == 2 and all(shape.a_static and graphed for shape, graphed in timed)
+    for site in loka_compile.report(model).sites:
+        assert site.fp8 and site.reason == Reason.FP8.value and site.casts["a"] == STATIC
+        assert "A with its static scale" in site.detail and "from plan" not in site.detail
+    stored = [e["key"] for e in perfdb.PerfDB(cache_dir / perfdb.FILE_NAME).entries()]
+    assert sorted(key["a_static"] for key in stored) == [False, False, True, True]
 
 
 def test_calibrate_rejects_bad_arguments(calibrated):

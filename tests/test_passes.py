@@ -397,6 +397,20 @@ class TestSpeedCheck:
         assert speed.site_shape(fp8_site, "rowwise", benchmarked_reductions=True).persistent_row_max == \
             speed.MULTI_KERNEL_PERSISTENT_ROW_MAX
 
+    def test_a_static_scale_cast_is_pointwise(self, mlp_graphs):
+        """A calibrated A is cast clamp(A / s) -> fp8 with no amax: it fuses into its
+        producer whatever the scaling, and costs its FP8 byte there at any row length."""
+        fwd, _ = mlp_graphs
+        ctx = make_ctx(fwd.graph)
+        find_sites(fwd.graph, ctx)
+        first, second = ctx.sites  # second's A is relu of first's output
+        dynamic = speed.site_shape(second, "tensorwise")
+        assert not dynamic.a_static and not dynamic.a_fused  # the whole tensor's amax comes first
+        static = speed.site_shape(second, "tensorwise", a_static=True)
+        assert static.a_static and static.a_fused
+        assert not speed.site_shape(first, "rowwise", a_static=True).a_fused  # a graph input: standalone
+        assert speed._fused_fraction(torch.bfloat16, 8192, static=True) == pytest.approx(1 / 3)
+
     def test_real_timing_on_cpu(self):
         speed.clear_cache()
         shape = speed.SiteShape(64, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
@@ -404,6 +418,9 @@ class TestSpeedCheck:
         assert 0 < timing.bf16_us < 1e6 and 0 < timing.fp8_us < 1e6
         assert timing.provider == "emulated" and 0 < timing.cast_us < timing.fp8_us
         assert speed.site_timing(shape, "rowwise", "e4m3", "e4m3", ("emulated",), graphed=False) is timing
+        static = speed.site_timing(dataclasses.replace(shape, a_static=True), "rowwise", "e4m3", "e4m3",
+                                   ("emulated",), graphed=False)
+        assert static is not timing and 0 < static.cast_us < static.fp8_us
         speed.clear_cache()
 
     def test_config_validation(self):

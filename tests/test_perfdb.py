@@ -31,12 +31,6 @@ def _value(bf16_us=10.0, fp8_us=8.0):
                 cast_us=1.0, graphed=False, bf16_range_us=[9.0, 11.0], fp8_range_us=[7.5, 9.0])
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOKA_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 class TestStore:
     def test_round_trip_across_instances(self, tmp_path, key):
         path = tmp_path / perfdb.FILE_NAME
@@ -60,6 +54,9 @@ class TestStore:
         assert "triton" in key and key["providers"] == ["emulated"]
         cached_b = perfdb.site_key(dataclasses.replace(shape, b_cached=True), **RECIPE, method=speed.TIMING_METHOD)
         assert cached_b != key
+        # a static-scale A and a dynamic one are timed apart
+        static_a = perfdb.site_key(dataclasses.replace(shape, a_static=True), **RECIPE, method=speed.TIMING_METHOD)
+        assert static_a["a_static"] and not key["a_static"] and static_a != key
 
     @pytest.mark.parametrize("field, other", [("torch", "2.99.0"), ("device", "NVIDIA H200"),
                                               ("capability", "9.0"), ("triton", None)])
@@ -190,13 +187,7 @@ class TestSymbolicBatch:
     BATCH, BUCKET = 48, 64
 
     @pytest.fixture
-    def fp8_machine(self, monkeypatch, cache_dir, fresh_compile_state):
-        from loka_compile import dispatch
-        from loka_compile.kernels import providers
-
-        as_hardware = dataclasses.replace(providers.get("emulated"), emulated=False)
-        monkeypatch.setattr(dispatch.providers, "has_fp8_hardware", lambda device: True)
-        monkeypatch.setattr(dispatch.providers, "select", lambda request: [as_hardware])
+    def fp8_machine(self, fp8_hardware, monkeypatch, cache_dir, fresh_compile_state):
         timed = []
 
         def measure(shape, scaling, a_format, b_format, providers, graphed, fast_accum):
