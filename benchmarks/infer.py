@@ -115,6 +115,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -486,7 +487,8 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, i
                     f"(p10 {t.p10_ms:.4f}, p90 {t.p90_ms:.4f}; first call {first_s:.1f}s)")
     except Exception as e:  # noqa: BLE001 - every failure becomes a row
         row["error"] = _error_text(e)
-        log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}")
+        row["traceback"] = traceback.format_exc(limit=-12)
+        log(f"  {setup.name}/{cfg_name}: ERROR {row['error']}\n{row['traceback']}")
     # Output error, held-out quality and loka's report for whatever ran, even when a budget
     # cut the row short.
     if fn is not None and row["per_batch"]:

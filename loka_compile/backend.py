@@ -308,10 +308,20 @@ class LokaCompiledGraph:
         self.calls = 0
         self._rechecking = False  # the last call ran the probe variant for a re-check
         self._builds = collections.OrderedDict()  # verdict signature -> _Fp8Build, most recent last
+        tracing_context = torch._guards.TracingContext.try_get()
+        # How Dynamo fakified each input (static or symbolic dims, by source). Dynamo forgets
+        # it once this compile returns (torch 2.13 clears the tracing context's
+        # tensor_to_context for registered backends); without it a later compile of this
+        # graph (the FP8 variant after the probe window, a fallback after a failed first
+        # run) would fakify the real inputs afresh, every dim a new symbol, and its sites
+        # would have symbolic K and N (on FP8 GPUs: symbolic_k_or_n, high precision).
+        self._input_contexts = [(t, tracing_context.tensor_to_context[t]) for t in example_inputs
+                                if isinstance(t, torch.Tensor) and t in tracing_context.tensor_to_context] \
+            if tracing_context is not None else []
         if record.config.probe_steps and not record.plan.source:  # a loaded plan skips the window
             # Kept until the probe window closes, to compile the FP8 variant then (and with
             # re-checks for good, to rebuild it).
-            self._pending = (gm, example_inputs, torch._guards.TracingContext.try_get())
+            self._pending = (gm, example_inputs, tracing_context)
             record.phase = "probe"
             _PROBING.add(self)
         else:
@@ -321,6 +331,11 @@ class LokaCompiledGraph:
                 log.info("%s: no re-checks: its decisions come from plan %s, without a probe window",
                          record.name, record.plan.source)
         self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
+        # Kept until a variant's first run succeeds: a first run can still fail where the
+        # compile did not (Inductor's multi-kernel times its sub-kernels then; Triton
+        # launches), and the graph is then compiled again without loka.
+        self._source = (gm, example_inputs, tracing_context)
+        self._first_runs = set()  # ids of variants that have run once
 
     def _compile(self, gm, example_inputs, phase):
         record = self.record
@@ -347,7 +362,46 @@ class LokaCompiledGraph:
         every = record.config.recheck_every
         if every and record.phase == "fp8" and self._builds and (self.calls - record.config.probe_steps) % every == 0:
             return self._recheck_call(args)
-        return self.variants[record.phase](*args)
+        variant = self.variants[record.phase]
+        if id(variant) in self._first_runs:
+            return variant(*args)
+        try:
+            out = variant(*args)
+        except Exception as error:
+            if not record.config.fallback or _is_dynamo_control(error) or self._source is None:
+                raise
+            return self._fall_back_at_first_run(error, args)
+        self._first_runs.add(id(variant))
+        if record.phase == "fp8" and not record.config.recheck_every:
+            self._source = None  # nothing compiles this graph again
+        return out
+
+    def _fall_back_at_first_run(self, error: Exception, args):
+        """The running variant failed at its first run: the graph is compiled again without
+        loka and, if that runs, runs so from now on, every site of it reporting
+        graph_fallback. If it fails too, the failure is not loka's: it is raised and nothing
+        changes."""
+        record = self.record
+        gm, example_inputs, tracing_context = self._source
+        with self._tracing(tracing_context):
+            plain = compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, None))
+        out = plain(*args)
+        why = f"first run failed: {type(error).__name__}: {error}"
+        _warn_fallback(record, why)
+        for ctx in record.contexts.values():
+            for site in ctx.sites:
+                ctx.decisions[site.key] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
+        record.graph_modules.clear()
+        # The report reads the contexts of the phase that runs.
+        record.contexts = {("fp8", kind): ctx for (phase, kind), ctx in record.contexts.items()
+                           if phase == record.phase}
+        _PROBING.discard(self)
+        _RECHECKING.discard(self)
+        self._pending = self._source = None
+        record.phase = "fp8"
+        self.variants = {"fp8": plain}
+        self._first_runs.add(id(plain))
+        return out
 
     def _close_probe_window(self, args: Optional[tuple] = None) -> None:
         """Judge the observed sites, apply the output budget on `args` (the closing call's
@@ -508,8 +562,16 @@ class LokaCompiledGraph:
     def _compile_fp8(self):
         """The FP8 variant, with the plan's verdicts as they stand, in Dynamo's tracing context."""
         gm, example_inputs, tracing_context = self._pending
-        with torch._guards.tracing(tracing_context) if tracing_context is not None else contextlib.nullcontext():
+        with self._tracing(tracing_context):
             return self._compile(gm, example_inputs, "fp8")
+
+    def _tracing(self, tracing_context):
+        """Dynamo's tracing context of this graph's compile, with each input's fakification restored."""
+        if tracing_context is None:
+            return contextlib.nullcontext()
+        for tensor, symbolic_context in self._input_contexts:
+            tracing_context.tensor_to_context[tensor] = symbolic_context
+        return torch._guards.tracing(tracing_context)
 
     # ---- re-checks (LokaConfig.recheck_every) ------------------------------------------
 

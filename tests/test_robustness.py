@@ -360,6 +360,85 @@ def test_a_failing_backward_falls_back_alone(monkeypatch):
     assert set(report.graph_modules) == {"g0/forward"}
 
 
+def _first_run_fails(monkeypatch, error=RuntimeError("launch failed")):
+    """Graphs compiled with loka's pass compile, then raise `error` at their first run (as
+    Inductor's multi-kernel did on the H100, 2026-11-24, timing its sub-kernels at a
+    calibrated graph's first call); later runs and graphs compiled without loka are real."""
+    from loka_compile import backend
+
+    real = backend.compile_fx
+
+    def compile_fx(gm, example_inputs, **kwargs):
+        compiled = real(gm, example_inputs, **kwargs)
+        if kwargs["config_patches"].get("post_grad_custom_post_pass") is None:
+            return compiled
+        runs = []
+
+        def first_run_fails(*args):
+            runs.append(1)
+            if len(runs) == 1:
+                raise error
+            return compiled(*args)
+        return first_run_fails
+
+    monkeypatch.setattr(backend, "compile_fx", compile_fx)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_a_failing_first_run_falls_back_and_keeps_running(monkeypatch, caplog, training):
+    _first_run_fails(monkeypatch)
+    model = _mlp()
+    x = torch.randn(32, 64)
+    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
+    with caplog.at_level(logging.WARNING, logger="loka"), torch.set_grad_enabled(training):
+        outs = [compiled(x) for _ in range(3)]
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert rel_error(model(x), outs[0]) < 1e-5  # high precision: Inductor's own kernels
+    if training:
+        outs[0].square().sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    report = loka_compile.report(compiled)
+    assert report.sites and all(s.reason == "graph_fallback" and "first run failed: RuntimeError: launch failed"
+                                in s.detail for s in report.sites)
+    assert sum("could not handle" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_first_run_that_fails_without_loka_too_is_raised_and_changes_nothing(monkeypatch):
+    """An error the graph raises compiled without loka as well is not loka's: the caller
+    gets it, and the graph keeps its FP8 variant for the next call."""
+    from loka_compile import backend
+
+    _first_run_fails(monkeypatch)
+    real = backend.compile_fx
+    plain_runs = []
+
+    def plain_fails_once(gm, example_inputs, **kwargs):
+        compiled = real(gm, example_inputs, **kwargs)
+        if kwargs["config_patches"].get("post_grad_custom_post_pass") is not None:
+            return compiled
+
+        def run(*args):
+            plain_runs.append(1)
+            raise ValueError("bad input")
+        return run
+
+    monkeypatch.setattr(backend, "compile_fx", plain_fails_once)
+    compiled = torch.compile(_mlp(), backend="loka", options={"recipe": "rowwise"})
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="bad input"):
+            compiled(torch.randn(32, 64))
+        compiled(torch.randn(32, 64))
+    assert plain_runs == [1]
+    assert all(s.reason == "fp8" for s in loka_compile.report(compiled).sites)
+
+
+def test_first_run_failures_are_raised_with_fallback_off(monkeypatch):
+    _first_run_fails(monkeypatch)
+    compiled = torch.compile(_mlp(), backend="loka", options={"recipe": "rowwise", "fallback": False})
+    with torch.no_grad(), pytest.raises(RuntimeError, match="launch failed"):
+        compiled(torch.randn(32, 64))
+
+
 # ------------------------------------------------------------------ options
 
 @pytest.mark.parametrize("make, message", [
