@@ -349,12 +349,20 @@ def observers_off():
 
 # ---- Output-sensitivity perturbation (the output budget) --------------------------------
 
-# The relative size of the noise a switched-on `perturb` applies: about a clean e4m3 GEMM's
-# row relative error (0.04), so the model is measured where FP8 puts it, and far above
-# fp32/bf16 rounding of the outputs (1e-7 / 4e-3 relative) so the change it causes is not
-# rounding. Sensitivities are ratios (output change / delta): for a graph that is linear in
-# the GEMM's output, independent of delta.
-PERTURB_DELTA = 0.05
+# The relative size of the noise a switched-on `perturb` applies. Sensitivities are ratios
+# (output change / delta), so for a graph linear in the GEMM's output any delta gives the
+# same; what sets it is the outputs' own rounding: a change below their resolution (bf16: 2^-8
+# relative) is measured as rounding flips, which inflate it. On the H100 (bf16 MaskNet and
+# Wukong dense archs, paper presets, batch 8192, sensitivities ~0.035 per site), with every
+# safe site in FP8 the predicted output discrepancy was 1.85x and 1.77x the measured one at
+# delta 0.05, 0.93x and 0.88x at 0.2 (benchmarks/results/2026-11-24_H100_output_budget_infer_
+# delta0.05.json). At 0.05 the budget 0.003 kept 21 of 26 and 35 of 52 sites with D measured
+# 0.0022 and 0.0013; at 0.2, 3 and 5 with D 0.0032 and 0.0041 (..._delta0.2.json). 0.2: its
+# predictions are 0.71-0.94x the measured D instead of about 1.8x, so the budget keeps the
+# sites it must rather than most of them, at the cost of a measured D up to 1.35x the budget
+# (the check after compile warns over 1.5x). (The fp32 tests measure the same
+# sensitivities at either.)
+PERTURB_DELTA = 0.2
 # The noise's own seed: the same z at every run, so a measurement repeats and never moves
 # the model's RNG.
 _PERTURB_SEED = 0x5E45

@@ -208,6 +208,20 @@ def test_probe_window_then_fp8_and_unsafe_sites_stay_high_precision():
     torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)
 
 
+def test_fp8_variant_after_the_window_keeps_the_static_shapes():
+    """The FP8 variant compiles when the window closes, after Dynamo has forgotten how it
+    fakified the inputs (torch 2.13 clears that for registered backends): the backend keeps
+    it, so the sites keep concrete K and N (symbolic ones stay bf16 on FP8 GPUs)."""
+    compiled = torch.compile(make_model("mlp"), backend="loka", options={**PER_SITE, "probe_steps": 1})
+    x, _ = make_batch("mlp")
+    with torch.no_grad():
+        compiled(x)
+        compiled(x)
+    (record,) = loka_compile.backend.GRAPHS
+    shapes = {phase: [s.shape for s in ctx.sites] for (phase, _), ctx in record.contexts.items()}
+    assert shapes["fp8"] == shapes["probe"] and all(isinstance(d, int) for shape in shapes["fp8"] for d in shape)
+
+
 def test_probe_with_safe_bound_goes_fp8():
     compiled = torch.compile(make_model("mlp"), backend="loka", options={**PER_SITE, "recipe": "rowwise",
                                                                        "probe_steps": 1})

@@ -124,8 +124,8 @@ def test_loose_budget_puts_both_in_fp8_and_off_changes_nothing(store):
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 def test_lrm_stack_output_within_budget(store, train):
     """Linear -> LayerNorm -> ReLU x2 -> head, rowwise. Each site contributes about 0.036
-    (sensitivity ~1, rel. error ~0.036): all-FP8 is predicted at 0.064, so a budget of 0.06
-    keeps one site (measured: fc2, after it 0.0507 predicted, 0.0484 measured)."""
+    (sensitivity ~1, rel. error ~0.036): all-FP8 is predicted at 0.0635, so a budget of 0.06
+    keeps one site (measured: fc2, after it 0.0505 predicted, 0.0484 measured)."""
     budget = 0.06
     model, x = MLPWithNorm(), torch.randn(64, 64)
     compiled, out = _run(model, {"max_output_error": budget}, x=x, train=train)
