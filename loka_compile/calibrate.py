@@ -39,7 +39,9 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     probe window of `len(batches)` calls and no speed check, and return its Plan with a
     static activation scale per inference site the Probe judged safe and FP8 can serve
     (`Plan.a_scales`, by site id; save it with `plan.save(path)`, load it with
-    `options={"plan": path}`).
+    `options={"plan": path}`). Then the last batch runs once more: each window closes on
+    that call, so the output budget (`max_output_error`) keeps in high precision the
+    forward sites whose measured sensitivity it cannot afford, as after any window.
 
     The plan holds the Probe's verdicts (unsafe, upgraded), the scales, and the sites'
     decisions without a speed check: a compile that loads it on FP8 hardware with
@@ -82,9 +84,12 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     with torch.no_grad():  # the FP8 variants compile when the windows close: inference graphs too
         for batch in batches:
             _call(compiled, batch)
+        # The last batch again closes each window on a call, so the output budget
+        # (`max_output_error`) weighs the sites on real arguments.
+        _call(compiled, batches[-1])
         records = [r for r in backend.GRAPHS if id(r) not in known]
         ours = {id(r) for r in records}
-        for graph in list(backend._PROBING):  # windows close without one more call
+        for graph in list(backend._PROBING):  # a graph the last batch did not reach closes without a call
             if id(graph.record) in ours and graph.record.phase == "probe":
                 graph._close_probe_window()
     plan = plan_of(compiled)

@@ -35,13 +35,19 @@ def batches(n=3, rows=32, seed=1):
     return [torch.randn(rows, 32, generator=g) for _ in range(n)]
 
 
+# These models' sites each carry the whole output (sensitivity ~1 x FP8 error ~0.04), so the
+# default output budget (max_output_error 0.003) keeps them all in high precision: the tests
+# of static scales judge sites by the per-site bound alone.
+PER_SITE = {"max_output_error": None}
+
+
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     torch._dynamo.reset()
     loka_compile.reset()
     torch.manual_seed(0)
     model = MLP()
-    plan = loka_compile.calibrate(model, batches())
+    plan = loka_compile.calibrate(model, batches(), options=PER_SITE)
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan.save(path)
     return model, plan, str(path)
@@ -119,7 +125,7 @@ def test_a_site_over_budget_with_its_static_scale_stays_bf16(tmp_path):
     data = batches()
     data[1][3, 5] = 1e6  # one outlier sets fc1's amax: every other row flushes to ~0
     model = MLP()
-    plan = loka_compile.calibrate(model, data)
+    plan = loka_compile.calibrate(model, data, options=PER_SITE)
     fc1 = plan.sites["inference/fc1:fwd#1"]
     assert not fc1.fp8 and fc1.reason == Reason.PROBE_UNSAFE.value
     assert "calibrated static scale (amax): row_rel_error" in fc1.detail and "> 0.1" in fc1.detail
@@ -137,8 +143,9 @@ def test_percentile_policy_gives_a_smaller_scale_than_amax_on_heavy_tails():
     model = nn.Sequential(nn.Linear(32, 32))
     t = torch.distributions.StudentT(2.0)
     data = [t.sample((32, 32)) for _ in range(2)]
-    amax = loka_compile.calibrate(model, data).a_scales["inference/0:fwd#1"]
-    pct = loka_compile.calibrate(model, data, policy="percentile", percentile=99.9).a_scales["inference/0:fwd#1"]
+    amax = loka_compile.calibrate(model, data, options=PER_SITE).a_scales["inference/0:fwd#1"]
+    pct = loka_compile.calibrate(model, data, policy="percentile", percentile=99.9,
+                                 options=PER_SITE).a_scales["inference/0:fwd#1"]
     assert pct["policy"] == "percentile 99.9" and amax["policy"] == "amax"
     assert pct["scale"] < 0.8 * amax["scale"], (pct, amax)
     # the percentile is over the reservoir's rows: here every calibration row
@@ -193,7 +200,7 @@ def test_calibration_leaves_the_speed_check_to_the_serving_compile(timed, cache_
     loka_compile.reset()
     timed.clear()
 
-    plan = loka_compile.calibrate(model, data, options=mode)
+    plan = loka_compile.calibrate(model, data, options={**mode, **PER_SITE})
     assert not timed  # calibration times nothing
     assert sorted(plan.a_scales) == ["inference/fc1:fwd#1", "inference/fc2:fwd#1"]
     assert all(entry.fp8 and entry.reason == Reason.FP8.value and entry.fp8_us is None and entry.bf16_us is None
@@ -219,3 +226,16 @@ def test_calibrate_rejects_bad_arguments(calibrated):
         loka_compile.calibrate(model, batches(1), policy="percentile", percentile=0)
     with pytest.raises(ValueError, match="leave the `plan` option unset"):
         loka_compile.calibrate(model, batches(1), options={"plan": path})
+
+
+def test_calibration_applies_the_output_budget():
+    """calibrate closes each window on a call (its last batch again), so the default output
+    budget weighs the sites: here each carries the output, and the budget keeps them in high
+    precision with its reason; off, both get static scales (above)."""
+    model = MLP()
+    plan = loka_compile.calibrate(model, batches())
+    assert not plan.a_scales
+    for sid in ("inference/fc1:fwd#1", "inference/fc2:fwd#1"):
+        entry = plan.sites[sid]
+        assert not entry.fp8 and entry.reason == Reason.PROBE_UNSAFE.value
+        assert "output budget: sensitivity" in entry.detail, entry.detail
