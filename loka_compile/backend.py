@@ -319,22 +319,20 @@ class LokaCompiledGraph:
                                 if isinstance(t, torch.Tensor) and t in tracing_context.tensor_to_context] \
             if tracing_context is not None else []
         if record.config.probe_steps and not record.plan.source:  # a loaded plan skips the window
-            # Kept until the probe window closes, to compile the FP8 variant then (and with
-            # re-checks for good, to rebuild it).
-            self._pending = (gm, example_inputs, tracing_context)
             record.phase = "probe"
             _PROBING.add(self)
         else:
-            self._pending = None
             record.phase = "fp8"
             if record.config.recheck_every:
                 log.info("%s: no re-checks: its decisions come from plan %s, without a probe window",
                          record.name, record.plan.source)
-        self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
-        # Kept until a variant's first run succeeds: a first run can still fail where the
-        # compile did not (Inductor's multi-kernel times its sub-kernels then; Triton
-        # launches), and the graph is then compiled again without loka.
+        # Kept while this graph may be compiled again: the FP8 variant when the probe window
+        # closes, its rebuilds with re-checks, and a compile without loka when a variant fails
+        # at its first run (where the compile did not: Inductor's multi-kernel times its
+        # sub-kernels then, Triton kernels launch). Dropped after the FP8 variant's first run
+        # unless re-checks rebuild it.
         self._source = (gm, example_inputs, tracing_context)
+        self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
         self._first_runs = set()  # ids of variants that have run once
 
     def _compile(self, gm, example_inputs, phase):
@@ -397,7 +395,7 @@ class LokaCompiledGraph:
                            if phase == record.phase}
         _PROBING.discard(self)
         _RECHECKING.discard(self)
-        self._pending = self._source = None
+        self._source = None
         record.phase = "fp8"
         self.variants = {"fp8": plain}
         self._first_runs.add(id(plain))
@@ -423,8 +421,6 @@ class LokaCompiledGraph:
         if record.config.recheck_every:
             self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants["fp8"])
             _RECHECKING.add(self)
-        else:
-            self._pending = None
         record.phase = "fp8"
         log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded%s",
                  record.name, self.calls, len(keys), len(unsafe), len(upgraded),
@@ -561,7 +557,7 @@ class LokaCompiledGraph:
 
     def _compile_fp8(self):
         """The FP8 variant, with the plan's verdicts as they stand, in Dynamo's tracing context."""
-        gm, example_inputs, tracing_context = self._pending
+        gm, example_inputs, tracing_context = self._source
         with self._tracing(tracing_context):
             return self._compile(gm, example_inputs, "fp8")
 
