@@ -184,6 +184,8 @@ BENCHMARKED_REDUCTIONS = {"triton.multi_kernel": 1}
 
 
 def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]) -> dict:
+    """Inductor's config for a loka compile (`custom_pass` None: a plain compile, as a
+    fallback)."""
     patches = dict(list_mode_options(config.mode))
     if custom_pass is not None:
         patches["post_grad_custom_pre_pass"] = LokaProvenancePass(inductor_config.post_grad_custom_pre_pass)
@@ -193,6 +195,11 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
         patches["fx_graph_cache"] = False
         if "benchmarked_reductions" not in config.disabled_mods:
             patches.update(BENCHMARKED_REDUCTIONS)
+            if patches.get("triton.cudagraphs"):
+                # In a CUDA-graph partition a multi-kernel call passed its sub-kernels two
+                # tensors more than they take (H100, torch 2.11: TypeError at the first call
+                # of MaskNet variants compiled after a probe window); unpartitioned, they run.
+                patches["graph_partition"] = False
     return patches
 
 
@@ -368,13 +375,21 @@ class LokaCompiledGraph:
         except Exception as error:
             if not record.config.fallback or _is_dynamo_control(error) or self._source is None:
                 raise
-            return self._fall_back_at_first_run(error, args)
+            why = f"first run failed: {type(error).__name__}: {error}"
+        else:
+            why = None
+        if why is not None:
+            # Out of the except block: the failed run's frames hold its buffers, which under
+            # CUDA graphs live in the graph pool, and the plain compile's first run refuses
+            # a pool with untracked live tensors.
+            gc.collect()
+            return self._fall_back_at_first_run(why, args)
         self._first_runs.add(id(variant))
         if record.phase == "fp8" and not record.config.recheck_every:
             self._source = None  # nothing compiles this graph again
         return out
 
-    def _fall_back_at_first_run(self, error: Exception, args):
+    def _fall_back_at_first_run(self, why: str, args):
         """The running variant failed at its first run: the graph is compiled again without
         loka and, if that runs, runs so from now on, every site of it reporting
         graph_fallback. If it fails too, the failure is not loka's: it is raised and nothing
@@ -384,7 +399,6 @@ class LokaCompiledGraph:
         with self._tracing(tracing_context):
             plain = compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, None))
         out = plain(*args)
-        why = f"first run failed: {type(error).__name__}: {error}"
         _warn_fallback(record, why)
         for ctx in record.contexts.values():
             for site in ctx.sites:

@@ -131,3 +131,6 @@ def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_graphs_o
     assert _inductor_patches(LokaConfig(), marker)["triton.multi_kernel"] == 1
     assert "triton.multi_kernel" not in _inductor_patches(LokaConfig(disabled_mods=["benchmarked_reductions"]), marker)
     assert "triton.multi_kernel" not in _inductor_patches(LokaConfig(), None)  # a fallback compile is Inductor's own
+    # with CUDA graphs, unpartitioned: multi-kernel in a partition raised TypeError on the H100
+    assert _inductor_patches(LokaConfig(mode="reduce-overhead"), marker)["graph_partition"] is False
+    assert "graph_partition" not in _inductor_patches(LokaConfig(mode="reduce-overhead", disabled_mods=["benchmarked_reductions"]), marker)

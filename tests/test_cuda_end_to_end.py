@@ -200,3 +200,23 @@ def test_calibrated_static_scales_run_on_scaled_mm(tmp_path):
     static_db, dynamic_db = sqnr_db(reference, out.float()), sqnr_db(reference, dynamic.float())
     print(f"\ncalibrated static SQNR {static_db:.1f} dB, dynamic {dynamic_db:.1f} dB")
     assert static_db > OUTPUT_SQNR_FLOOR_DB and static_db > dynamic_db - 3.0
+
+
+def test_calibrated_zoo_masknet_first_call_runs_in_fp8(tmp_path):
+    """The inference harness's calibrated row on the zoo's tiny MaskNet, with no fallback:
+    its first call once raised TypeError inside Inductor's multi-kernel timing (H100,
+    torch 2.11), so calibrated graphs compile without multi-kernel."""
+    import json
+
+    from benchmarks import infer
+
+    path = infer.main(["--preset", "tiny", "--device", "cuda:0", "--models", "masknet", "--batches", "512",
+                       "--configs", "inductor_bf16_ro,loka_calibrated_ro", "--train-steps", "0",
+                       "--eval-batches", "1", "--calibration-batches", "2",
+                       "--loka-options", '{"fallback": false, "speed_check": false}',
+                       "--out", str(tmp_path), "--name", "calibrated"])
+    rows = {r["config"]: r for r in json.loads(path.read_text())["rows"]}
+    row = rows["loka_calibrated_ro"]
+    assert row["error"] is None, row.get("traceback")
+    assert row["loka_report"]["static_scale_sites"] > 0
+    assert 0 < row["out_relerr"] < 0.1
