@@ -43,7 +43,9 @@ class GemmProvider:
     a_q [.., M, K] row-major and b_q [.., K, N] column-major (the layout the casts write)
     and returns [.., M, N] in out_dtype. `fast_accum` lets the kernel accumulate in the
     tensor cores' faster, less precise mode (where it has one). `available(device)` says whether the hardware
-    and libraries are there; `supports(request)` whether this kind of call is.
+    and libraries are there; `supports(request)` whether this kind of call is. A batched
+    request (a bmm/baddbmm site: a_q [B, M, K], b_q [B, K, N]) needs `batched`, and its
+    scaling in `batched_scalings` where that is given.
     """
 
     name: str
@@ -54,6 +56,8 @@ class GemmProvider:
     gemm: GemmFn
     # (a_format, b_format) pairs the kernel accepts; None means any.
     format_pairs: Optional[frozenset] = None
+    # Scalings it runs on batched operands; None means all of `scalings` (when `batched`).
+    batched_scalings: Optional[frozenset] = None
     description: str = ""
 
     def __post_init__(self):
@@ -62,13 +66,17 @@ class GemmProvider:
         bad = [s for s in self.scalings if not isinstance(s, Scaling)]
         if not self.scalings or bad:
             raise ValueError(f"provider {self.name}: scalings must be a non-empty set of Scaling, got {self.scalings!r}")
+        if self.batched_scalings is not None and not self.batched_scalings <= self.scalings:
+            raise ValueError(f"provider {self.name}: batched_scalings {self.batched_scalings!r} must be among "
+                             f"its scalings")
         if not callable(self.available) or not callable(self.gemm):
             raise ValueError(f"provider {self.name}: available and gemm must be callable")
 
     def supports(self, request: GemmRequest) -> bool:
         if request.scaling not in self.scalings:
             return False
-        if request.batched and not self.batched:
+        if request.batched and not (self.batched and (self.batched_scalings is None
+                                                       or request.scaling in self.batched_scalings)):
             return False
         if self.format_pairs is not None and (request.a_format, request.b_format) not in self.format_pairs:
             return False
@@ -125,6 +133,8 @@ register(GemmProvider(
     name="emulated",
     scalings=frozenset(Scaling),
     batched=True,
+    # Blockwise casts and scales are 2-D (`quantize_blockwise`, `expand_block_scale`).
+    batched_scalings=frozenset({Scaling.TENSORWISE, Scaling.ROWWISE}),
     emulated=True,
     available=lambda device: True,
     gemm=_emulated_gemm,

@@ -14,6 +14,10 @@ the site's `mm`/`addmm`/`bmm`/`baddbmm`, so:
 
 Layouts: A is cast to row-major [.., M, K] and B to column-major [.., K, N] (B's transpose
 is cast row by row), the layouts FP8 tensor cores read, so no transposed copy follows.
+Batched operands (bmm, baddbmm: [B, M, K], [B, K, N]): a tensorwise cast keeps one scale
+for the whole batch (0-d), a rowwise one a scale per row of each A and per column of each
+B ([B, M, 1], [B, 1, N]), B column-major per matrix; blockwise casts take 2-D operands
+only, so no provider serves a batched blockwise site (`GemmProvider.batched_scalings`).
 Static activation scales (a calibrated plan, inference): A is cast with a constant
 (`quantize_static`), no amax reduction.
 Padding: K and N padded with zeros up to a multiple of 16 (`pad_k`, `pad_n`); zeros add

@@ -10,6 +10,13 @@ operands). Scales follow `quantize.py` (`x ~= q.float() * scale`) and `scaling`:
 - blockwise: A scale [M, ceil(K/128)] (1x128 tiles), B scale [ceil(K/128), ceil(N/128)]
   (128x128 tiles).
 
+Batched (bmm/baddbmm sites): A [B, M, K] @ B [B, K, N] -> [B, M, N], the pointer kernel
+only. Tensorwise keeps one scale per operand for the whole batch (what
+`scaled_gemm.cast_operand` gives a 3-D operand: one amax over all of it); rowwise and
+blockwise scales are the 2-D shapes prefixed by B ([B, M, 1] and [B, 1, N] rowwise), one
+set per matrix of the batch. The bias broadcasts to the output as addmm's and baddbmm's
+does ([N], [1, N], [M, N], [B, 1, N], [B, M, N], ...); the residual is the output's shape.
+
 Layouts: each operand may be row-major or column-major (a transposed view); the kernels
 take strides, so the forward (A row-major, B = W^T column-major), grad-input and
 grad-weight GEMMs run without transposed copies. FP8 tensor cores read K-major operands
@@ -27,8 +34,9 @@ Two kernels share the epilogue:
   the host (`triton.tools.tensor_descriptor.TensorDescriptor`), tiles walked by a grid of
   at most CTAS_PER_SM programs per SM (persistent when 1), output through a TMA store.
   Needs 16-byte aligned operand strides, base pointers and output rows.
-- `_fp8_gemm_ptr_kernel`: pointer loads with masks; any strides, any K and N. Used on
-  sm89, for misaligned operands, and by default under the interpreter.
+- `_fp8_gemm_ptr_kernel`: pointer loads with masks; any strides, any K and N, an
+  optional batch (one flat program id over batch x tiles). Used on sm89, for misaligned
+  or batched operands, and by default under the interpreter.
 
 Accumulation: by default each BLOCK_K step's (128 or 256 of K) tensor-core product is
 added into the fp32 accumulator by a separate fp32 add, as cuBLAS does without fast
@@ -159,10 +167,11 @@ def _activation(x, ACTIVATION: tl.constexpr):
 @triton.jit
 def _epilogue_values(acc, offs_m, offs_n, M, N,
                      a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
-                     bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
-                     SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     ACTIVATION: tl.constexpr):
-    """fp32 tile [BM, BN] of act(acc * scales + bias) + residual."""
+                     bias_ptr, stride_bias_m, stride_bias, residual_ptr, stride_rm, stride_rn,
+                     SCALING: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROWS: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr):
+    """fp32 tile [BM, BN] of act(acc * scales + bias) + residual; the bias is one [N] row
+    unless BIAS_ROWS (a bias that varies along M, as baddbmm's may)."""
     mask_m = offs_m < M
     mask_n = offs_n < N
     if SCALING == 0:
@@ -172,8 +181,14 @@ def _epilogue_values(acc, offs_m, offs_n, M, N,
         b_s = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
+        if BIAS_ROWS:
+            bias = tl.load(bias_ptr + offs_m.to(tl.int64)[:, None] * stride_bias_m
+                           + offs_n.to(tl.int64)[None, :] * stride_bias,
+                           mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+            acc = acc + bias.to(tl.float32)
+        else:
+            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
     acc = _activation(acc, ACTIVATION)
     if HAS_RESIDUAL:
         rows = offs_m.to(tl.int64)[:, None]
@@ -195,9 +210,9 @@ def _fp8_gemm_tma_kernel(
     M, N, K,
     M_BUCKET,                  # autotune key only: next power of two of M, capped
     stride_asm, stride_ask, stride_bsk, stride_bsn,
-    stride_bias, stride_rm, stride_rn,
+    stride_bias_m, stride_bias, stride_rm, stride_rn,
     SCALING: tl.constexpr, ACCUM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
@@ -229,43 +244,56 @@ def _fp8_gemm_tma_kernel(
             acc_lo, acc_hi = tl.split(halves)
             offs_lo = off_n + tl.arange(0, BLOCK_N // 2)
             acc_lo = _epilogue_values(acc_lo, offs_m, offs_lo, M, N, a_scale_ptr, b_scale_ptr, stride_asm,
-                                      stride_bsn, bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
-                                      SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+                                      stride_bsn, bias_ptr, stride_bias_m, stride_bias, residual_ptr, stride_rm,
+                                      stride_rn, SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)
             out_desc.store([off_m, off_n], acc_lo.to(out_desc.dtype))
             acc_hi = _epilogue_values(acc_hi, offs_m, offs_lo + BLOCK_N // 2, M, N, a_scale_ptr, b_scale_ptr,
-                                      stride_asm, stride_bsn, bias_ptr, stride_bias, residual_ptr, stride_rm,
-                                      stride_rn, SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+                                      stride_asm, stride_bsn, bias_ptr, stride_bias_m, stride_bias, residual_ptr,
+                                      stride_rm, stride_rn, SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)
             out_desc.store([off_m, off_n + BLOCK_N // 2], acc_hi.to(out_desc.dtype))
         else:
             acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
-                                   bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
-                                   SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+                                   bias_ptr, stride_bias_m, stride_bias, residual_ptr, stride_rm, stride_rn,
+                                   SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)
             out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 @triton.jit
 def _fp8_gemm_ptr_kernel(
-    a_ptr,                     # A [M, K] fp8, strides (stride_am, stride_ak)
-    b_ptr,                     # B [K, N] fp8, strides (stride_bk, stride_bn)
-    out_ptr,                   # [M, N] out dtype
-    a_scale_ptr, b_scale_ptr,  # fp32; shapes per SCALING (module docstring)
-    bias_ptr,                  # [N] or unused
-    residual_ptr,              # [M, N] or unused
+    a_ptr,                     # A [BATCH, M, K] fp8, strides (stride_ab, stride_am, stride_ak)
+    b_ptr,                     # B [BATCH, K, N] fp8, strides (stride_bb, stride_bk, stride_bn)
+    out_ptr,                   # [BATCH, M, N] out dtype
+    a_scale_ptr, b_scale_ptr,  # fp32; per batch, shapes per SCALING (module docstring)
+    bias_ptr,                  # broadcast to [BATCH, M, N] by its strides, or unused
+    residual_ptr,              # [BATCH, M, N] or unused
     M, N, K,
-    M_BUCKET,                  # autotune key only: next power of two of M, capped
-    stride_am, stride_ak, stride_bk, stride_bn,
-    stride_om, stride_on,
-    stride_asm, stride_ask, stride_bsk, stride_bsn,
-    stride_bias, stride_rm, stride_rn,
+    BATCH,                     # 1 for a 2-D GEMM (every batch stride 0)
+    M_BUCKET, BATCH_BUCKET,    # autotune key only: next powers of two of M and BATCH, capped
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+    stride_ob, stride_om, stride_on,
+    stride_asb, stride_asm, stride_ask, stride_bsb, stride_bsk, stride_bsn,
+    stride_bias_b, stride_bias_m, stride_bias, stride_rb, stride_rm, stride_rn,
     SCALING: tl.constexpr, ACCUM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    # One flat program id over batch x tiles (batch outermost): grid axis 0 takes 2^31 - 1
+    # programs, axes 1 and 2 only 65535, fewer than an LRM batch of bmm's may need.
+    tiles = num_pid_m * num_pid_n
+    pid = tl.program_id(0)
+    batch = (pid // tiles).to(tl.int64)
+    pid_m, pid_n = _tile_coords(pid % tiles, num_pid_m, num_pid_n, GROUP_M)
+    a_ptr += batch * stride_ab
+    b_ptr += batch * stride_bb
+    out_ptr += batch * stride_ob
+    a_scale_ptr += batch * stride_asb
+    b_scale_ptr += batch * stride_bsb
+    bias_ptr += batch * stride_bias_b
+    residual_ptr += batch * stride_rb
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -290,8 +318,8 @@ def _fp8_gemm_ptr_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
-                           bias_ptr, stride_bias, residual_ptr, stride_rm, stride_rn,
-                           SCALING, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+                           bias_ptr, stride_bias_m, stride_bias, residual_ptr, stride_rm, stride_rn,
+                           SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)
     rows = offs_m.to(tl.int64)[:, None]
     cols = offs_n.to(tl.int64)[None, :]
     tl.store(out_ptr + rows * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty),
@@ -384,9 +412,10 @@ INTERPRETER_CONFIG = GemmConfig(32, 32, 32, num_warps=4, num_stages=1, group_m=2
 INTERPRETER_SM_COUNT = 4
 
 _AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "ACCUM", "HAS_BIAS", "HAS_RESIDUAL"]
-# Only the TMA kernel takes the operand-major flags; triton >= 3.7 rejects key names
-# that are not arguments of the kernel being tuned.
+# Only the TMA kernel takes the operand-major flags, only the pointer kernel a batch;
+# triton >= 3.7 rejects key names that are not arguments of the kernel being tuned.
 _TMA_AUTOTUNE_KEY = _AUTOTUNE_KEY + ["A_K_MAJOR", "B_K_MAJOR"]
+_PTR_AUTOTUNE_KEY = _AUTOTUNE_KEY + ["BATCH_BUCKET"]
 
 
 def _autotune_bench(kernel_call, quantiles):
@@ -429,7 +458,7 @@ def _set_descriptor_blocks(nargs):
 
 _ptr_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_fp8_gemm_ptr_kernel)
 _ptr_kernel_tuned = triton.autotune(
-    configs=[c.triton_config(tma=False) for c in PTR_CONFIGS], key=_AUTOTUNE_KEY,
+    configs=[c.triton_config(tma=False) for c in PTR_CONFIGS], key=_PTR_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_autotune_bench,
 )(_ptr_kernel)
 _tma_kernel_tuned = triton.autotune(
@@ -479,30 +508,33 @@ def infer_scaling(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     """Scaling implied by the scale shapes (the provider interface passes no scaling).
 
     Rowwise is checked before blockwise: the two coincide only when K <= 128 and N == 1,
-    where they compute the same product."""
-    m, k = a.shape
-    n = b.shape[1]
+    where they compute the same product. Batched operands [B, M, K] @ [B, K, N] have
+    their scales prefixed by B (module docstring)."""
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    lead = tuple(a.shape[:-2])
     if a_scale.numel() == 1 and b_scale.numel() == 1 and (m, n) != (1, 1):
         return Scaling.TENSORWISE
-    if tuple(a_scale.shape) == (m, 1) and tuple(b_scale.shape) == (1, n):
+    if tuple(a_scale.shape) == (*lead, m, 1) and tuple(b_scale.shape) == (*lead, 1, n):
         return Scaling.ROWWISE
     kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
-    if tuple(a_scale.shape) == (m, kb) and tuple(b_scale.shape) == (kb, nb):
+    if tuple(a_scale.shape) == (*lead, m, kb) and tuple(b_scale.shape) == (*lead, kb, nb):
         return Scaling.BLOCKWISE
     if a_scale.numel() == 1 and b_scale.numel() == 1:
         return Scaling.TENSORWISE
     raise ValueError(
         f"cannot tell the scaling from scale shapes {tuple(a_scale.shape)} and {tuple(b_scale.shape)} "
         f"for A {tuple(a.shape)} @ B {tuple(b.shape)}: expected single-element scales (tensorwise), "
-        f"[{m}, 1] and [1, {n}] (rowwise), or [{m}, {kb}] and [{kb}, {nb}] (blockwise)")
+        f"{[*lead, m, 1]} and {[*lead, 1, n]} (rowwise), or {[*lead, m, kb]} and {[*lead, kb, nb]} (blockwise)")
 
 
 def _is_row_or_col_major(t: torch.Tensor) -> tuple:
-    """(row_major, col_major) for a 2-D tensor; any leading stride is allowed (views of
-    wider buffers), only the unit stride is required."""
-    rows, cols = t.shape
-    row_major = t.stride(1) == 1 or cols == 1
-    col_major = t.stride(0) == 1 or rows == 1
+    """(row_major, col_major) for a 2-D tensor, or for each matrix of a batched one (any
+    batch stride); any leading stride is allowed (views of wider buffers), only the unit
+    stride is required."""
+    rows, cols = t.shape[-2:]
+    row_major = t.stride(-1) == 1 or cols == 1
+    col_major = t.stride(-2) == 1 or rows == 1
     return row_major, col_major
 
 
@@ -515,6 +547,11 @@ class _Plan:
     activation: int
     a_k_major: bool  # A row-major: K is its contiguous dim
     b_k_major: bool  # B column-major (B = W^T): K is its contiguous dim
+    batch: Optional[int] = None  # B of batched operands [B, M, K] @ [B, K, N]; None for 2-D
+
+    @property
+    def out_shape(self) -> tuple:
+        return (self.m, self.n) if self.batch is None else (self.batch, self.m, self.n)
 
 
 def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl) -> _Plan:
@@ -529,10 +566,16 @@ def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out
     for name, t in (("a", a), ("b", b)):
         if t.dtype not in FP8_DTYPES:
             raise ValueError(f"operand {name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
-        if t.dim() != 2:
-            raise ValueError(f"operand {name} must be 2-D, got shape {tuple(t.shape)}")
-    m, k = a.shape
-    k_b, n = b.shape
+        if t.dim() not in (2, 3):
+            raise ValueError(f"operand {name} must be 2-D, or 3-D (batched), got shape {tuple(t.shape)}")
+    if a.dim() != b.dim():
+        raise ValueError(f"operands must both be 2-D or both 3-D (batched), got A {tuple(a.shape)} @ "
+                         f"B {tuple(b.shape)}")
+    m, k = a.shape[-2:]
+    k_b, n = b.shape[-2:]
+    batch = a.shape[0] if a.dim() == 3 else None
+    if batch is not None and b.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: A {tuple(a.shape)} @ B {tuple(b.shape)}")
     if k != k_b:
         raise ValueError(f"inner dimensions differ: A {tuple(a.shape)} @ B {tuple(b.shape)}")
     if k == 0:
@@ -546,10 +589,11 @@ def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out
         if t.dtype != torch.float32:
             raise ValueError(f"{name} must be float32, got {t.dtype}")
     kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
+    lead = () if batch is None else (batch,)  # batched scales: one set per matrix of the batch
     expected = {
         Scaling.TENSORWISE: ("one element", "one element"),
-        Scaling.ROWWISE: ((m, 1), (1, n)),
-        Scaling.BLOCKWISE: ((m, kb), (kb, nb)),
+        Scaling.ROWWISE: ((*lead, m, 1), (*lead, 1, n)),
+        Scaling.BLOCKWISE: ((*lead, m, kb), (*lead, kb, nb)),
     }[scaling]
     if scaling is Scaling.TENSORWISE:
         ok = a_scale.numel() == 1 and b_scale.numel() == 1
@@ -558,14 +602,19 @@ def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out
     if not ok:
         raise ValueError(f"{scaling.value} scaling of A {tuple(a.shape)} @ B {tuple(b.shape)} needs scales "
                          f"{expected[0]} and {expected[1]}, got {tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
+    out_shape = (*lead, m, n)
     if bias is not None:
-        if bias.dim() != 1 or bias.shape[0] != n:
-            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        # Broadcast as addmm's and baddbmm's: trailing dims equal to the output's or 1.
+        # Equality first: a symbolic dim equal to the output's needs no guard on == 1.
+        if bias.dim() > len(out_shape) or not all(
+                size == full or size == 1 for size, full in zip(reversed(bias.shape), reversed(out_shape))):
+            raise ValueError(f"bias must have shape ({n},) or another that broadcasts to the output {out_shape}, "
+                             f"got {tuple(bias.shape)}")
         if bias.dtype not in _EPILOGUE_DTYPES:
             raise ValueError(f"bias must be one of {_EPILOGUE_DTYPES}, got {bias.dtype}")
     if residual is not None:
-        if tuple(residual.shape) != (m, n):
-            raise ValueError(f"residual must have shape ({m}, {n}), got {tuple(residual.shape)}")
+        if tuple(residual.shape) != out_shape:
+            raise ValueError(f"residual must have shape {out_shape}, got {tuple(residual.shape)}")
         if residual.dtype not in _EPILOGUE_DTYPES:
             raise ValueError(f"residual must be one of {_EPILOGUE_DTYPES}, got {residual.dtype}")
     a_row, a_col = _is_row_or_col_major(a)
@@ -578,12 +627,16 @@ def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out
                          f"{tuple(b.stride())} for shape {tuple(b.shape)}; call .contiguous() first")
     # Prefer K-contiguous operands where both hold (degenerate shapes): FP8 tensor cores read K-major.
     return _Plan(m=m, n=n, k=k, scaling=scaling, activation=ACTIVATIONS[activation],
-                 a_k_major=a_row, b_k_major=b_col)
+                 a_k_major=a_row, b_k_major=b_col, batch=batch)
 
 
 def tma_unsupported_reason(a: torch.Tensor, b: torch.Tensor, plan: _Plan, out_dtype: torch.dtype) -> Optional[str]:
     """Why the TMA kernel cannot take these operands, or None. TMA needs a 16-byte aligned
     base and 16-byte aligned strides outside the contiguous dimension."""
+    if plan.batch is not None:
+        # The TMA kernel stays 2-D (2-D descriptors, a 2-D tile loop); batched operands
+        # take the pointer kernel, which adds the batch to its program id.
+        return "batched operands run on the pointer kernel (the TMA kernel is 2-D)"
     if not interpreting():
         if a.device.type != "cuda":
             return "the TMA kernel needs a CUDA device (or the interpreter)"
@@ -609,6 +662,11 @@ def _tensorwise_scale(s: torch.Tensor) -> torch.Tensor:
     return s.reshape(())  # one element, any shape
 
 
+def _batched_strides(t: torch.Tensor) -> tuple:
+    """(batch, row, column) strides of a 2-D or 3-D tensor; 0 for the batch of a 2-D one."""
+    return (t.stride(0) if t.dim() == 3 else 0, t.stride(-2), t.stride(-1))
+
+
 # Promotion used for precise accumulation unless a caller names one (benchmarks do).
 PRECISE_ACCUM = "promote_add"
 
@@ -621,7 +679,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
              scaling=None, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
              activation: str = "none", out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False,
              impl: str = "auto", config: Optional[GemmConfig] = None, accum_mode: Optional[str] = None) -> torch.Tensor:
-    """act(dequant(a) @ dequant(b) + bias) + residual in out_dtype (module docstring).
+    """act(dequant(a) @ dequant(b) + bias) + residual in out_dtype (module docstring):
+    a [M, K] @ b [K, N] -> [M, N], or batched a [B, M, K] @ b [B, K, N] -> [B, M, N].
 
     impl: "auto" takes the TMA kernel on sm90+ when the operands allow it, else the
     pointer kernel; "tma" / "pointer" force one (ValueError if "tma" cannot run).
@@ -651,26 +710,28 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         raise ValueError(f"blockwise scaling needs block_k dividing {SCALE_BLOCK}, got {config.block_k}")
     accum = ACCUM_MODES[accum_mode]
 
-    m, n, k = plan.m, plan.n, plan.k
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:
+    m, n, k, batch = plan.m, plan.n, plan.k, plan.batch
+    out = torch.empty(plan.out_shape, dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0 or batch == 0:
         return out
 
     if plan.scaling is Scaling.TENSORWISE:
         a_scale, b_scale = _tensorwise_scale(a_scale), _tensorwise_scale(b_scale)
-        scale_strides = (0, 0, 0, 0)
+        scale_strides = (0, 0, 0, 0, 0, 0)  # (batch, M or K, K or N) of A's scales, then B's
     else:
-        scale_strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
+        scale_strides = (*_batched_strides(a_scale), *_batched_strides(b_scale))
+    if bias is not None:
+        # The bias as a view of the output's shape: broadcast dims get stride 0.
+        bias_strides = _batched_strides(bias.expand(plan.out_shape))
+    else:
+        bias_strides = (0, 0, 0)
     flags = dict(
         SCALING=_SCALING_CODES[plan.scaling], ACCUM=accum,
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACTIVATION=plan.activation,
-        SCALE_BLOCK=SCALE_BLOCK,
+        HAS_BIAS=bias is not None, BIAS_ROWS=bias_strides[1] != 0 and m > 1,
+        HAS_RESIDUAL=residual is not None, ACTIVATION=plan.activation, SCALE_BLOCK=SCALE_BLOCK,
     )
     bucket = m_bucket(m)
-    sizes = (m, n, k, bucket)
-    tail = (*scale_strides, bias.stride(0) if bias is not None else 0,
-            residual.stride(0) if residual is not None else 0,
-            residual.stride(1) if residual is not None else 0)
+    residual_strides = _batched_strides(residual) if residual is not None else (0, 0, 0)
     # Unused pointer arguments get `out` (never read: HAS_BIAS / HAS_RESIDUAL are off).
     ptrs = (a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out)
 
@@ -682,24 +743,28 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         descs = dict(a_desc=TensorDescriptor.from_tensor(a_view, [16, 16]),
                      b_desc=TensorDescriptor.from_tensor(b_view, [16, 16]),
                      out_desc=TensorDescriptor.from_tensor(out, [16, 16]))
-        args = (descs["a_desc"], descs["b_desc"], descs["out_desc"], *ptrs, *sizes, *tail)
+        # 2-D only (tma_unsupported_reason): the batch strides are dropped.
+        args = (descs["a_desc"], descs["b_desc"], descs["out_desc"], *ptrs, m, n, k, bucket,
+                *scale_strides[1:3], *scale_strides[4:6], *bias_strides[1:], *residual_strides[1:])
         flags.update(A_K_MAJOR=plan.a_k_major, B_K_MAJOR=plan.b_k_major)
         sms = INTERPRETER_SM_COUNT if interpret else _sm_count(_device_index(a.device))
         jit_fn, tuner = _fp8_gemm_tma_kernel, _tma_kernel_tuned
     else:
-        args = (a, b, out, *ptrs, *sizes, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                out.stride(0), out.stride(1), *tail)
+        args = (a, b, out, *ptrs, m, n, k, batch or 1, bucket, m_bucket(batch or 1),
+                *_batched_strides(a), *_batched_strides(b), *_batched_strides(out),
+                *scale_strides, *bias_strides, *residual_strides)
         descs, sms = None, 0
         jit_fn, tuner = _ptr_kernel, _ptr_kernel_tuned
 
     def grid_for(meta):
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-        return (min(tiles, sms * meta["CTAS_PER_SM"]) if use_tma and meta["CTAS_PER_SM"] else tiles,)
+        return (min(tiles, sms * meta["CTAS_PER_SM"]) if use_tma and meta["CTAS_PER_SM"] else tiles * (batch or 1),)
 
     if config is not None:
         chosen = config.triton_config(use_tma)
     else:
-        key = (use_tma, bucket, n, k, a.dtype, b.dtype, out_dtype, None if bias is None else bias.dtype,
+        key = (use_tma, bucket, m_bucket(batch) if batch else None, n, k, a.dtype, b.dtype, out_dtype,
+               None if bias is None else bias.dtype,
                None if residual is None else residual.dtype, plan.a_k_major, plan.b_k_major,
                tuple(flags.items()))
         chosen = _tuned_configs.get(key)
@@ -726,7 +791,8 @@ def tuned_configs() -> dict:
 
 def dequantize_operand(q: torch.Tensor, scale: torch.Tensor, scaling, operand: str,
                        dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Value of a quantized GEMM operand ("a" [M, K] or "b" [K, N]) in `dtype`."""
+    """Value of a quantized GEMM operand ("a" [.., M, K] or "b" [.., K, N]) in `dtype`;
+    batched operands have their scales prefixed by the batch (tensorwise: one scale)."""
     scaling = parse_scaling(scaling)
     x = q.to(dtype)
     if scaling is Scaling.TENSORWISE:
@@ -734,8 +800,8 @@ def dequantize_operand(q: torch.Tensor, scale: torch.Tensor, scaling, operand: s
     if scaling is Scaling.ROWWISE:
         return x * scale.to(dtype)
     block = (1, SCALE_BLOCK) if operand == "a" else (SCALE_BLOCK, SCALE_BLOCK)
-    full = scale.to(dtype).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return x * full[: x.shape[0], : x.shape[1]]
+    full = scale.to(dtype).repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return x * full[..., : x.shape[-2], : x.shape[-1]]
 
 
 def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -799,7 +865,7 @@ def _triton_fp8_gemm_fake(a, a_scale, b, b_scale, scaling, bias=None, residual=N
                           out_dtype=None, fast_accum=False, impl="auto"):
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl)
-    return a.new_empty((plan.m, plan.n), dtype=out_dtype)
+    return a.new_empty(plan.out_shape, dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -811,8 +877,9 @@ def _provider_available(device: torch.device) -> bool:
 
 
 def _provider_gemm(a_q, a_scale, b_q, b_scale, scaling, bias, out_dtype, fast_accum=False):
-    if a_q.dim() != 2 or b_q.dim() != 2:
-        raise ValueError(f"the triton provider takes 2-D operands, got {tuple(a_q.shape)} @ {tuple(b_q.shape)}")
+    if a_q.dim() not in (2, 3) or b_q.dim() != a_q.dim():
+        raise ValueError(f"the triton provider takes 2-D operands, or 3-D (batched) ones, got "
+                         f"{tuple(a_q.shape)} @ {tuple(b_q.shape)}")
     # The op, not the launcher: lowering traces this into the graph as one node, which the
     # epilogue Mod can then extend with an activation and a residual.
     return torch.ops.loka.triton_fp8_gemm(a_q, a_scale, b_q, b_scale, Scaling(scaling).value, bias,
@@ -823,9 +890,13 @@ if "triton" not in provider_names():
     register(GemmProvider(
         name="triton",
         scalings=frozenset({Scaling.TENSORWISE, Scaling.ROWWISE, Scaling.BLOCKWISE}),
-        batched=False,
+        batched=True,
+        # The kernel runs batched blockwise too, but no cast makes its operands:
+        # blockwise quantization takes 2-D tensors (`quantize.quantize_blockwise`).
+        batched_scalings=frozenset({Scaling.TENSORWISE, Scaling.ROWWISE}),
         emulated=False,
         available=_provider_available,
         gemm=_provider_gemm,
-        description="loka's Triton FP8 GEMM (TMA kernel on sm90+, pointer kernel elsewhere), fused epilogue",
+        description="loka's Triton FP8 GEMM (TMA kernel on sm90+, pointer kernel elsewhere and for bmm), "
+                    "fused epilogue",
     ))

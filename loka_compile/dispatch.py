@@ -25,7 +25,9 @@ Rules, in order; the first that applies gives the reason:
   calibrated static scale where the graph has one, plus the fastest provider's GEMM) not
   min_fp8_speedup faster than the high-precision GEMM, timed at the site's shape and
   layouts (`speed.py`; FP8 hardware, concrete K and N; a symbolic M at the power-of-two
-  bucket of its compile-time size, in Decision.m_bucket and the detail)
+  bucket of its compile-time size, in Decision.m_bucket and the detail; a bmm/baddbmm
+  site as its batched GEMM, torch.bmm against the batched FP8 one, a symbolic batch at
+  its bucket, in the detail)
                                               -> slower_than_bf16
   otherwise                                   -> fp8, on the fastest timed provider (the
                                                  first `select` gives when not timed)
@@ -227,6 +229,9 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
     if not isinstance(m, int):
         measured["m_bucket"] = shape.m
         bucket = f"M={m} timed at {shape.m}, the power of two at or above its compile-time size {speed.m_hint(site)}"
+    if site.batch is not None and not isinstance(site.batch, int):
+        bucket = "; ".join(filter(None, (bucket, f"batch={site.batch} timed at {shape.batch}, the power of two at "
+                                                 f"or above its compile-time size {speed.batch_hint(site)}")))
     others = ", ".join(f"{name} GEMM {us:.1f} us" for name, us in timing.gemm_us.items())
     casts = f"casts {timing.cast_us:.1f} us{', A with its static scale' if shape.a_static else ''}"
     timings = f"fp8 {timing.fp8_us:.1f} us ({others}; {casts}) vs {timing.bf16_us:.1f} us"

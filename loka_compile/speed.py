@@ -46,8 +46,15 @@ decision at every M the graph later runs at: loka adds no guard on M, so Dynamo 
 recompile for another batch size, and a batch far from the bucket runs the verdict taken
 at the bucket. Where the verdict flips across the batch sizes a model runs at, compile it
 with static shapes (`dynamic=False`): each batch size gets its own graph and timing. K or
-N symbolic, a batched (bmm) site, or an M without a size hint (a data-dependent size) are
-not timed.
+N symbolic, or an M without a size hint (a data-dependent size), are not timed.
+
+A batched site (bmm, baddbmm: [B, M, K] @ [B, K, N]) is timed as its batched GEMM:
+`torch.bmm` (`baddbmm` with a bias) against the provider's batched FP8 GEMM, on operands
+of the site's layouts per matrix. Its casts are charged as a 2-D site's, on the same
+elements: A's as the cast of a [B*M, K] operand, B's as that of a [K, B*N] one (the
+per-row and per-column scales and the one tensorwise amax are the same reductions), fused
+or standalone by the same rule. A symbolic batch (a bmm over the model's batch) is timed
+at the bucket of its size hint, as a symbolic M is; a batch without a hint is not timed.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class SiteShape:
     pad_k: int = 0
     pad_n: int = 0
     persistent_row_max: int = 1024  # longest row a fused cast reduces in one pass
+    batch: Optional[int] = None     # B of a batched site ([B, M, K] @ [B, K, N]); None for 2-D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +129,32 @@ def _operand(rows: int, cols: int, major: str, dtype, device) -> torch.Tensor:
     x = torch.randn(rows, cols, dtype=torch.float32, device=device) * cols ** -0.5
     x = x.to(dtype)
     return x if major == "row" else x.t().contiguous().t()
+
+
+def _site_operands(shape: SiteShape):
+    """(A, B, bias) on fresh random values, and A and B zero-padded as the site's casts pad
+    them. A batched site's A and B come as their 2-D stacks, A [B*M, K] and B [K, B*N]
+    in the site's layouts: what the casts are timed on (module docstring); `_batched`
+    views them, and their FP8 casts, as the [B, M, K] and [B, K, N] operands of the GEMM.
+    (Batched sites are never padded: Dispatch pads 2-D sites only.)"""
+    batch = shape.batch or 1
+    a = _operand(shape.m * batch, shape.k, shape.a_major, shape.dtype, shape.device)
+    b = _operand(shape.k, shape.n * batch, shape.b_major, shape.dtype, shape.device)
+    bias = torch.randn(shape.n, dtype=shape.dtype, device=shape.device) if shape.has_bias else None
+    a_p = torch.nn.functional.pad(a, (0, shape.pad_k))
+    b_p = torch.nn.functional.pad(b, (0, shape.pad_n, 0, shape.pad_k))
+    return a, b, bias, a_p, b_p
+
+
+def _batched(t: torch.Tensor, operand: str, batch: Optional[int]) -> torch.Tensor:
+    """A stack of `_site_operands` (or its FP8 cast, or the cast's scale) as the batched
+    GEMM's operand, a view: A [B*M, K] -> [B, M, K], B [K, B*N] -> [B, K, N], each matrix
+    in the stack's layout. 2-D sites and 0-d (tensorwise) scales pass through."""
+    if batch is None or t.dim() < 2:
+        return t
+    if operand == "a":
+        return t.view(batch, t.shape[0] // batch, t.shape[1])
+    return t.view(t.shape[0], batch, t.shape[1] // batch).permute(1, 0, 2)
 
 
 def _time_calls_us(fn, device: torch.device, graphed: bool) -> float:
@@ -257,18 +291,16 @@ def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, 
     from loka_compile.kernels.quantize import Fp8Format, Scaling
     from loka_compile.kernels.scaled_gemm import GemmSpec, gemm_quantized
 
-    device = shape.device
+    device, batch = shape.device, shape.batch
     with unset_fake_temporarily(), torch.no_grad():
-        a = _operand(shape.m, shape.k, shape.a_major, shape.dtype, device)
-        b = _operand(shape.k, shape.n, shape.b_major, shape.dtype, device)
-        bias = torch.randn(shape.n, dtype=shape.dtype, device=device) if shape.has_bias else None
+        a, b, bias, a_p, b_p = _site_operands(shape)
+        a, b = _batched(a, "a", batch), _batched(b, "b", batch)
+        mm, addmm = (torch.mm, torch.addmm) if batch is None else (torch.bmm, torch.baddbmm)
 
         def high_precision():
-            return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+            return mm(a, b) if bias is None else addmm(bias, a, b)
 
         bf16_runs = _time_runs_us(high_precision, device, graphed)
-        a_p = torch.nn.functional.pad(a, (0, shape.pad_k))
-        b_p = torch.nn.functional.pad(b, (0, shape.pad_n, 0, shape.pad_k))
         cast_us = 0.0
         quantized = {}
         for operand, x, fmt, fused in (("a", a_p, a_format, shape.a_fused), ("b", b_p, b_format, shape.b_fused)):
@@ -283,7 +315,8 @@ def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, 
             standalone = _time_calls_us(cast, device, graphed)
             cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k, shape.persistent_row_max,
                                                      static) if fused else 1.0)
-        (a_q, a_s), (b_q, b_s) = quantized["a"], quantized["b"]
+        (a_q, a_s), (b_q, b_s) = ((_batched(q, operand, batch), _batched(s, operand, batch))
+                                  for operand, (q, s) in quantized.items())
         gemm_runs, failed = {}, {}
         for name in providers:
             spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), name, shape.dtype,
@@ -331,13 +364,11 @@ def runnable_providers(shape: SiteShape, scaling: str, a_format: str, b_format: 
     if key not in _runnable:
         failed = {}
         with unset_fake_temporarily(), torch.no_grad():
-            a = torch.nn.functional.pad(_operand(shape.m, shape.k, shape.a_major, shape.dtype, shape.device),
-                                        (0, shape.pad_k))
-            b = torch.nn.functional.pad(_operand(shape.k, shape.n, shape.b_major, shape.dtype, shape.device),
-                                        (0, shape.pad_n, 0, shape.pad_k))
-            bias = torch.randn(shape.n, dtype=shape.dtype, device=shape.device) if shape.has_bias else None
-            a_q, a_s = torch.ops.loka.quantize_operand(a, "a", scaling, a_format)
-            b_q, b_s = torch.ops.loka.quantize_operand(b, "b", scaling, b_format)
+            _, _, bias, a, b = _site_operands(shape)
+            a_q, a_s = (_batched(t, "a", shape.batch) for t in torch.ops.loka.quantize_operand(a, "a", scaling,
+                                                                                                  a_format))
+            b_q, b_s = (_batched(t, "b", shape.batch) for t in torch.ops.loka.quantize_operand(b, "b", scaling,
+                                                                                                  b_format))
             for name in providers:
                 spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), name, shape.dtype,
                                 shape.pad_k, shape.pad_n, fast_accum=fast_accum)
@@ -366,15 +397,24 @@ def cached_timings() -> dict:
 
 
 def m_hint(site) -> Optional[int]:
-    """M of a 2-D site at the sizes its graph was compiled for: M itself when concrete, else
+    """M of a site at the sizes its graph was compiled for: M itself when concrete, else
     the size hint of the symbolic M (the example inputs' size), None when it has none."""
     if isinstance(site.shape[0], int):
         return site.shape[0]
     out = site.node.meta.get("val")
     if out is None:
         return None
-    rows = [_size_hint(d) for d in out.shape[:-1]]  # [M, N], or a packed linear's [..., N]
+    # [M, N], a packed linear's [..., N], or a batched site's [B, M, N] (M per matrix)
+    rows = [_size_hint(d) for d in (out.shape[-2:-1] if site.batch is not None else out.shape[:-1])]
     return None if None in rows else math.prod(rows)
+
+
+def batch_hint(site) -> Optional[int]:
+    """The batch of a batched site at the sizes its graph was compiled for, as `m_hint`."""
+    if isinstance(site.batch, int):
+        return site.batch
+    out = site.node.meta.get("val")
+    return None if out is None else _size_hint(out.shape[0])
 
 
 def _size_hint(dim) -> Optional[int]:
@@ -393,22 +433,26 @@ def m_bucket(m: int) -> int:
 
 def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: bool = False,
                benchmarked_reductions: bool = False, a_static: bool = False) -> Optional[SiteShape]:
-    """The timing key of a 2-D site with concrete K and N: at its M when concrete, at the
-    bucket of its size hint when symbolic (module docstring); else None (symbolic K or N,
-    batched, or an M without a hint). `a_static`: A is cast with a calibrated static scale."""
+    """The timing key of a site with concrete K and N: at its M (and a batched site's
+    batch) when concrete, at the bucket of its size hint when symbolic (module docstring);
+    else None (symbolic K or N, or an M or batch without a hint). `a_static`: A is cast
+    with a calibrated static scale."""
     from loka_compile.passes.find_sites import operand_casts
 
     _, k, n = site.shape
-    if site.batch is not None or not (isinstance(k, int) and isinstance(n, int)):
+    if not (isinstance(k, int) and isinstance(n, int)):
         return None
     m = m_hint(site)
-    if m is None:
+    batch = None if site.batch is None else batch_hint(site)
+    if m is None or (site.batch is not None and batch is None):
         return None
     if not isinstance(site.shape[0], int):
         m = m_bucket(m)
+    if batch is not None and not isinstance(site.batch, int):
+        batch = m_bucket(batch)
     casts = operand_casts(site, scaling, a_static=a_static)
-    return SiteShape(m, k, n, site.a_major, site.b_major, site.op == "addmm", site.dtype, site.device,
+    return SiteShape(m, k, n, site.a_major, site.b_major, site.op in ("addmm", "baddbmm"), site.dtype, site.device,
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
                      b_cached=b_cached, a_static=a_static, pad_k=pad_k, pad_n=pad_n,
                      persistent_row_max=MULTI_KERNEL_PERSISTENT_ROW_MAX if benchmarked_reductions
-                     else PERSISTENT_ROW_MAX)
+                     else PERSISTENT_ROW_MAX, batch=batch)

@@ -11,6 +11,10 @@ Becomes (rowwise, `fused_casts` on; tensorwise and blockwise alike with their sc
                                                   | dequantize + fp32 matmul (emulated)
 With K or N padded (the `pad` Mod) the operands are zero-padded inside the casts and C
 is sliced back. Inductor then fuses each cast into the kernel that produced its operand.
+A bmm/baddbmm hands the provider 3-D operands as cast ([B, M, K] row-major, [B, K, N]
+column-major per matrix, scales per `scaled_gemm`'s docstring) and baddbmm's bias as it
+broadcasts; Dispatch gives such sites only providers that declare them (`batched`,
+`batched_scalings`) and never pads them.
 
 In inference graphs with the `cached_weights` Mod on, a B operand that is a weight is
 not cast in the graph: the GEMM reads its FP8 copy and scales as constants, made once

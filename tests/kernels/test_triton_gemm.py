@@ -271,7 +271,7 @@ def test_opcheck(scaling):
 @pytest.mark.parametrize("scaling", list(Scaling))
 def test_provider_matches_emulation(scaling):
     provider = providers.get("triton")
-    assert provider.scalings == frozenset(Scaling) and not provider.batched and not provider.emulated
+    assert provider.scalings == frozenset(Scaling) and provider.batched and not provider.emulated
     assert not provider.available(torch.device("cpu"))
     a_q, a_s, b_q, b_s = make_operands(67, 272, 144, scaling)
     bias = torch.randn(144)
