@@ -21,7 +21,10 @@ applies to those only). In one process:
   `training` in each row records steps, batch, lr and the first / last training loss;
 
 - latency: for each batch size of `--batches`, `--warmup` untimed calls (the first compiles
-  that size; under CUDA graphs the next ones record), then `--iters` timed calls, one CUDA
+  that size; under CUDA graphs the next ones record; a loka row's probe window, probe_steps
+  calls, then the call that compiles its FP8 variant, runs here too, so loka rows need
+  --warmup >= probe_steps + 2, 4 with the defaults, or the row is an error; calibrated rows
+  load a plan and have no window), then `--iters` timed calls, one CUDA
   event pair around each call on GPU (time.perf_counter on CPU, where calls are
   synchronous); the row keeps the median and the p10 / p90 of the per-call times
   (`median_ms`, `p10_ms`, `p90_ms`), the throughput `rows_per_s` = batch / median, the
@@ -82,7 +85,8 @@ Configurations (`--configs`; `all` = every named one):
 - loka_ro: backend "loka" in reduce-overhead mode, its defaults (Dispatch speed check on);
 - loka_calibrated_ro: loka_ro with a calibrated plan (above): static activation scales, no
   amax reduction at run time;
-- loka_all_fp8_ro: loka with {"speed_check": False}, every eligible site FP8;
+- loka_all_fp8_ro: loka with {"speed_check": False, "probe_steps": 0}, every eligible site
+  FP8 (no probe window: its verdicts and output budget would keep sites in bf16);
 - loka_ro_no_cached_weights: loka_all_fp8_ro with {"disabled_mods": ["cached_weights"]}:
   the weights cast to FP8 on every call instead of once;
 - torchao_rowwise_ro, torchao_tensorwise_ro: torchao post-training quantization,
@@ -125,7 +129,7 @@ from torch import nn
 from benchmarks.train import CONFIGS as TRAIN_CONFIGS
 from benchmarks.train import (_ALL_FP8, BudgetExceeded, Config, Runner, _error_text, _fmt, _fp8_linear_filter,
                               _make_optimizer, _relerr, _torchao_import, compile_unit, device_tag, environment,
-                              log, loka_options_for, release_config, train_step, write_json)
+                              log, loka_options_for, loka_untimed_calls, release_config, train_step, write_json)
 from benchmarks.train import parse_args as train_parse_args
 from benchmarks.train import prepare as prepare_for_training
 from benchmarks.zoo import (MODEL_NAMES, SyntheticRecsysData, build_model, count_parameters, quality_metrics,
@@ -462,6 +466,11 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, i
             log(f"  {setup.name}/{cfg_name}: calibrated {len(cal['site_errors'])} static-scale sites in "
                 f"{cal['seconds']}s, max site error {_fmt(cal['max_error'], '.3e')}, {len(cal['unsafe'])} unsafe")
             cfg = dataclasses.replace(cfg, options=cfg.options + (("plan", plan_path),))
+        needed = loka_untimed_calls(cfg, args.loka_options)
+        if args.warmup < needed:
+            raise ValueError(f"--warmup {args.warmup} would time the probe window: this loka row takes "
+                             f"{needed - 2} probe calls per batch size, then compiles its FP8 variant; "
+                             f"use --warmup >= {needed}")
         fn = compile_unit(unit, cfg, args.loka_options)
         cudagraphs = cuda and cfg.mode == "reduce-overhead"
         budget_end = start + args.max_seconds
@@ -664,7 +673,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma list, or 'all'; known: {', '.join(CONFIGS)} (off CUDA, _ro names run "
                         "their default-mode twin)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls per batch size (>= 3; the first compiles)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed calls per batch size (>= 3; the first compiles; loka rows: >= probe_steps + 2)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per batch size")
     p.add_argument("--pool", type=int, default=4, help="distinct input batches per batch size, cycled")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

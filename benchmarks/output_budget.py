@@ -59,7 +59,7 @@ def run_model(name: str, args) -> dict:
     loka_base = {"speed_check": False, "disabled_mods": ["benchmarked_reductions"], "recipe": args.recipe}
     configs = {
         "inductor_bf16": None,
-        "loka_all_fp8": dict(loka_base),
+        "loka_all_fp8": {**loka_base, "probe_steps": 0},
         "loka_per_site": {**loka_base, "probe_steps": WINDOW, "max_output_error": None},
         "loka_budget": {**loka_base, "probe_steps": WINDOW, "max_output_error": args.budget},
     }

@@ -21,6 +21,7 @@ import torch
 
 from benchmarks.ceiling import profile_kernels, summarize_kernels
 from benchmarks.infer import ModelSetup, prepare, resolve_config
+from benchmarks.train import loka_untimed_calls
 
 
 def profile_config(setup: ModelSetup, name: str, batch: int, top: int) -> dict:
@@ -28,7 +29,7 @@ def profile_config(setup: ModelSetup, name: str, batch: int, top: int) -> dict:
     _, fn = prepare(setup.master, cfg, "dense", None, setup.device)
     inputs = setup.pools[batch]
     with torch.no_grad():
-        for i in range(3):
+        for i in range(max(3, loka_untimed_calls(cfg))):  # compile, CUDA graphs, a loka probe window
             fn(*inputs[i % len(inputs)])
         torch.cuda.synchronize()
         times, source = profile_kernels(lambda: fn(*inputs[0]), cuda=True)

@@ -8,10 +8,15 @@ batches, in one process:
 - speed: median step time (forward + backward + optimizer step) over `--steps` timed
   steps after `--warmup` steps (CUDA events on GPU, wall clock on CPU); speedup against
   Inductor bf16 in the same mode (eager rows against Inductor default); peak memory
-  allocated during the timed steps (GPU only);
+  allocated during the timed steps (GPU only). Loka rows run loka's default probe window
+  (`probe_steps` calls in high precision, then the FP8 variant compiles) inside the
+  untimed calls, so they need probe_steps + 2 of them (`loka_untimed_calls`): with the
+  error measurement's call below, --warmup >= probe_steps + 1 (the default 5 covers the
+  default window of 2); fewer makes the row an error;
 - error: the logits and the gradients of one held-out batch against an fp32 copy of the
   model on the same batch, as ||x - ref|| / ||ref||: `*_init` columns at the shared initial
-  weights (before the first step; every config against the same fp32 model), the plain
+  weights (before the first step; every config against the same fp32 model; a loka row
+  with a probe window measures its probe variant there, high precision), the plain
   columns after the timed steps against an fp32 copy of the config's weights at that point
   (so a backend that probes first is in its steady state, on trained weights).
   `grad_relerr` concatenates the gradients of all dense-arch parameters;
@@ -37,7 +42,8 @@ Configurations (`--configs`; `all` = every named one):
   rows for what that Mod gives bf16 alone); torchao_{tensorwise,rowwise}[_ro] (torchao
   float8 training);
 - loka, loka_ro: the loka backend with its defaults (Dispatch speed check on);
-- loka_all_fp8, loka_all_fp8_ro: loka with {"speed_check": False}, every eligible site FP8
+- loka_all_fp8, loka_all_fp8_ro: loka with {"speed_check": False, "probe_steps": 0}, every
+  eligible site FP8
   whether or not it pays (what the Mods must make fast);
 - per-Mod ablation, `<loka config>_no_<mod>` (e.g. loka_ro_no_pad): the loka config with
   the loka option `disabled_mods=(mod,)`, for each Mod of `loka_compile.passes.MODS`.
@@ -127,7 +133,9 @@ class Config:
     benchmarked_reductions: bool = False
 
 
-_ALL_FP8 = (("speed_check", False),)  # every eligible site FP8, whether or not it pays
+# Every eligible site FP8, whether or not it pays, and without the probe window, whose
+# verdicts and output budget would keep sites in high precision.
+_ALL_FP8 = (("speed_check", False), ("probe_steps", 0))
 
 CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config("eager_bf16", "eager", "eager"),
@@ -319,6 +327,18 @@ def loka_options_for(cfg: Config, loka_options: dict | None = None) -> dict:
     """The options a loka row compiles with: --loka-options, then the config's own options
     (which win: they define the row), then the mode."""
     return {**(loka_options or {}), **dict(cfg.options), "mode": cfg.mode}
+
+
+def loka_untimed_calls(cfg: Config, loka_options: dict | None = None) -> int:
+    """Calls a row's compiled graph must take before its first timed call: for a loka row
+    with a probe window, the window's probe_steps calls, the call that closes it (the FP8
+    variant compiles and runs; under CUDA graphs a warm-up run) and one more (CUDA graphs
+    record); 0 for other rows and for loka rows without a window (probe_steps 0, a plan)."""
+    if cfg.kind != "loka":
+        return 0
+    from loka_compile import LokaConfig
+    config = LokaConfig.from_options(loka_options_for(cfg, loka_options))
+    return config.probe_steps + 2 if config.probe_steps and config.plan is None else 0
 
 
 def prepare(model: nn.Module, cfg: Config, scope: str, loka_options: dict | None = None):
@@ -562,6 +582,11 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
             version, why = _torchao_import()
             if version is None:
                 raise ModuleNotFoundError(f"torchao is not importable ({why})")
+        # The error measurement's call, then --warmup steps, precede the timed steps.
+        needed = loka_untimed_calls(cfg, args.loka_options)
+        if 1 + args.warmup < needed:
+            raise ValueError(f"--warmup {args.warmup} would time the probe window: this loka row takes "
+                             f"{needed - 2} probe calls, then compiles its FP8 variant; use --warmup >= {needed - 1}")
         torch._dynamo.reset()
         model = copy.deepcopy(setup.master)
         fn = prepare(model, cfg, args.compile_scope, args.loka_options)
@@ -868,7 +893,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="tiny", choices=["tiny", "paper"])
     p.add_argument("--batch", type=int, default=None, help="default: 256 for tiny, 8192 for paper")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing (compile, CUDA graphs)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps before timing (compile, CUDA graphs; loka rows: >= probe_steps + 1)")
     p.add_argument("--quality-steps", type=int, default=100,
                    help="train max(this, warmup + steps) steps, then evaluate held out; 0 skips evaluation")
     p.add_argument("--eval-batches", type=int, default=4)

@@ -83,7 +83,16 @@ class LokaConfig:
     providers: restrict Dispatch to these provider names (empty: all registered).
     exclude_modules: module-path prefixes whose GEMMs stay in high precision.
     probe_steps: calls of each compiled graph that run in high precision with Probe
-        observers before FP8 starts (0: no probe window).
+        observers before FP8 starts. Default 2: the fewest observations that give the
+        Probe's bound a sample standard deviation, so a confidence bound
+        (`probe.upper_bound`; from one observation the bound is that observation); more
+        tighten it (mean + 4.46 s at 2, + 1.69 s at 3, s their standard deviation).
+        Cost: each graph compiles twice, the probe variant at its first call and the FP8
+        variant when the window closes, at call probe_steps + 1, the first that runs FP8;
+        the window's calls run observers (on CPU one observation costs about 10x its
+        GEMM), and its close the output budget's sensitivity runs. 0: no probe window (FP8
+        from the first call, no per-site error measured, the output budget off): how to
+        opt out. A graph compiled with a `plan` has no window.
     max_probe_error: a site whose FP8 error bound (in `probe_metric`) exceeds this after
         the probe window goes to a finer scaling whose bound is within it, else stays in
         high precision (`probe_unsafe`). None: the metric's default (PROBE_METRICS).
@@ -117,11 +126,12 @@ class LokaConfig:
         Needs probe_steps > 0.
     max_output_error: a budget on the graph's output discrepancy D, the relative error
         ||y_fp8 - y|| / ||y|| over its floating outputs between the FP8 variant and the
-        high-precision one, applied when a probe window closes (probe_steps > 0; without a
-        window it does nothing). At the window's close each forward GEMM's sensitivity s
-        (relative output change per unit of relative noise injected at its output) is
-        measured, D is predicted as sqrt(sum (s * e)^2) over the forward sites going FP8 (e:
-        the site's measured row relative error in the scaling it will run), and while D
+        high-precision one, applied when a probe window closes (on by default; with
+        probe_steps=0 or a `plan` there is no window and it does nothing). At the window's
+        close each forward GEMM's sensitivity s (relative output change per unit of
+        relative noise injected at its output) is measured, D is predicted as
+        sqrt(sum (s * e)^2) over the forward sites going FP8 (e: the site's measured row
+        relative error in the scaling it will run), and while D
         exceeds the budget the site with the largest s * e stays in high precision
         (`probe_unsafe`, the budget named in its detail). Default 0.003: FP8 error adds
         to bf16's own output error B in quadrature, sqrt(B^2 + D^2) <= 2 B needs
@@ -140,7 +150,7 @@ class LokaConfig:
     min_gemm_dim: int = 16
     providers: tuple = ()
     exclude_modules: tuple = ()
-    probe_steps: int = 0
+    probe_steps: int = 2  # 0: no probe window
     max_probe_error: Optional[float] = None  # None: PROBE_METRICS[probe_metric]
     speed_check: bool = True
     min_fp8_speedup: float = 1.05

@@ -45,6 +45,7 @@ log = logging.getLogger("loka")
 # dequantize + matmul), so AOTInductor compiles them into the package. loka's Triton GEMM
 # is a `loka::` op: a package calling it would need loka_compile loaded to run.
 SELF_CONTAINED_PROVIDERS = ("emulated", "scaled_mm_rowwise", "scaled_mm_tensorwise")
+_DEFAULT_PROBE_STEPS = LokaConfig.__dataclass_fields__["probe_steps"].default
 EXPORTED_WEIGHT = "cached weight (FP8 constant in the package, quantized at export)"
 
 _FP8_DTYPES = frozenset(fmt.dtype for fmt in Fp8Format)
@@ -73,8 +74,11 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     example_inputs: the positional arguments of `model.forward` (a tensor, or a tuple of
         tensors and lists of tensors), on the device the package will run on.
     options: as for `backend="loka"` (a mapping or a LokaConfig); `{"plan": path}` takes a
-        saved or calibrated plan's per-site decisions and static activation scales. Not
-        exportable (ValueError): a probe window (`probe_steps`; calibrate first), `arch_mods`
+        saved or calibrated plan's per-site decisions and static activation scales. The
+        default probe window is left out (a package has no Probe; a LokaConfig whose
+        `probe_steps` is the default counts as not asking for one). Not exportable
+        (ValueError): a probe window asked for (`probe_steps` > 0 given in a mapping, or a
+        LokaConfig's other than the default; calibrate first), `arch_mods`
         (apply `loka_compile.apply_arch_mods` to the model first), `fused_casts` off, and
         providers that are not ATen ops (`SELF_CONTAINED_PROVIDERS`).
     dynamic_batch: dim 0 of every tensor input left dynamic (torch.export's `Dim.AUTO`:
@@ -128,9 +132,14 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
 
 
 def _export_config(options) -> LokaConfig:
-    """The config, checked for what a package can hold, its providers limited to ATen ones."""
+    """The config, checked for what a package can hold, its providers limited to ATen ones,
+    without a probe window."""
     config = LokaConfig.from_options(options)
-    if config.probe_steps:
+    if isinstance(options, LokaConfig):
+        asked = config.probe_steps != _DEFAULT_PROBE_STEPS and config.probe_steps
+    else:
+        asked = (options or {}).get("probe_steps", 0)
+    if asked:
         raise ValueError("export_inference takes no probe window (probe_steps > 0): the package has no Probe. "
                          "Calibrate first (loka_compile.calibrate), save the plan and pass options={'plan': path}")
     if config.arch_mods:
@@ -148,7 +157,7 @@ def _export_config(options) -> LokaConfig:
     if dropped:
         log.info("loka export: providers %s left out (loka:: ops a package without loka_compile cannot run)",
                  dropped)
-    return dataclasses.replace(config, providers=usable)
+    return dataclasses.replace(config, providers=usable, probe_steps=0)
 
 
 def _check_arguments(model, example_inputs, path) -> tuple:

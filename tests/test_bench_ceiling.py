@@ -129,16 +129,29 @@ def test_cpu_profile_finds_the_matmuls():
 def test_all_fp8_and_ablation_configs():
     for name, mode in [("loka_all_fp8", "default"), ("loka_all_fp8_ro", "reduce-overhead")]:
         cfg = train.CONFIGS[name]
-        assert cfg.kind == "loka" and cfg.mode == mode and dict(cfg.options) == {"speed_check": False}
-    assert train.loka_options_for(train.CONFIGS["loka_all_fp8_ro"], {"speed_check": True, "probe_steps": 3}) == {
-        "speed_check": False, "probe_steps": 3, "mode": "reduce-overhead"}
+        assert cfg.kind == "loka" and cfg.mode == mode
+        assert dict(cfg.options) == {"speed_check": False, "probe_steps": 0}
+    # the row's own options win over --loka-options
+    assert train.loka_options_for(train.CONFIGS["loka_all_fp8_ro"], {"speed_check": True, "probe_steps": 3,
+                                                                      "recipe": "rowwise"}) == {
+        "speed_check": False, "probe_steps": 0, "recipe": "rowwise", "mode": "reduce-overhead"}
     cfg = train.lookup_config("loka_ro_no_fused_casts")
     assert cfg.mode == "reduce-overhead" and cfg.ablated == "fused_casts"
     assert dict(cfg.options) == {"disabled_mods": ("fused_casts",)}
     cfg = train.lookup_config("loka_all_fp8_ro_no_pad")
-    assert dict(cfg.options) == {"speed_check": False, "disabled_mods": ("pad",)}
+    assert dict(cfg.options) == {"speed_check": False, "probe_steps": 0, "disabled_mods": ("pad",)}
     assert train.lookup_config("inductor_bf16_no_pad") is None
     assert not any(c.ablated for c in train.CONFIGS.values())  # 'all' runs no ablation
+
+
+def test_loka_rows_keep_the_probe_window_out_of_the_timed_calls():
+    """loka's default window (2 calls), the call that closes it and one more are untimed."""
+    if "loka" not in torch._dynamo.list_backends(exclude_tags=()):
+        pytest.skip("loka backend not registered")
+    assert train.loka_untimed_calls(train.CONFIGS["loka_ro"]) == 4
+    assert train.loka_untimed_calls(train.CONFIGS["loka"], {"probe_steps": 5}) == 7
+    assert train.loka_untimed_calls(train.CONFIGS["loka"], {"probe_steps": 0}) == 0
+    assert train.loka_untimed_calls(train.CONFIGS["inductor_bf16"]) == 0
 
 
 def test_ablation_rows_follow_their_base():
@@ -182,10 +195,12 @@ def test_unknown_loka_option_is_an_error_row(tmp_path, one_thread, monkeypatch):
         pytest.skip("loka backend not registered")
     monkeypatch.setitem(train.CONFIGS, "loka_bogus",
                         train.Config("loka_bogus", "loka", "default", options=(("no_such_option", 1),)))
-    rows = _tiny_run(tmp_path, "--models", "dlrm_dcnv2", "--configs", "loka_bogus,eager_bf16",
+    rows = _tiny_run(tmp_path, "--models", "dlrm_dcnv2", "--configs", "loka_bogus,loka,eager_bf16",
                      "--ceiling-configs", "none")
     by = {r["config"]: r for r in rows}
     assert "no_such_option" in by["loka_bogus"]["error"] and by["loka_bogus"]["step_ms"] is None
+    # --warmup 1 would time loka's default probe window: an error row too
+    assert "--warmup 1 would time the probe window" in by["loka"]["error"] and by["loka"]["step_ms"] is None
     assert by["loka_bogus"]["loka_options"] == {"no_such_option": 1, "mode": "default"}
     assert by["eager_bf16"]["error"] is None
 

@@ -29,9 +29,11 @@ def test_harness_runs_every_model_and_records_failures(tmp_path, one_thread, cap
     failing = ["no_such_config"]
     if train._torchao_version() is None:
         failing.append("torchao_rowwise")  # unavailable -> an error row, not a crash
+    # The harness, not the Probe: loka rows without the probe window, which --warmup 1 could
+    # not hold (the infer smoke below runs loka's default window).
     path = train.main([
         "--preset", "tiny", "--batch", "32", "--warmup", "1", "--steps", "2", "--quality-steps", "3",
-        "--eval-batches", "2", "--device", "cpu", "--cpu-threads", "1",
+        "--eval-batches", "2", "--device", "cpu", "--cpu-threads", "1", "--loka-options", '{"probe_steps": 0}',
         "--models", ",".join([*MODEL_NAMES, "no_such_model"]),
         "--configs", ",".join(configs + failing), "--out", str(tmp_path), "--name", "smoke",
     ])
@@ -74,7 +76,8 @@ def test_harness_runs_every_model_and_records_failures(tmp_path, one_thread, cap
     assert "| model" in table and "no_such_config" in table and "FP8 ceiling" in table
 
 
-INFER_TINY = ["--models", "dlrm_dcnv2", "--preset", "tiny", "--iters", "2", "--warmup", "3",
+# --warmup 4: loka's default probe window (2 calls), its close and one more, all untimed.
+INFER_TINY = ["--models", "dlrm_dcnv2", "--preset", "tiny", "--iters", "2", "--warmup", "4",
               "--device", "cpu", "--cpu-threads", "1"]
 
 

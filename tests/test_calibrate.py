@@ -96,7 +96,7 @@ def test_inference_with_plan_casts_a_with_its_constant_scale(calibrated):
         graph = inference_graph()
         report = loka_compile.report(model)
         torch._dynamo.reset()
-        dynamic = torch.compile(model, backend="loka")(x)
+        dynamic = torch.compile(model, backend="loka", options={"probe_steps": 0})(x)
         dynamic_graph = [r for r in GRAPHS if r.plan.source == ""][-1].graph_modules[("fp8", GraphKind.INFERENCE)]
     assert [s.casts["a"] for s in report.sites if s.id.startswith("inference/")] == [STATIC, STATIC]
     # no amax reduction feeds A's cast (B is the cached weight): only pointwise ops before the convert
@@ -193,7 +193,7 @@ def test_calibration_leaves_the_speed_check_to_the_serving_compile(timed, cache_
     (CUDA graphs) with A cast by its static scale."""
     model, data, mode = MLP(), batches(), {"mode": "reduce-overhead"}
     with torch.no_grad():
-        torch.compile(model, backend="loka", options=mode)(data[0])
+        torch.compile(model, backend="loka", options={**mode, "probe_steps": 0})(data[0])
     assert {s.reason for s in loka_compile.report(model).sites} == {Reason.SLOWER_THAN_BF16.value}
     assert len(timed) == 2 and not any(shape.a_static for shape, _ in timed)  # dynamic casts
     torch._dynamo.reset()

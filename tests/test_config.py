@@ -22,6 +22,15 @@ def test_named_recipes():
     assert RECIPES["rowwise"].grad_format.value == "e4m3"
 
 
+def test_probing_is_on_by_default():
+    """A probe window of 2 calls (the fewest that bound a site's error with a standard
+    deviation) and with it the output budget; probe_steps=0 opts out of both."""
+    config = LokaConfig()
+    assert config.probe_steps == 2 and config.max_output_error == 0.003 and config.recheck_every == 0
+    assert LokaConfig(recheck_every=100).recheck_every == 100  # the default window allows re-checks
+    assert LokaConfig(probe_steps=0).probe_steps == 0
+
+
 FIELDS = [f.name for f in dataclasses.fields(LokaConfig)]
 
 # One or more bad values for every option; each error names the option or its valid values.
@@ -66,7 +75,7 @@ BAD_OPTIONS = [
     ({"probe_metric": "sqnr"}, r"valid probe_metrics \['row_rel_error', 'mere'\]"),
     ({"probe_metric": None}, "valid probe_metrics"),
     ({"recheck_every": -1, "probe_steps": 1}, "recheck_every must be a non-negative int"),
-    ({"recheck_every": 100}, "recheck_every=100 needs probe_steps > 0"),
+    ({"recheck_every": 100, "probe_steps": 0}, "recheck_every=100 needs probe_steps > 0"),
     ({"max_output_error": -0.1}, r"max_output_error must be a positive finite number, or None or 0 for off"),
     ({"max_output_error": "0.003"}, "max_output_error must be a positive finite number"),
 ]

@@ -23,7 +23,8 @@ GRAD_SQNR_FLOOR_DB = 7.0
 def check_training_step(model, x, recipe, mode="default"):
     reference = copy.deepcopy(model).float()
     # Every eligible site in FP8 (speed check off): these tests are about FP8 numerics.
-    compiled = torch.compile(model, backend="loka", options={"recipe": recipe, "mode": mode, "speed_check": False})
+    compiled = torch.compile(model, backend="loka",
+                             options={"probe_steps": 0, "recipe": recipe, "mode": mode, "speed_check": False})
     for _ in range(3):  # CUDA graphs record on a later call
         model.zero_grad(set_to_none=True)
         out = compiled(x)
@@ -68,7 +69,7 @@ def test_wukong_like_training_step_on_scaled_mm():
 
 def test_inference_and_dynamic_batch_on_gpu():
     model = MLPWithNorm(d_in=256, hidden=512, d_out=64).cuda().bfloat16().eval()
-    compiled = torch.compile(model, backend="loka", dynamic=True, options={"speed_check": False})
+    compiled = torch.compile(model, backend="loka", dynamic=True, options={"probe_steps": 0, "speed_check": False})
     with torch.no_grad():
         for batch in (256, 384, 1024):
             x = torch.randn(batch, 256, device="cuda", dtype=torch.bfloat16)
@@ -90,7 +91,7 @@ def test_speed_check_keeps_sites_where_fp8_does_not_pay_in_bf16():
     model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 64),
                                 torch.nn.ReLU(), torch.nn.Linear(64, 32))
     model = model.cuda().bfloat16().eval()
-    compiled = torch.compile(model, backend="loka", mode="reduce-overhead")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "mode": "reduce-overhead"})
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         out = compiled(x)
@@ -133,8 +134,9 @@ def test_casts_of_norm_and_activation_outputs_are_fused_into_their_kernels(train
     torch._dynamo.reset()
     # benchmarked_reductions off: Inductor's multi-kernel writes each reduction twice
     # (persistent and looped, the faster one runs), which would double its count here.
-    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise", "speed_check": False,
-                                                              "disabled_mods": ["benchmarked_reductions"]})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise",
+                                                             "speed_check": False,
+                                                             "disabled_mods": ["benchmarked_reductions"]})
     _, loka_code = run_and_get_code(step, compiled)
     report = loka_compile.report(compiled)
     casts = [c for s in report.sites for c in s.casts.values()]
@@ -163,7 +165,8 @@ def test_cached_weights_follow_in_place_updates_under_cuda_graphs():
     replay, they carry an optimizer step or load_state_dict into the next call."""
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
     model = model.cuda().bfloat16().eval()
-    compiled = torch.compile(model, backend="loka", options={"speed_check": False, "mode": "reduce-overhead"})
+    compiled = torch.compile(model, backend="loka",
+                             options={"probe_steps": 0, "speed_check": False, "mode": "reduce-overhead"})
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(3):  # record, then replay

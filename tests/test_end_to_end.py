@@ -9,7 +9,7 @@ import torch
 import loka_compile
 from loka_compile import Reason
 from models import MLPWithNorm, WukongLikeBlock
-from numerics import sqnr_db
+from numerics import rel_error, sqnr_db
 
 # Floors against the fp32 reference, measured with emulated e4m3 on these models
 # (2026-11-22, CPU, seed 0): outputs 22.9-28.1 dB over the three recipes; gradients
@@ -75,7 +75,7 @@ EXPECTED_FP8_SITES = {
 def test_training_matches_fp32_reference(model_name):
     reference = make_model(model_name)
     model = copy.deepcopy(reference)
-    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     x, y = make_batch(model_name)
 
     out_ref, out = reference(x), compiled(x)
@@ -102,7 +102,7 @@ def test_training_matches_fp32_reference(model_name):
 
 def test_wukong_sites_cover_bmm_transposes_and_3d_linears():
     model = make_model("wukong")
-    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     x, _ = make_batch("wukong")
     compiled(x.requires_grad_(True)).sum().backward()
     sites = loka_compile.report(compiled).sites
@@ -117,7 +117,7 @@ def test_wukong_sites_cover_bmm_transposes_and_3d_linears():
 
 
 def test_default_recipe_keeps_wgrad_high_precision():
-    compiled = torch.compile(make_model("mlp"), backend="loka")
+    compiled = torch.compile(make_model("mlp"), backend="loka", options={"probe_steps": 0})
     x, y = make_batch("mlp")
     torch.nn.functional.mse_loss(compiled(x), y).backward()
     report = loka_compile.report(compiled)
@@ -128,7 +128,7 @@ def test_default_recipe_keeps_wgrad_high_precision():
 
 def test_inference_compiles_forward_only_graph():
     model = make_model("mlp").eval()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     x, _ = make_batch("mlp")
     with torch.no_grad():
         out = compiled(x)
@@ -144,7 +144,7 @@ def test_inference_compiles_forward_only_graph():
 
 def test_dynamic_batch_compiles_once_with_symbolic_m():
     model = make_model("mlp")
-    compiled = torch.compile(model, backend="loka", dynamic=True, options={"recipe": "rowwise"})
+    compiled = torch.compile(model, backend="loka", dynamic=True, options={"probe_steps": 0, "recipe": "rowwise"})
     for batch in (32, 48, 80, 96):
         x, y = make_batch("mlp", batch)
         torch.nn.functional.mse_loss(compiled(x), y).backward()
@@ -157,7 +157,7 @@ def test_dynamic_batch_compiles_once_with_symbolic_m():
 
 
 def test_mark_dynamic_batch():
-    compiled = torch.compile(make_model("mlp"), backend="loka")
+    compiled = torch.compile(make_model("mlp"), backend="loka", options={"probe_steps": 0})
     for batch in (32, 64):
         x, _ = make_batch("mlp", batch)
         torch._dynamo.mark_dynamic(x, 0)
@@ -177,7 +177,7 @@ class GraphBroken(MLPWithNorm):
 
 def test_graph_breaks_and_recompiles_are_all_reported():
     model = GraphBroken()
-    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     for batch in (32, 64):  # the second batch size recompiles both graphs
         x, y = make_batch("mlp", batch)
         torch.nn.functional.mse_loss(compiled(x), y).backward()
@@ -206,6 +206,69 @@ def test_probe_window_then_fp8_and_unsafe_sites_stay_high_precision():
     report = loka_compile.report(compiled)
     assert report.sites and {s.reason for s in report.sites} == {"probe_unsafe"}
     torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)
+
+
+class ResidualTower(torch.nn.Module):
+    """fc1 -> LayerNorm -> ReLU -> head, plus a branch off the LayerNorm scaled by 1e-2 (its
+    own input, so horizontal fusion leaves it apart from head): fc1 and head move the output
+    about 1:1 (sensitivity ~1), the branch about 1e-2."""
+
+    def __init__(self, d=64, d_out=16):
+        super().__init__()
+        self.fc1, self.norm = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+        self.head, self.branch = torch.nn.Linear(d, d_out), torch.nn.Linear(d, d_out)
+
+    def forward(self, x):
+        h = self.norm(self.fc1(x))
+        return self.head(torch.relu(h)) + 1e-2 * self.branch(h)
+
+
+def test_no_options_probes_then_runs_fp8_within_the_output_budget():
+    """The defaults, nothing passed: the first probe_steps calls run the probe variant (high
+    precision, observers), the next compiles and runs the FP8 variant, in which the output
+    budget (0.003) keeps the two sites that move the output 1:1 (each ~0.036 alone) and lets
+    the branch, 1e-2 as sensitive, go FP8."""
+    defaults = loka_compile.LokaConfig()
+    assert defaults.probe_steps > 0 and defaults.max_output_error == 0.003
+    model = ResidualTower()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="loka")
+    x, y = make_batch("mlp")
+    for _ in range(defaults.probe_steps):
+        out = compiled(x)
+        torch.nn.functional.mse_loss(out, y).backward()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        report = loka_compile.report(compiled)
+        assert [g.phase for g in report.graphs] == ["probe"]
+        assert {s.reason for s in report.sites if s.role != "wgrad"} == {"probing"}  # wgrad: the recipe's
+        torch.testing.assert_close(out, reference(x), rtol=1e-4, atol=1e-4)  # high precision
+    assert report.graphs[0].config == defaults
+
+    out = compiled(x)  # the window closes: the FP8 variant compiles and runs
+    torch.nn.functional.mse_loss(out, y).backward()
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    report = loka_compile.report(compiled)
+    graph = report.graphs[0]
+    assert graph.phase == "fp8"
+    fwd = {s.module: s for s in report.sites if s.role == "fwd"}
+    for site in [s for s in report.sites if s.role != "wgrad"]:  # observed over the window, bounded by it
+        assert site.probe["observations"] == defaults.probe_steps, site
+        own = site.verdicts[site.probe["chosen"]]
+        assert own["n"] == defaults.probe_steps and 0 < own["bound"] < defaults.max_probe_error, site
+    for name in ("fc1", "head"):
+        assert not fwd[name].fp8 and fwd[name].reason == "probe_unsafe" and "output budget" in fwd[name].detail
+    assert fwd["branch"].fp8 and fwd["branch"].sensitivity < 0.05
+    assert {s.fp8 for s in report.sites if s.role == "dgrad"} == {True}  # the budget weighs forward sites only
+    assert all(s.reason == "recipe_high_precision" for s in report.sites if s.role == "wgrad")
+    budget = graph.output_budget
+    assert sorted(budget.kept) == sorted([fwd["fc1"].id, fwd["head"].id])
+    # measured: predicted 4.8e-4, measured 4.9e-4
+    assert 0 < graph.predicted_output_error <= 0.003 and 0 < graph.measured_output_error <= 0.003
+    assert "output budget g0: predicted output discrepancy" in report.summary()
+    with torch.no_grad():
+        assert rel_error(reference(x).double(), out.double()) <= 0.003
+    for g_ref, g in zip(grads(reference), grads(model)):
+        assert sqnr_db(g_ref, g) > GRAD_SQNR_FLOOR_DB
 
 
 def test_fp8_variant_after_the_window_keeps_the_static_shapes():
@@ -241,7 +304,7 @@ def test_probe_upgrades_a_tensorwise_site_an_outlier_would_wreck():
     clean = [r for r in range(64) if r != 10]
     with torch.no_grad():
         reference = model(x)
-        plain = torch.compile(model, backend="loka", options={"recipe": "tensorwise"})(x)
+        plain = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "tensorwise"})(x)
         assert sqnr_db(reference[clean], plain[clean]) < 10.0  # what the upgrade prevents
         torch._dynamo.reset()
         loka_compile.reset()
@@ -256,7 +319,7 @@ def test_probe_upgrades_a_tensorwise_site_an_outlier_would_wreck():
 
 def test_emulation_off_without_fp8_hardware_keeps_high_precision():
     model = make_model("mlp")
-    compiled = torch.compile(model, backend="loka", options={"emulate": False})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "emulate": False})
     x, _ = make_batch("mlp")
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
     assert {s.reason for s in loka_compile.report(compiled).sites} == {"no_fp8_hardware"}
@@ -264,7 +327,7 @@ def test_emulation_off_without_fp8_hardware_keeps_high_precision():
 
 def test_unsupported_dtype_falls_back():
     model = make_model("mlp").double()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     x = torch.randn(32, 64, dtype=torch.float64)
     torch.testing.assert_close(compiled(x), model(x))
     assert {s.reason for s in loka_compile.report(compiled).sites} == {"unsupported_dtype"}
@@ -272,7 +335,7 @@ def test_unsupported_dtype_falls_back():
 
 def test_bf16_model():
     model = make_model("mlp").to(torch.bfloat16)
-    compiled = torch.compile(model, backend="loka", options={"recipe": "tensorwise"})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "tensorwise"})
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     out = compiled(x)
     out.float().sum().backward()
@@ -294,7 +357,7 @@ def test_a_graph_loka_cannot_handle_runs_in_high_precision_with_one_warning(monk
 
     monkeypatch.setattr(module, "PIPELINE", (("find_sites", broken),) + module.PIPELINE[1:])
     model = make_model("mlp")
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     x, y = make_batch("mlp")
     with caplog.at_level(logging.WARNING, logger="loka"):
         out = compiled(x)
@@ -316,7 +379,7 @@ def test_reduce_overhead_mode_through_options():
 
 
 def test_report_table_and_fields():
-    compiled = torch.compile(make_model("mlp"), backend="loka")
+    compiled = torch.compile(make_model("mlp"), backend="loka", options={"probe_steps": 0})
     x, _ = make_batch("mlp")
     compiled(x).sum().backward()
     report = loka_compile.report(compiled)
@@ -330,13 +393,13 @@ def test_report_table_and_fields():
     for field in ("name", "module", "role", "shape", "fp8", "provider", "reason"):
         assert hasattr(site, field)
     assert set(report.graph_modules) == {"g0/forward", "g0/backward"}
-    other = torch.compile(torch.nn.Linear(64, 32), backend="loka")
+    other = torch.compile(torch.nn.Linear(64, 32), backend="loka", options={"probe_steps": 0})
     other(x)
     assert len(loka_compile.report(compiled).graphs) == 1  # reports are per model
     assert [s.module for s in loka_compile.report(other).sites] == ["Linear"]
     assert len(loka_compile.report().graphs) == 2
     # Dynamo reuses a graph for another instance of the same class: its report is that graph
-    twin = torch.compile(make_model("mlp"), backend="loka")
+    twin = torch.compile(make_model("mlp"), backend="loka", options={"probe_steps": 0})
     twin(x)
     assert len(loka_compile.report(twin).graphs) == 1
 
@@ -354,7 +417,7 @@ def test_report_counts_what_each_mod_did():
             return self.fc2(torch.nn.functional.silu(self.norm(self.fc1(x))))
 
     x = torch.randn(128, 64)
-    compiled = torch.compile(Tower(), backend="loka", options={"recipe": "rowwise"})
+    compiled = torch.compile(Tower(), backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     compiled(x).sum().backward()
     report = loka_compile.report(compiled)
     mods = report.mods
@@ -365,7 +428,8 @@ def test_report_counts_what_each_mod_did():
 
     torch._dynamo.reset()
     loka_compile.reset()
-    compiled = torch.compile(Tower(), backend="loka", options={"arch_mods": ["blocknorm", "hardswish"]})
+    compiled = torch.compile(Tower(), backend="loka",
+                             options={"probe_steps": 0, "arch_mods": ["blocknorm", "hardswish"]})
     compiled(x).sum().backward()
     mods = loka_compile.report(compiled).mods
     assert mods["arch:blocknorm"] == 1 and mods["arch:hardswish"] == 1
@@ -377,7 +441,7 @@ def test_tiny_gradients_keep_their_values():
     to zero)."""
     model = make_model("mlp")
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     x, y = make_batch("mlp")
     (1e-15 * torch.nn.functional.mse_loss(compiled(x), y)).backward()
     (1e-15 * torch.nn.functional.mse_loss(reference(x), y)).backward()
@@ -394,7 +458,7 @@ def test_functional_call_weight_gradients_are_wgrad():
 
     module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
     params = {k: v.detach().clone().requires_grad_(True) for k, v in module.named_parameters()}
-    step = torch.compile(lambda p, x: functional_call(module, p, (x,)), backend="loka")
+    step = torch.compile(lambda p, x: functional_call(module, p, (x,)), backend="loka", options={"probe_steps": 0})
     x = torch.randn(32, 64, requires_grad=True)
     step(params, x).sum().backward()
     roles = sorted((s.module.rsplit(".", 1)[-1], s.role) for s in loka_compile.report().sites)
@@ -410,7 +474,7 @@ def test_freezing_packed_linears_are_reported_with_their_reason():
 
     # Not monkeypatch: its undo deletes a config module's attribute, which hides it for good.
     model = make_model("mlp").eval()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     x, _ = make_batch("mlp")
     with torch.no_grad(), inductor_config.patch(freezing=True):
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
@@ -427,7 +491,7 @@ def test_weight_norm_weight_gradient_is_wgrad():
     from torch.nn.utils.parametrizations import weight_norm
 
     model = torch.nn.Sequential(weight_norm(torch.nn.Linear(64, 64)), torch.nn.ReLU(), torch.nn.Linear(64, 32))
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     compiled(torch.randn(32, 64, requires_grad=True)).sum().backward()
     roles = sorted((s.module, s.role) for s in loka_compile.report(compiled).sites)
     assert roles == [("0", "dgrad"), ("0", "fwd"), ("0", "wgrad"), ("2", "dgrad"), ("2", "fwd"), ("2", "wgrad")]

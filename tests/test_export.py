@@ -235,6 +235,18 @@ def test_bad_arguments_raise_clear_errors(tmp_path, change, message):
     assert not path.exists()
 
 
+def test_the_default_probe_window_is_left_out_and_one_asked_for_is_refused():
+    """A package has no Probe: export drops the default window (options absent, or a
+    LokaConfig at the default); a window asked for is a ValueError."""
+    from loka_compile.export import _export_config
+
+    for options in (None, {"recipe": "rowwise"}, {"probe_steps": 0}, loka_compile.LokaConfig()):
+        assert _export_config(options).probe_steps == 0, options
+    for options in ({"probe_steps": 2}, loka_compile.LokaConfig(probe_steps=5)):
+        with pytest.raises(ValueError, match="no probe window"):
+            _export_config(options)
+
+
 def test_a_plan_for_another_model_is_refused(exported, tmp_path):
     other = Ranker(hidden=48).eval()
     with pytest.raises(ValueError, match="made for another model.*parameters differ"):

@@ -255,7 +255,9 @@ def masknet_runs():
     data = SyntheticRecsysData(spec, seed=0)
     batches = [data.batch(i, 64) for i in range(STEPS)]
     runs = {}
-    for name, options in (("fused", {}), ("unfused", {"disabled_mods": ["horizontal"]}), ("eager", None)):
+    no_probe = {"probe_steps": 0}
+    for name, options in (("fused", no_probe), ("unfused", {**no_probe, "disabled_mods": ["horizontal"]}),
+                          ("eager", None)):
         torch._dynamo.reset()
         loka_compile.reset()
         model = copy.deepcopy(start)
@@ -340,6 +342,6 @@ def test_tiny_masknet_trains_with_the_mod(masknet_runs):
 def test_inference_graphs_keep_cached_weights(fresh_compile_state):
     model, x = Siblings(), torch.randn(64, 32)
     with torch.no_grad():
-        torch.compile(model, backend="loka")(x)
+        torch.compile(model, backend="loka", options={"probe_steps": 0})(x)
     (record,) = backend.GRAPHS
     assert record.horizontal.groups == 0 and record.horizontal.declined == {"inference": 3}

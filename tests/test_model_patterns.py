@@ -105,7 +105,7 @@ def _train(model, compiled, make_inputs, to_logit, steps=6, batch=64, dynamic_ba
 def test_pattern_trains_under_loka(case):
     cls, make_inputs, to_logit = CASES[case]
     model = cls()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     losses = _train(model, compiled, make_inputs, to_logit)
     assert losses[-2] < losses[0], losses  # the same batch, four Adam steps later
     for name, p in model.named_parameters():
@@ -123,7 +123,7 @@ def test_no_grad_evaluation_then_training_with_dynamic_batches():
     """Scoring under torch.no_grad first (an inference graph), then training on batches of
     changing size with dynamic=True: both graphs compile and train."""
     model = MultiTaskWithGraphBreak()
-    compiled = torch.compile(model, backend="loka", dynamic=True)
+    compiled = torch.compile(model, backend="loka", dynamic=True, options={"probe_steps": 0})
     with torch.no_grad():
         scores = compiled(torch.randn(32, 48))
     assert torch.isfinite(scores).all()
@@ -196,7 +196,7 @@ def _ranker_inputs(batch):
 
 def _lora_sites(form):
     """One training step of a fresh LoRARanker under loka: its report's sites."""
-    compiled = torch.compile(LoRARanker(LORA_FORMS[form]), backend="loka")
+    compiled = torch.compile(LoRARanker(LORA_FORMS[form]), backend="loka", options={"probe_steps": 0})
     compiled(*_ranker_inputs(64)).sum().backward()
     sites = loka_compile.report(compiled).sites
     print(form, sorted((s.module, s.role, s.reason) for s in sites))  # shown on failure
@@ -208,7 +208,7 @@ def _lora_sites(form):
 def test_lora_fine_tuning_trains_under_loka(form):
     model = LoRARanker(LORA_FORMS[form])
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     losses = _train(model, compiled, _ranker_inputs, lambda out: out)
     assert losses[-2] < losses[0], losses
     for name, p in model.named_parameters():
@@ -303,7 +303,7 @@ def _ddp_rank(rank, world_size, store_dir, optimize_ddp):
             initial = [p.detach().clone() for p in model.parameters()]
             # 1 MiB buckets (DDP's first bucket size): fc3's 1 MiB weight starts a second one
             ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
-            compiled = torch.compile(ddp, backend="loka")
+            compiled = torch.compile(ddp, backend="loka", options={"probe_steps": 0})
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
             data = torch.Generator().manual_seed(100 + rank)
             losses = []

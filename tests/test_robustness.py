@@ -78,7 +78,7 @@ def test_sparse_embedding_bag_dlrm_trains_in_fp8():
     sparse, and training follows eager."""
     model = TinyDLRM()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise", "fallback": False})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise", "fallback": False})
     opts, ref_opts = _optimizers(model), _optimizers(reference)
     for step in range(3):
         inputs, y = dlrm_batch()
@@ -120,7 +120,7 @@ def test_sparse_embedding_default_recipe_backward_in_fp8(caplog):
     reference = copy.deepcopy(model)
     idx = torch.randint(0, 100, (32, 3))
     with caplog.at_level(logging.WARNING, logger="loka"):
-        torch.compile(model, backend="loka")(idx).square().sum().backward()
+        torch.compile(model, backend="loka", options={"probe_steps": 0})(idx).square().sum().backward()
     reference(idx).square().sum().backward()
     assert not [r for r in caplog.records if r.name == "loka"]
     assert model.emb.weight.grad.is_sparse
@@ -142,7 +142,8 @@ def test_two_tower_scoring_with_every_dim_symbolic():
     of the GEMM and of both its gradients are symbolic. No crash (fallback off), every site
     reported; on CPU they run emulated FP8, and on FP8 hardware a symbolic K or N keeps a
     site in high precision with its reason (Dispatch once took min() of no concrete dim)."""
-    compiled = torch.compile(score, backend="loka", dynamic=True, options={"recipe": "rowwise", "fallback": False})
+    compiled = torch.compile(score, backend="loka", dynamic=True,
+                             options={"probe_steps": 0, "recipe": "rowwise", "fallback": False})
     for n_users, n_items, dim in ((24, 40, 32), (48, 72, 64)):
         users = torch.randn(n_users, dim, requires_grad=True)
         items = torch.randn(n_items, dim, requires_grad=True)
@@ -201,7 +202,8 @@ def test_empty_operands_give_inductors_result(recipe):
     eager. (The casts' amax once asserted a data-dependent size >= 1.)"""
     model = Selected()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="loka", options={"recipe": recipe, "min_gemm_dim": 0, "fallback": False})
+    compiled = torch.compile(model, backend="loka",
+                             options={"probe_steps": 0, "recipe": recipe, "min_gemm_dim": 0, "fallback": False})
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         for share in (0.5, 0.0):
             _check_step(compiled, model, reference, torch.randn(24, 32), torch.rand(24) < share)
@@ -282,7 +284,7 @@ def test_reset_forgets_verdicts():
     model = Lin()
     x = torch.randn(32, 32)
     with torch.no_grad():
-        out = torch.compile(model, backend="loka")(x)
+        out = torch.compile(model, backend="loka", options={"probe_steps": 0})(x)
         ref = model(x)
     assert [(s.key, s.reason) for s in loka_compile.report().sites] == [("g0/inference/addmm", "fp8")]
     assert not torch.equal(out, ref) and sqnr_db(ref, out) > OUTPUT_SQNR_FLOOR_DB  # FP8 ran
@@ -331,7 +333,7 @@ def test_a_pass_failing_after_lower_leaves_no_rewrite(monkeypatch, caplog):
     reference = copy.deepcopy(model)
     x = torch.randn(32, 64)
     with caplog.at_level(logging.WARNING, logger="loka"):
-        out = torch.compile(model, backend="loka", options={"recipe": "rowwise"})(x)
+        out = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})(x)
         out.square().sum().backward()
     ref = reference(x)
     ref.square().sum().backward()
@@ -350,7 +352,7 @@ def test_a_failing_backward_falls_back_alone(monkeypatch):
     backward's sites are all reported, in high precision, with the failure."""
     _with_failing_pass(monkeypatch, {"backward"})
     model = _mlp()
-    out = torch.compile(model, backend="loka", options={"recipe": "rowwise"})(torch.randn(32, 64))
+    out = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})(torch.randn(32, 64))
     out.square().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     report = loka_compile.report()
@@ -389,7 +391,7 @@ def test_a_failing_first_run_falls_back_and_keeps_running(monkeypatch, caplog, t
     _first_run_fails(monkeypatch)
     model = _mlp()
     x = torch.randn(32, 64)
-    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     with caplog.at_level(logging.WARNING, logger="loka"), torch.set_grad_enabled(training):
         outs = [compiled(x) for _ in range(3)]
     assert all(torch.equal(out, outs[0]) for out in outs)
@@ -423,7 +425,7 @@ def test_a_first_run_that_fails_without_loka_too_is_raised_and_changes_nothing(m
         return run
 
     monkeypatch.setattr(backend, "compile_fx", plain_fails_once)
-    compiled = torch.compile(_mlp(), backend="loka", options={"recipe": "rowwise"})
+    compiled = torch.compile(_mlp(), backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     with torch.no_grad():
         with pytest.raises(ValueError, match="bad input"):
             compiled(torch.randn(32, 64))
@@ -434,7 +436,7 @@ def test_a_first_run_that_fails_without_loka_too_is_raised_and_changes_nothing(m
 
 def test_first_run_failures_are_raised_with_fallback_off(monkeypatch):
     _first_run_fails(monkeypatch)
-    compiled = torch.compile(_mlp(), backend="loka", options={"recipe": "rowwise", "fallback": False})
+    compiled = torch.compile(_mlp(), backend="loka", options={"probe_steps": 0, "recipe": "rowwise", "fallback": False})
     with torch.no_grad(), pytest.raises(RuntimeError, match="launch failed"):
         compiled(torch.randn(32, 64))
 
@@ -466,7 +468,7 @@ def test_tiny_gradients_are_not_flushed_rowwise():
     model = _mlp()
     reference = copy.deepcopy(model)
     x, y = torch.randn(32, 64), torch.randn(32, 32)
-    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     grads = {}
     for scale in (1e-15, 1.0):
         model.zero_grad()

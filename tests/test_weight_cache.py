@@ -36,7 +36,7 @@ def _refreshes(report) -> int:
 
 def test_inference_weights_are_graph_constants_not_casts():
     model = MLPWithNorm().eval()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     x = torch.randn(32, 64)
     out = _infer(compiled, x)
     assert sqnr_db(model(x), out) > OUTPUT_SQNR_FLOOR_DB
@@ -58,16 +58,17 @@ def test_cached_weights_match_in_graph_casts():
     """The eager cast that fills the constants is the recipe the graph would run."""
     model = MLPWithNorm().eval()
     x = torch.randn(32, 64)
-    cached = _infer(torch.compile(model, backend="loka"), x)
+    cached = _infer(torch.compile(model, backend="loka", options={"probe_steps": 0}), x)
     torch._dynamo.reset()
-    in_graph = _infer(torch.compile(model, backend="loka", options={"disabled_mods": ["cached_weights"]}), x)
+    in_graph = _infer(torch.compile(model, backend="loka",
+                                    options={"probe_steps": 0, "disabled_mods": ["cached_weights"]}), x)
     assert rel_error(in_graph, cached) < 1e-2
     assert loka_compile.report().mods["cached_weights"] == 3  # the first graph's; the second has none
 
 
 def test_disabled_mod_casts_weights_in_the_graph():
     model = MLPWithNorm().eval()
-    compiled = torch.compile(model, backend="loka", options={"disabled_mods": ["cached_weights"]})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "disabled_mods": ["cached_weights"]})
     _infer(compiled, torch.randn(32, 64))
     report = loka_compile.report(compiled)
     assert report.mods["cached_weights"] == 0 and not report.cached_weights
@@ -76,7 +77,7 @@ def test_disabled_mod_casts_weights_in_the_graph():
 
 def test_weights_are_quantized_once_until_they_change():
     model = MLPWithNorm().eval()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     x = torch.randn(32, 64)
     first = _infer(compiled, x)
     report = loka_compile.report(compiled)
@@ -94,7 +95,7 @@ def test_weights_are_quantized_once_until_they_change():
 
 def test_load_state_dict_is_never_served_stale():
     model = MLPWithNorm().eval()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     x = torch.randn(32, 64)
     _infer(compiled, x)
     other = MLPWithNorm()
@@ -106,7 +107,7 @@ def test_load_state_dict_is_never_served_stale():
 def test_optimizer_steps_between_evaluations_refresh_the_cache():
     """Train eagerly, evaluate compiled under no_grad: each evaluation sees the new weights."""
     model = MLPWithNorm()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x = torch.randn(32, 64)
     for _ in range(3):
@@ -118,7 +119,7 @@ def test_optimizer_steps_between_evaluations_refresh_the_cache():
 
 def test_training_graphs_cast_weights_every_step():
     model = MLPWithNorm()
-    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise"})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     compiled(torch.randn(32, 64)).sum().backward()
     report = loka_compile.report(compiled)
     assert not _cached(report) and not report.cached_weights
@@ -137,7 +138,7 @@ class SharedTower(nn.Module):
 
 def test_a_weight_two_sites_share_is_cached_once():
     model = SharedTower().eval()
-    compiled = torch.compile(model, backend="loka")
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     users, items = torch.randn(16, 32), torch.randn(16, 32)
     with torch.no_grad():
         out = compiled(users, items)
@@ -149,7 +150,7 @@ def test_a_weight_two_sites_share_is_cached_once():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_other_scalings_cache_their_scales(recipe):
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)).eval()
-    compiled = torch.compile(model, backend="loka", options={"recipe": recipe})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": recipe})
     x = torch.randn(64, 128)
     out = _infer(compiled, x)
     assert sqnr_db(model(x), out) > OUTPUT_SQNR_FLOOR_DB
@@ -162,7 +163,7 @@ def test_other_scalings_cache_their_scales(recipe):
 
 def test_dynamic_batches_keep_one_cache():
     model = MLPWithNorm().eval()
-    compiled = torch.compile(model, backend="loka", dynamic=True)
+    compiled = torch.compile(model, backend="loka", dynamic=True, options={"probe_steps": 0})
     for batch in (8, 24, 40):
         x = torch.randn(batch, 64)
         assert sqnr_db(model(x), _infer(compiled, x)) > OUTPUT_SQNR_FLOOR_DB
@@ -175,7 +176,7 @@ def test_inference_mode_tensors_are_refreshed_every_call():
     they change, so it quantizes them again at each call rather than risk stale ones."""
     with torch.inference_mode():
         model = MLPWithNorm().eval()
-        compiled = torch.compile(model, backend="loka")
+        compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
         x = torch.randn(32, 64)
         compiled(x)
         model.fc1.weight.mul_(2)
@@ -186,7 +187,8 @@ def test_inference_mode_tensors_are_refreshed_every_call():
 
 def test_functional_call_with_new_parameters_is_not_stale():
     module = MLPWithNorm().eval()
-    step = torch.compile(lambda p, x: torch.func.functional_call(module, p, (x,)), backend="loka")
+    step = torch.compile(lambda p, x: torch.func.functional_call(module, p, (x,)), backend="loka",
+                         options={"probe_steps": 0})
     x = torch.randn(32, 64)
     params = {k: v.detach().clone().requires_grad_() for k, v in module.named_parameters()}
     with torch.no_grad():
@@ -225,7 +227,8 @@ def test_cached_weights_reach_a_custom_op_gemm(opaque_provider):
     """Inductor re-runs a custom op on its inputs' example values, and a cached weight's is
     the real constant (this failed every inference graph of the Triton GEMM on CUDA)."""
     model = MLPWithNorm().eval()
-    compiled = torch.compile(model, backend="loka", options={"providers": [opaque_provider], "fallback": False})
+    compiled = torch.compile(model, backend="loka",
+                             options={"probe_steps": 0, "providers": [opaque_provider], "fallback": False})
     x = torch.randn(32, 64)
     out = _infer(compiled, x)
     assert sqnr_db(model(x), out) > OUTPUT_SQNR_FLOOR_DB
