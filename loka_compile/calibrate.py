@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from loka_compile import backend, probe
+from loka_compile import backend, output_budget, probe
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import metrics
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
@@ -41,7 +41,10 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     (`Plan.a_scales`, by site id; save it with `plan.save(path)`, load it with
     `options={"plan": path}`). Then the last batch runs once more: each window closes on
     that call, so the output budget (`max_output_error`) keeps in high precision the
-    forward sites whose measured sensitivity it cannot afford, as after any window.
+    forward sites whose measured sensitivity it cannot afford, as after any window. That
+    window weighs each site at its dynamic cast's error; once the static scales are set it
+    weighs them again at their static casts' errors (one scale for all rows is often
+    worse) and keeps in high precision, largest share first, what it can no longer afford.
 
     The plan holds the Probe's verdicts (unsafe, upgraded), the scales, and the sites'
     decisions without a speed check: a compile that loads it on FP8 hardware with
@@ -94,7 +97,8 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
                 graph._close_probe_window()
     plan = plan_of(compiled)
     for record in records:
-        _static_scales(record, plan, config, policy, float(percentile), label)
+        row_errors = _static_scales(record, plan, config, policy, float(percentile), label)
+        _rebudget(record, plan, config, row_errors)
     # The calibration's graphs are its own: reports of the model's later compiles leave them out.
     backend.GRAPHS[:] = [r for r in backend.GRAPHS if id(r) in known]
     return plan
@@ -108,12 +112,15 @@ def _call(compiled, batch):
     return compiled(batch)
 
 
-def _static_scales(record, plan: Plan, config: LokaConfig, policy: str, percentile: float, label: str) -> None:
+def _static_scales(record, plan: Plan, config: LokaConfig, policy: str, percentile: float, label: str) -> dict:
+    """Sets the record's sites' static scales in `plan`; returns site id -> the static cast's
+    row relative error (the output budget's e) for the sites given one."""
     budget, metric = config.max_probe_error, getattr(config, "probe_metric", "row_rel_error")
     probed = record.contexts.get(("probe", GraphKind.INFERENCE))
     final = record.contexts.get((record.phase, GraphKind.INFERENCE))
+    row_errors = {}
     if probed is None or final is None:
-        return
+        return row_errors
     decisions = {s.id: final.decisions.get(s.key) for s in final.sites}
     for site in probed.sites:
         decision = decisions.get(site.id)
@@ -129,18 +136,43 @@ def _static_scales(record, plan: Plan, config: LokaConfig, policy: str, percenti
             value = float(torch.quantile(rows.float().abs().flatten(), percentile / 100.0))
         fmt = Fp8Format(decision.a_format)
         scale = float(scale_from_amax(torch.tensor(value), fmt)) if math.isfinite(value) else math.nan
-        error = _static_error(rows, probe.STORE.reservoir(site.key, "b"), scale, decision, metric) \
-            if math.isfinite(scale) else math.inf
+        b_cols = probe.STORE.reservoir(site.key, "b")
+        error = _static_error(rows, b_cols, scale, decision, metric) if math.isfinite(scale) else math.inf
         if error <= budget:
             plan.a_scales[site.id] = {"scale": scale, "range": float(value), "policy": label, "error": error}
+            row_errors[site.id] = error if metric == "row_rel_error" else \
+                _static_error(rows, b_cols, scale, decision, "row_rel_error")
             continue
-        detail = (f"calibrated static scale ({label}): {metric} {error:.3g} > {budget} "
-                  f"on {rows.shape[0]} sampled rows")
-        log.warning("loka calibrate: %s stays in high precision (%s)", site.id, detail)
-        plan.unsafe[site.id] = error
-        if site.id in plan.sites:
-            plan.sites[site.id] = dataclasses.replace(plan.sites[site.id], fp8=False,
-                                                      reason=Reason.PROBE_UNSAFE.value, detail=detail)
+        _keep_in_high_precision(plan, site.id, error, f"calibrated static scale ({label}): {metric} {error:.3g} > "
+                                f"{budget} on {rows.shape[0]} sampled rows")
+    return row_errors
+
+
+def _keep_in_high_precision(plan: Plan, sid: str, error: float, detail: str) -> None:
+    log.warning("loka calibrate: %s stays in high precision (%s)", sid, detail)
+    plan.unsafe[sid] = error
+    plan.a_scales.pop(sid, None)
+    if sid in plan.sites:
+        plan.sites[sid] = dataclasses.replace(plan.sites[sid], fp8=False, reason=Reason.PROBE_UNSAFE.value,
+                                              detail=detail)
+
+
+def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
+    """The output budget weighed each site at its dynamic cast's error when the window
+    closed; a static scale has its own (often larger: one scale for every row). Weigh the
+    sites again with the static errors and keep in high precision, largest s * e first,
+    what the budget can no longer afford."""
+    budget = record.output_budget
+    if budget is None or not config.max_output_error or not row_errors:
+        return
+    errors = {sid: row_errors.get(sid, e) for sid, e in budget.error.items()
+              if sid not in budget.kept and sid not in plan.unsafe}
+    labels = {sid: "static scale" for sid in row_errors}
+    kept, before, after = output_budget.keep_within(budget.sensitivity, errors, config.max_output_error, labels)
+    for sid, detail in kept.items():
+        _keep_in_high_precision(plan, sid, errors[sid], detail)
+    log.info("loka calibrate: %s: output budget with static scales: predicted output discrepancy %.3g -> %.3g, "
+             "%d more site(s) kept in high precision", record.name, before, after, len(kept))
 
 
 def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, decision, metric: str) -> float:

@@ -239,3 +239,34 @@ def test_calibration_applies_the_output_budget():
         entry = plan.sites[sid]
         assert not entry.fp8 and entry.reason == Reason.PROBE_UNSAFE.value
         assert "output budget: sensitivity" in entry.detail, entry.detail
+
+
+class TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_the_output_budget_weighs_static_scales_at_their_own_error():
+    """One row 1e5 times the others sets each amax scale: the other rows fall into e4m3's
+    subnormals, and the static cast's row error (measured 0.32-0.42) is ten times the
+    dynamic rowwise cast's (0.036) the window's budget weighed. calibrate weighs the sites
+    again at their static errors: with a budget of 0.05 no static scale survives."""
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(64, 64, generator=g) for _ in range(3)]
+    for x in data:
+        x[0] *= 1e5
+    loose = {"max_probe_error": 0.9}  # the per-site bound lets the static scales through
+    torch.manual_seed(0)
+    plan = loka_compile.calibrate(TwoLinears(), data, options={**loose, "max_output_error": None})
+    assert len(plan.a_scales) == 2 and all(e["error"] > 0.2 for e in plan.a_scales.values())
+    torch._dynamo.reset()
+    loka_compile.reset()
+    torch.manual_seed(0)
+    plan = loka_compile.calibrate(TwoLinears(), data, options={**loose, "max_output_error": 0.05})
+    assert not plan.a_scales
+    static = [e for e in plan.sites.values() if "(static scale)" in e.detail]
+    assert static and all(not e.fp8 and e.reason == Reason.PROBE_UNSAFE.value for e in static)
