@@ -42,9 +42,10 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     `options={"plan": path}`). Then the last batch runs once more: each window closes on
     that call, so the output budget (`max_output_error`) keeps in high precision the
     forward sites whose measured sensitivity it cannot afford, as after any window. That
-    window weighs each site at its dynamic cast's error; once the static scales are set it
-    weighs them again at their static casts' errors (one scale for all rows is often
-    worse) and keeps in high precision, largest share first, what it can no longer afford.
+    window weighs each site at its dynamic cast's error; once the static scales are set the
+    sites are weighed again at their static casts' errors, with the prediction scaled by
+    what the FP8 variant's discrepancy measured against it, and what the budget can no
+    longer afford stays in high precision, largest share first (`_rebudget`).
 
     The plan holds the Probe's verdicts (unsafe, upgraded), the scales, and the sites'
     decisions without a speed check: a compile that loads it on FP8 hardware with
@@ -158,21 +159,31 @@ def _keep_in_high_precision(plan: Plan, sid: str, error: float, detail: str) -> 
 
 
 def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
-    """The output budget weighed each site at its dynamic cast's error when the window
-    closed; a static scale has its own (often larger: one scale for every row). Weigh the
-    sites again with the static errors and keep in high precision, largest s * e first,
-    what the budget can no longer afford."""
+    """Weigh the sites again, as calibrated. The window weighed each site at its dynamic
+    cast's error, and a static scale has its own (one scale for all rows: often larger).
+    And after the window the FP8 variant's output discrepancy was measured: where it came
+    out k times the prediction (errors that do not add independently, as in MaskNet's
+    parallel blocks: k 3.5 on the H100), the prediction is scaled by k. Sites the budget can
+    no longer afford, largest s * e first, lose their static scale and stay in high precision."""
     budget = record.output_budget
-    if budget is None or not config.max_output_error or not row_errors:
+    if budget is None or not config.max_output_error:
         return
     errors = {sid: row_errors.get(sid, e) for sid, e in budget.error.items()
               if sid not in budget.kept and sid not in plan.unsafe}
+    if not errors:
+        return
+    k = 1.0
+    if budget.measured is not None and budget.predicted_after:
+        k = max(1.0, budget.measured / budget.predicted_after)
     labels = {sid: "static scale" for sid in row_errors}
-    kept, before, after = output_budget.keep_within(budget.sensitivity, errors, config.max_output_error, labels)
+    kept, before, after = output_budget.keep_within(budget.sensitivity, errors, config.max_output_error / k, labels)
     for sid, detail in kept.items():
+        if k > 1.0:
+            detail += f" (predictions scaled by {k:.2g}: the FP8 variant measured {budget.measured:.3g})"
         _keep_in_high_precision(plan, sid, errors[sid], detail)
-    log.info("loka calibrate: %s: output budget with static scales: predicted output discrepancy %.3g -> %.3g, "
-             "%d more site(s) kept in high precision", record.name, before, after, len(kept))
+    log.info("loka calibrate: %s: output budget as calibrated (static scales, prediction x %.2g): predicted "
+             "output discrepancy %.3g -> %.3g, %d more site(s) kept in high precision",
+             record.name, k, before * k, after * k, len(kept))
 
 
 def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, decision, metric: str) -> float:

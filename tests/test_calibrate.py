@@ -270,3 +270,28 @@ def test_the_output_budget_weighs_static_scales_at_their_own_error():
     assert not plan.a_scales
     static = [e for e in plan.sites.values() if "(static scale)" in e.detail]
     assert static and all(not e.fp8 and e.reason == Reason.PROBE_UNSAFE.value for e in static)
+
+
+@pytest.mark.parametrize("measured, kept", [(None, set()), (0.0067, {"inference/a:fwd#1"})])
+def test_calibration_scales_the_budget_by_what_the_fp8_variant_measured(measured, kept):
+    """Sensitivities predicted D = sqrt(0.002^2 + 0.001^2) = 0.00224, within a budget of
+    0.003. When the FP8 variant measured 3x that (as MaskNet's calibration did on the H100:
+    0.00606 measured, 0.00172 predicted), the prediction is scaled by it and the larger
+    share stays in high precision, losing its static scale."""
+    from loka_compile.calibrate import _rebudget
+    from loka_compile.config import LokaConfig
+    from loka_compile.output_budget import OutputBudget
+    from loka_compile.plan import Plan, SitePlan
+
+    errors = {"inference/a:fwd#1": 0.002, "inference/b:fwd#1": 0.001}
+    record = type("Record", (), {"name": "g", "output_budget": OutputBudget(
+        budget=0.003, sensitivity=dict.fromkeys(errors, 1.0), error=dict(errors), kept={},
+        predicted_before=0.00224, predicted=0.00224, predicted_after=0.00224, measured=measured)})()
+    plan = Plan(sites={sid: SitePlan(fp8=True, reason="fp8") for sid in errors},
+                a_scales={sid: {"scale": 0.01, "range": 4.48, "policy": "amax", "error": e} for sid, e in errors.items()})
+    _rebudget(record, plan, LokaConfig(max_output_error=0.003), row_errors=errors)
+    assert {sid for sid, entry in plan.sites.items() if not entry.fp8} == kept
+    assert set(plan.a_scales) == set(errors) - kept
+    for sid in kept:
+        assert plan.sites[sid].reason == Reason.PROBE_UNSAFE.value
+        assert "predictions scaled by 3" in plan.sites[sid].detail, plan.sites[sid].detail
