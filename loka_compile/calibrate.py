@@ -58,7 +58,7 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     and `speed_check` are set here, `plan` must be unset). Per site, A's range is:
     - "amax": the largest |A| the Probe saw over every calibration row;
     - "percentile": the `percentile`-th percentile of |A| over the rows the Probe's
-      reservoir sampled (at most `probe.RESERVOIR_ROWS` rows per site, uniform over all
+      reservoir sampled (at most `probe.RESERVOIR_ROWS` rows per site, fewer for rows over 4096 elements, uniform over all
       calibration rows), so outliers beyond it are clamped.
     The scale is range / e4m3 max; at run time values beyond the range saturate at +-448.
 

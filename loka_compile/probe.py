@@ -47,6 +47,10 @@ _Z95 = 1.6448536269514722
 # Rows kept per site and operand (uniform over every row observed): as many as one
 # observation's error sample. Memory: 256 x K in the operand's dtype.
 RESERVOIR_ROWS = 256
+# The reservoir keeps at most this many elements per operand: rows longer than 4096 get
+# fewer slots (at least one). A wgrad site's rows are as long as the batch (1.3M on Wukong's
+# interaction layers): 256 of them held 10.8 GB over Wukong's 45 wgrad sites on the H100.
+RESERVOIR_ELEMENTS = RESERVOIR_ROWS * 4096
 _RESERVOIR_SEED = 0x10CA
 
 
@@ -103,14 +107,15 @@ class Moments:
 
 
 class Reservoir:
-    """A uniform sample of at most `capacity` rows from every row offered (reservoir
-    sampling, Vitter's algorithm R): row t (0-based, over all calls) takes a slot when
+    """A uniform sample of at most `capacity` rows (and RESERVOIR_ELEMENTS elements) from
+    every row offered (reservoir sampling, Vitter's algorithm R): row t (0-based, over all calls) takes a slot when
     t < capacity, else replaces slot j for j uniform in [0, t] when j < capacity. Which
     rows enter depends on counts only, so slots are drawn on the host (seeded) and the
     rows copied on the device without a sync."""
 
     def __init__(self, capacity: int = RESERVOIR_ROWS, seed: int = _RESERVOIR_SEED):
-        self.capacity = capacity
+        self.requested = capacity
+        self.capacity = capacity  # lowered at the first offer for rows over 4096 elements
         self.seen = 0
         self.rows = None
         self._rng = np.random.default_rng(seed)
@@ -118,8 +123,10 @@ class Reservoir:
     def offer(self, rows: torch.Tensor) -> None:
         m = rows.shape[0]
         if self.rows is not None and (self.rows.shape[1:] != rows.shape[1:] or self.rows.device != rows.device):
-            self.__init__(self.capacity)  # a different operand shape: start over
+            self.__init__(self.requested)  # a different operand shape: start over
         if self.rows is None:
+            row_elements = max(1, math.prod(rows.shape[1:]))
+            self.capacity = max(1, min(self.requested, RESERVOIR_ELEMENTS // row_elements))
             self.rows = rows.new_zeros((self.capacity, *rows.shape[1:]))
         t = self.seen + np.arange(m)
         slots = np.where(t < self.capacity, t, np.floor(self._rng.random(m) * (t + 1)).astype(np.int64))

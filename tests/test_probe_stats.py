@@ -113,6 +113,19 @@ def test_non_finite_values_saturate_under_every_scaling():
 # ------------------------------------------------------------------ reservoir
 
 
+def test_reservoir_holds_at_most_reservoir_elements_per_operand():
+    """Long rows (a wgrad site's are as long as the batch) get fewer slots, at least one."""
+    res = probe.Reservoir()
+    res.offer(torch.randn(300, 20000))
+    assert res.capacity == probe.RESERVOIR_ELEMENTS // 20000 and res.sample().shape == (res.capacity, 20000)
+    huge = probe.Reservoir()
+    huge.offer(torch.randn(3, 2 * probe.RESERVOIR_ELEMENTS))
+    assert huge.sample().shape == (1, 2 * probe.RESERVOIR_ELEMENTS) and huge.seen == 3
+    short = probe.Reservoir()
+    short.offer(torch.randn(300, 64))
+    assert short.sample().shape == (probe.RESERVOIR_ROWS, 64)
+
+
 def test_reservoir_keeps_capacity_and_samples_uniformly():
     res = probe.Reservoir(capacity=50, seed=0)
     res.offer(torch.arange(30.0).unsqueeze(1))
