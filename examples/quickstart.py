@@ -67,7 +67,9 @@ def main(argv=None) -> loka_compile.Report:
     parser.add_argument("--recipe", default="default", choices=sorted(loka_compile.RECIPES))
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    # At 3e-3 Adam killed 27 of the tiny Wukong's 32 top-MLP ReLUs within 15 steps in fp32
+    # too, and whether the last ones survived was a coin flip on any small perturbation.
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", default="default", choices=loka_compile.MODES)
