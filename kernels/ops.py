@@ -233,24 +233,32 @@ def _range_fractions(rows: torch.Tensor) -> dict:
     return counts
 
 
+# Per-feature moments are kept for operands of at most this many features (K). A wgrad
+# site contracts over the batch, so its K is the batch (1.3M rows on Wukong's interaction
+# layers): per-position statistics of a batch mean nothing and cost 24 bytes a position.
+MOMENT_FEATURES = 65536
+
+
 def operand_statistics(rows: torch.Tensor) -> dict:
     """One operand as rows [S, K] (rows of A; columns of B), K the features: amax (NaN
     if any NaN), rms, the per-feature moments of this batch for Welford/Chan merging
-    (`count`, `mean`, `m2` over the finite values, fp64 [K]), the non-finite count, the
-    FP8 range counts (`_range_fractions`) out of `numel`, and the rows themselves (for the
-    store's reservoir; a view, not a copy)."""
+    (`count`, `mean`, `m2` over the finite values, fp64 [K]; None when K exceeds
+    MOMENT_FEATURES), the non-finite count, the FP8 range counts (`_range_fractions`) out
+    of `numel`, and the rows themselves (for the store's reservoir; a view, not a copy)."""
     x = rows.float()
     finite = torch.isfinite(x)
-    xf = torch.where(finite, x, torch.zeros_like(x))
-    count = finite.sum(0, dtype=torch.float64)
-    mean = xf.sum(0, dtype=torch.float64) / count.clamp_min(1)  # two passes: the batch's mean first
-    centered = torch.where(finite, x - mean.float(), torch.zeros_like(x))
+    count = mean = m2 = None
+    if x.shape[1] <= MOMENT_FEATURES:
+        xf = torch.where(finite, x, torch.zeros_like(x))
+        count = finite.sum(0, dtype=torch.float64)
+        mean = xf.sum(0, dtype=torch.float64) / count.clamp_min(1)  # two passes: the batch's mean first
+        m2 = torch.where(finite, x - mean.float(), torch.zeros_like(x)).pow(2).sum(0, dtype=torch.float64)
     return {
         "amax": amax_along(x),
         "rms": x.pow(2).mean().sqrt(),
         "count": count,
         "mean": mean,
-        "m2": centered.pow(2).sum(0, dtype=torch.float64),
+        "m2": m2,
         "nonfinite": (~finite).sum().float(),
         "numel": x.numel(),
         "fractions": _range_fractions(x),

@@ -6,7 +6,7 @@ observing never waits for the GPU. Per site it keeps:
 
 - per operand (A's rows; B's columns), over the features K: the amax, Welford's
   per-feature mean and variance (each call's batch moments merged with Chan's parallel
-  update), the counts of values that saturate, flush to zero or go subnormal in e4m3 and
+  update; none past `ops.MOMENT_FEATURES` features, a wgrad site's batch-long rows), the counts of values that saturate, flush to zero or go subnormal in e4m3 and
   e5m2 (tensorwise, rowwise, unscaled), and a reservoir of real rows (`Reservoir`);
 - per FP8 candidate (scaling and formats): the error of each observation (row relative
   error, MERE, SQNR) as running moments, from which `summary` gives the mean and a
@@ -157,9 +157,12 @@ class _OperandStats:
 
     def record(self, stats: dict) -> None:
         self.amax = stats["amax"] if self.amax is None else torch.maximum(self.amax, stats["amax"])
-        if self.moments.count is not None and self.moments.mean.shape != stats["mean"].shape:
+        if stats["mean"] is None:  # too many features to keep moments of (ops.MOMENT_FEATURES)
             self.moments = Moments()
-        self.moments.merge(stats["count"], stats["mean"], stats["m2"])
+        else:
+            if self.moments.count is not None and self.moments.mean.shape != stats["mean"].shape:
+                self.moments = Moments()
+            self.moments.merge(stats["count"], stats["mean"], stats["m2"])
         for name, c in stats["fractions"].items():
             self.counts[name] = c if name not in self.counts else self.counts[name] + c
         self.nonfinite = stats["nonfinite"] if self.nonfinite is None else self.nonfinite + stats["nonfinite"]
@@ -170,9 +173,9 @@ class _OperandStats:
         numel = max(self.numel, 1)
         return {
             "amax": float(self.amax),
-            "mean": self.moments.mean.cpu(),
-            "var": self.moments.variance().cpu(),
-            "count": self.moments.count.cpu(),
+            "mean": None if self.moments.count is None else self.moments.mean.cpu(),
+            "var": None if self.moments.count is None else self.moments.variance().cpu(),
+            "count": None if self.moments.count is None else self.moments.count.cpu(),
             "nonfinite": float(self.nonfinite) / numel,
             "fractions": {name: float(c) / numel for name, c in self.counts.items()},
             "reservoir_rows": min(self.reservoir.seen, self.reservoir.capacity),  # STORE.reservoir() has them

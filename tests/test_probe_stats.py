@@ -113,6 +113,18 @@ def test_non_finite_values_saturate_under_every_scaling():
 # ------------------------------------------------------------------ reservoir
 
 
+def test_no_per_feature_moments_past_moment_features():
+    from loka_compile.kernels import ops
+
+    wide = ops.operand_statistics(torch.randn(4, ops.MOMENT_FEATURES + 1))
+    assert wide["mean"] is None and wide["m2"] is None and wide["count"] is None
+    assert wide["numel"] == 4 * (ops.MOMENT_FEATURES + 1) and torch.isfinite(wide["amax"])
+    stats = probe._OperandStats()
+    stats.record(wide)
+    summary = stats.summary()
+    assert summary["mean"] is None and summary["var"] is None and summary["rows_seen"] == 4
+
+
 def test_reservoir_holds_at_most_reservoir_elements_per_operand():
     """Long rows (a wgrad site's are as long as the batch) get fewer slots, at least one."""
     res = probe.Reservoir()
