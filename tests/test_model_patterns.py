@@ -119,6 +119,23 @@ def test_pattern_trains_under_loka(case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pattern_trains_through_the_default_probe_window(case):
+    """No options: each graph (one per side of a graph break, the checkpointed recompute
+    inside its backward) runs its probe window, then its FP8 variant, and trains on."""
+    cls, make_inputs, to_logit = CASES[case]
+    model = cls()
+    compiled = torch.compile(model, backend="loka")
+    losses = _train(model, compiled, make_inputs, to_logit, steps=8)
+    assert losses[-2] < losses[0], losses
+    report = loka_compile.report(compiled)
+    assert report.graphs and not any(g.fallback for g in report.graphs), str(report)
+    assert all(g.phase == "fp8" for g in report.graphs), [g.phase for g in report.graphs]
+    assert any(s.fp8 for s in report.sites), report.table()
+    assert not any(s.reason == "probing" for s in report.sites), report.table()
+
+
+@pytest.mark.slow
 def test_no_grad_evaluation_then_training_with_dynamic_batches():
     """Scoring under torch.no_grad first (an inference graph), then training on batches of
     changing size with dynamic=True: both graphs compile and train."""
