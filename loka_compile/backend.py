@@ -377,17 +377,15 @@ class LokaCompiledGraph:
                 raise
             why = f"first run failed: {type(error).__name__}: {error}"
         else:
-            why = None
-        if why is not None:
-            # Out of the except block: the failed run's frames hold its buffers, which under
-            # CUDA graphs live in the graph pool, and the plain compile's first run refuses
-            # a pool with untracked live tensors.
-            gc.collect()
-            return self._fall_back_at_first_run(why, args)
-        self._first_runs.add(id(variant))
-        if record.phase == "fp8" and not record.config.recheck_every:
-            self._source = None  # nothing compiles this graph again
-        return out
+            self._first_runs.add(id(variant))
+            if record.phase == "fp8" and not record.config.recheck_every:
+                self._source = None  # nothing compiles this graph again
+            return out
+        # Out of the except block: the failed run's frames hold its buffers, which under CUDA
+        # graphs live in the graph pool, and the plain compile's first run refuses a pool
+        # with untracked live tensors.
+        gc.collect()
+        return self._fall_back_at_first_run(why, args)
 
     def _fall_back_at_first_run(self, why: str, args):
         """The running variant failed at its first run: the graph is compiled again without

@@ -58,8 +58,8 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     and `speed_check` are set here, `plan` must be unset). Per site, A's range is:
     - "amax": the largest |A| the Probe saw over every calibration row;
     - "percentile": the `percentile`-th percentile of |A| over the rows the Probe's
-      reservoir sampled (at most `probe.RESERVOIR_ROWS` rows per site, fewer for rows over 4096 elements, uniform over all
-      calibration rows), so outliers beyond it are clamped.
+      reservoir sampled (at most `probe.RESERVOIR_ROWS` rows per site, fewer for rows over
+      4096 elements, uniform over all calibration rows), so outliers beyond it are clamped.
     The scale is range / e4m3 max; at run time values beyond the range saturate at +-448.
 
     Error check: the static cast is replayed on the reservoir's rows of A against the
@@ -162,8 +162,8 @@ def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
     """Weigh the sites again, as calibrated. The window weighed each site at its dynamic
     cast's error, and a static scale has its own (one scale for all rows: often larger).
     And after the window the FP8 variant's output discrepancy was measured: where it came
-    out k times the prediction (errors that do not add independently, as in MaskNet's
-    parallel blocks: k 3.5 on the H100), the prediction is scaled by k. Sites the budget can
+    out k times the prediction (the sum in quadrature assumes independent site errors;
+    MaskNet's calibration measured k 3.5 on the H100), the prediction is scaled by k. Sites the budget can
     no longer afford, largest s * e first, lose their static scale and stay in high precision."""
     budget = record.output_budget
     if budget is None or not config.max_output_error:

@@ -6,8 +6,9 @@ observing never waits for the GPU. Per site it keeps:
 
 - per operand (A's rows; B's columns), over the features K: the amax, Welford's
   per-feature mean and variance (each call's batch moments merged with Chan's parallel
-  update; none past `ops.MOMENT_FEATURES` features, a wgrad site's batch-long rows), the counts of values that saturate, flush to zero or go subnormal in e4m3 and
-  e5m2 (tensorwise, rowwise, unscaled), and a reservoir of real rows (`Reservoir`);
+  update; none past `ops.MOMENT_FEATURES` features, as a wgrad site's batch-long rows),
+  the counts of values that saturate, flush to zero or go subnormal in e4m3 and e5m2
+  (tensorwise, rowwise, unscaled), and a reservoir of real rows (`Reservoir`);
 - per FP8 candidate (scaling and formats): the error of each observation (row relative
   error, MERE, SQNR) as running moments, from which `summary` gives the mean and a
   one-sided confidence bound across observations (`upper_bound`).
@@ -45,7 +46,7 @@ _T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.
 _Z95 = 1.6448536269514722
 
 # Rows kept per site and operand (uniform over every row observed): as many as one
-# observation's error sample. Memory: 256 x K in the operand's dtype.
+# observation's error sample. Memory: 256 x K in the operand's dtype, K up to 4096.
 RESERVOIR_ROWS = 256
 # The reservoir keeps at most this many elements per operand: rows longer than 4096 get
 # fewer slots (at least one). A wgrad site's rows are as long as the batch (1.3M on Wukong's
@@ -108,8 +109,9 @@ class Moments:
 
 class Reservoir:
     """A uniform sample of at most `capacity` rows (and RESERVOIR_ELEMENTS elements) from
-    every row offered (reservoir sampling, Vitter's algorithm R): row t (0-based, over all calls) takes a slot when
-    t < capacity, else replaces slot j for j uniform in [0, t] when j < capacity. Which
+    every row offered (reservoir sampling, Vitter's algorithm R): row t (0-based, over all
+    calls) takes a slot when t < capacity, else replaces slot j for j uniform in [0, t]
+    when j < capacity. Which
     rows enter depends on counts only, so slots are drawn on the host (seeded) and the
     rows copied on the device without a sync."""
 
