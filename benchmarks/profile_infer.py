@@ -3,8 +3,8 @@
     python -m benchmarks.profile_infer --model masknet --batch 8192 \
         --configs inductor_bf16,loka_all_fp8 --out $OUT
 
-For each config (names from `benchmarks.infer`; default mode, no CUDA graphs, so the
-profiler sees every kernel), the model's dense arch at its paper preset is compiled in
+For each config (names from `benchmarks.infer`; default-mode names profile without CUDA
+graphs, `_ro` names with them, whose replayed kernels the profiler also sees), the model's dense arch at its paper preset is compiled in
 bf16 / eval / no_grad, called three times, then one call is profiled
 (`benchmarks.ceiling.profile_kernels`). Prints, per config, the summed kernel time, the
 GEMM share and the top kernels (with call counts); for loka configs also the report's
@@ -20,19 +20,29 @@ from pathlib import Path
 import torch
 
 from benchmarks.ceiling import profile_kernels, summarize_kernels
-from benchmarks.infer import ModelSetup, prepare, resolve_config
-from benchmarks.train import loka_untimed_calls
+from benchmarks.infer import ModelSetup, prepare_unit, resolve_config
+from benchmarks.infer import parse_args as infer_parse_args
+from benchmarks.train import compile_unit, loka_untimed_calls
 
 
 def profile_config(setup: ModelSetup, name: str, batch: int, top: int) -> dict:
     cfg = resolve_config(name)
-    _, fn = prepare(setup.master, cfg, "dense", None, setup.device)
+    fn = compile_unit(prepare_unit(setup.master, cfg, "dense", setup.device), cfg)
     inputs = setup.pools[batch]
+    cuda = setup.device.type == "cuda"
+    cudagraphs = cuda and cfg.mode == "reduce-overhead"
+
+    def call(i):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(*inputs[i % len(inputs)])
+
     with torch.no_grad():
         for i in range(max(3, loka_untimed_calls(cfg))):  # compile, CUDA graphs, a loka probe window
-            fn(*inputs[i % len(inputs)])
-        torch.cuda.synchronize()
-        times, source = profile_kernels(lambda: fn(*inputs[0]), cuda=True)
+            call(i)
+        if cuda:
+            torch.cuda.synchronize()
+        times, source = profile_kernels(lambda: call(0), cuda=cuda)
     summary = summarize_kernels(times, source, top=top, name_chars=120)
     if cfg.kind == "loka":
         import loka_compile
@@ -61,6 +71,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="masknet")
     p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--preset", default="paper", choices=["tiny", "paper"])
+    p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (CPU op self times: checks the script)")
     p.add_argument("--configs", default="inductor_bf16,loka_all_fp8")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=None)
@@ -70,8 +82,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.persistent_threshold:
         _raise_persistent_threshold(args.persistent_threshold)
-    setup_args = argparse.Namespace(preset="paper", seed=0, compile_scope="dense", pool=2)
-    setup = ModelSetup(args.model, setup_args, torch.device("cuda:0"), [args.batch])
+    device = torch.device(args.device)
+    setup_args = infer_parse_args(["--preset", args.preset, "--pool", "2", "--models", args.model])
+    setup = ModelSetup(args.model, setup_args, device, [args.batch])
     results = {}
     for name in args.configs.split(","):
         results[name] = summary = profile_config(setup, name, args.batch, args.top)

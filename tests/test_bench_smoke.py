@@ -158,3 +158,15 @@ def test_infer_quality_is_measured_on_the_trained_model(tmp_path, one_thread):
         assert r["ne_rel_bf16"] is None  # no inductor_bf16 row to compare with
     assert abs(trained["logloss"] / untrained["logloss"] - 1) > 1e-4, (trained["logloss"], untrained["logloss"])
     assert trained["out_relerr"] != untrained["out_relerr"]
+
+
+def test_infer_profile_runs_on_cpu(tmp_path, one_thread):
+    """The per-kernel inference profile (a GPU tool) still runs its whole path on CPU: it
+    builds its setup through the inference harness, so a change there shows here first."""
+    from benchmarks import profile_infer
+    torch.set_num_threads(1)
+    profile_infer.main(["--model", "dlrm_dcnv2", "--preset", "tiny", "--device", "cpu", "--batch", "16",
+                        "--configs", "loka", "--top", "5", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "profile_infer_dlrm_dcnv2_16.json").read_text())["loka"]
+    assert result["total_ms"] > 0 and math.isfinite(result["total_ms"])
+    assert "inference/" in result["sites"]
