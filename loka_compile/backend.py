@@ -45,7 +45,7 @@ from torch._inductor import fx_utils
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from loka_compile import dispatch, output_budget, passes, probe
+from loka_compile import dispatch, graph_cache, output_budget, passes, probe
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.output_budget import OutputBudget
@@ -60,10 +60,13 @@ log = logging.getLogger("loka")
 
 @functools.lru_cache(maxsize=None)
 def _passes_digest() -> str:
+    """loka's code: the passes, the kernels they trace into graphs, Dispatch and the rest
+    of the package (a cached graph compiled by other code is not reused)."""
     digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(passes.__file__).parent.glob("*.py")):
-        digest.update(path.read_bytes())
-    digest.update(pathlib.Path(dispatch.__file__).read_bytes())
+    for folder in (pathlib.Path(passes.__file__).parent, pathlib.Path(loka_ops.__file__).parent,
+                   pathlib.Path(dispatch.__file__).parent):
+        for path in sorted(folder.glob("*.py")):
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -105,6 +108,7 @@ class LokaPostGradPass(CustomGraphPass):
         self.record = record
         self.phase = phase
         self.param_input_indices = param_input_indices
+        self.digests = {}  # GraphKind -> digest of the graph as the passes left it (graph_cache)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # A failure here reaches `_inner_compile`, which compiles the untouched graph.
@@ -121,6 +125,7 @@ class LokaPostGradPass(CustomGraphPass):
         record.contexts[(self.phase, kind)] = ctx
         run_passes(graph, ctx)
         record.graph_modules[(self.phase, kind)] = graph.owning_module
+        self.digests[kind] = graph_cache.graph_digest(graph)
         if record.plan.source:
             missing = [site.id for site in ctx.sites if site.id not in record.plan.sites]
             if missing:
@@ -130,9 +135,15 @@ class LokaPostGradPass(CustomGraphPass):
         log.info("%s/%s (%s): %d GEMM sites, %d in FP8", record.name, kind.value, self.phase, len(ctx.sites), fp8)
 
     def uuid(self) -> str:
-        plan = self.record.plan
-        verdicts = sorted(plan.unsafe.items()), sorted(plan.upgraded.items()), plan.digest() if plan.source else ""
-        return hashlib.sha256(f"{_passes_digest()}|{self.record.config}|{self.phase}|{verdicts}".encode()).hexdigest()
+        """Part of Inductor's FX graph cache key: what the graph after loka's passes
+        follows from besides the graph itself. The plan's verdicts as Dispatch acts on
+        them (their measured values only reach the report, which a hit records afresh);
+        a probe graph's name, which its site keys carry (`graph_cache` checks the rest)."""
+        record, plan = self.record, self.record.plan
+        unsafe, passing = _verdict_signature(plan, record.config)
+        verdicts = sorted(unsafe), sorted(passing), plan.digest() if plan.source else ""
+        name = record.name if self.phase == "probe" else ""
+        return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase}|{name}|{verdicts}".encode()).hexdigest()
 
 
 def _decide(site, record: GraphRecord, phase: str, **kwargs) -> Decision:
@@ -190,9 +201,6 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     if custom_pass is not None:
         patches["post_grad_custom_pre_pass"] = LokaProvenancePass(inductor_config.post_grad_custom_pre_pass)
         patches["post_grad_custom_post_pass"] = custom_pass
-        # Site records are made by the pass; a cache hit would skip it and leave the
-        # report empty, so loka graphs are always compiled.
-        patches["fx_graph_cache"] = False
         if "benchmarked_reductions" not in config.disabled_mods:
             patches.update(BENCHMARKED_REDUCTIONS)
             if patches.get("triton.cudagraphs"):
@@ -240,6 +248,66 @@ def _forget_rewrite(record: GraphRecord, why: str, kind=None, phase: Optional[st
                 ctx.decisions.setdefault(site.key, Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why))
 
 
+def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, kind: GraphKind,
+                    retry: bool = True, **kwargs):
+    """`compile_fx_inner` through Inductor's FX graph cache where it is on (`graph_cache`).
+    A miss keeps the digest of the graph loka's pass made; a hit runs the post-grad passes
+    again, so that loka's pass records the graph's sites and decisions as on a miss, and
+    is used when the graph they make has the digest kept. Otherwise the entry is dropped
+    and the graph compiled again, and cached anew (`retry`; else without the cache)."""
+    loka_pass = inductor_config.post_grad_custom_post_pass
+    if not isinstance(loka_pass, LokaPostGradPass) or not inductor_config.fx_graph_cache:
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    why = graph_cache.bypass_reason(loka_pass.phase, kind, record.config.disabled_mods, loka_pass.param_input_indices)
+    if why is not None:
+        log.debug("%s/%s (%s): FX graph cache bypassed: %s", record.name, kind.value, loka_pass.phase, why)
+        with inductor_config.patch(fx_graph_cache=False):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+    slot = (loka_pass.phase, kind)
+    before = record.contexts.get(slot), record.graph_modules.get(slot)
+    loka_pass.digests.pop(kind, None)
+    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    tracing = torch._guards.TracingContext.try_get()
+    strides = list(tracing.output_strides or ()) if tracing is not None else []
+    compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    key = getattr(compiled, "_fx_graph_cache_key", None)
+    if key is None:
+        return compiled
+    if torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] == hits:  # a miss: loka's pass ran
+        if kind in loka_pass.digests:
+            graph_cache.save(key, loka_pass.digests.pop(kind))
+        return compiled
+    why = "no digest kept for it"
+    kept = graph_cache.load(key)
+    if kept is not None:
+        try:
+            graph_cache.post_grad_passes(gm, example_inputs, kwargs.get("is_inference", False))
+        except Exception as error:  # noqa: BLE001  (the compile below meets it again, and falls back)
+            why = f"running the post-grad passes again failed: {type(error).__name__}: {error}"
+        else:
+            if loka_pass.digests.pop(kind, None) == kept:
+                log.debug("%s/%s (%s): FX graph cache hit; sites recorded again", record.name, kind.value,
+                          loka_pass.phase)
+                return compiled
+            why = "loka's passes make another graph now"
+    log.info("loka: %s/%s (%s): FX graph cache entry not used (%s); compiled again", record.name, kind.value,
+             loka_pass.phase, why)
+    for table, value in zip((record.contexts, record.graph_modules), before):
+        if value is None:
+            table.pop(slot, None)
+        else:
+            table[slot] = value
+    # The hit's post-compile step handed its output strides to Dynamo's tracing context,
+    # which takes one graph's.
+    tracing = torch._guards.TracingContext.try_get()
+    if tracing is not None and tracing.output_strides is not None:
+        tracing.output_strides[:] = strides
+    if retry and graph_cache.drop_inductor_entry(key):
+        return _compile_cached(gm, example_inputs, record, kind, retry=False, **kwargs)
+    with inductor_config.patch(fx_graph_cache=False):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, **kwargs):
     """Inductor's compile of one ATen graph (forward, backward, inference), made whole or
     not at all: if it fails once loka's pass has rewritten the graph (in the pass or in
@@ -250,7 +318,7 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
     try:
         with _constants_reach_custom_ops(example_inputs), \
                 unittest.mock.patch.object(fx_utils, "get_storage", _storage_or_identity):
-            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            compiled = _compile_cached(gm, example_inputs, record, graph_kind(pristine.graph), **kwargs)
     except Exception as error:
         if not record.config.fallback or _is_dynamo_control(error):
             raise
@@ -346,8 +414,9 @@ class LokaCompiledGraph:
         record = self.record
         custom_pass = LokaPostGradPass(record, phase, self.param_input_indices)
         try:
-            return compile_fx(gm, example_inputs, inner_compile=functools.partial(_inner_compile, record=record),
-                              config_patches=_inductor_patches(record.config, custom_pass))
+            with graph_cache.autograd_cache_off():
+                return compile_fx(gm, example_inputs, inner_compile=functools.partial(_inner_compile, record=record),
+                                  config_patches=_inductor_patches(record.config, custom_pass))
         except Exception as error:
             if not record.config.fallback or _is_dynamo_control(error):
                 raise
