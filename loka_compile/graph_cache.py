@@ -5,17 +5,17 @@ the graph's sites and decisions for the report. On a hit the backend runs the po
 passes again on a copy of the graph (`post_grad_passes`): loka's pass records everything
 as on a miss, and the graph it makes is compared with the one the cached code was
 compiled from. The key of the cache covers the graph, Inductor's config and loka's pass
-`uuid` (loka's code, the config, the phase, the plan's verdicts); what it does not cover
-(the speed check's timings, hardware stood in for by tests, a probe graph's name in its
-site keys) shows in the rewritten graph. So each miss keeps a digest of the graph after
-loka's pass under the FX cache key, in `graphs/` under loka's cache directory
+`uuid` (loka's code, the config, the phase, the plan's verdicts, a probe graph's name);
+what it does not cover (the speed check's timings, a monkeypatched Dispatch or hardware
+stood in for in tests) shows in the rewritten graph. So each miss keeps a digest of the
+graph after loka's pass under the FX cache key, in `graphs/` under loka's cache directory
 (`perfdb.cache_dir`), and a hit is used only when the digest of the graph made again
 matches; otherwise the entry is dropped and the graph compiled again.
 
 Not cached (`bypass_reason`): inference graphs that may read cached FP8 weights, whose
 constants are made from this process's parameters and refreshed through them
 (`passes/weight_cache.py`), and graphs compiled with Inductor's freezing (weights as
-constants too).
+constants too). AOTAutograd's cache is off for loka compiles (`autograd_cache_off`).
 """
 
 from __future__ import annotations
