@@ -890,12 +890,8 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
         record.arch_mod_counts = apply_arch_mods(gm, config.arch_mods)
         log.info("%s: architecture Mods %s", record.name, record.arch_mod_counts)
     if "horizontal" not in config.disabled_mods:
-        inference = not (torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs))
         try:
-            record.horizontal = fuse_sibling_linears(
-                gm, example_inputs, exclude_modules=config.exclude_modules, inference=inference,
-                cached_weights="cached_weights" not in config.disabled_mods)
+            record.horizontal = fuse_sibling_linears(gm, example_inputs, exclude_modules=config.exclude_modules)
         except Exception as error:  # the pass restored the graph
             if not config.fallback or _is_dynamo_control(error):
                 raise

@@ -23,8 +23,10 @@ Declines: nothing to decline; every GEMM is recorded (Dispatch decides what goes
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
+from typing import Optional
 
 import torch
 from torch.fx.experimental.symbolic_shapes import free_symbols, statically_known_true
@@ -345,19 +347,39 @@ def recovered_provenance(node: torch.fx.Node, grads: set, wgrads: set) -> tuple:
     return "", None
 
 
-def weight_source(operand: torch.fx.Node, weight_inputs: dict):
-    """(input index, its placeholder, [the views from it to `operand`]) when `operand` is a
-    weight input of the graph (`weight_inputs`: placeholder -> index) seen through views
-    and dtype casts only, else None."""
-    chain, node = [], operand
-    while node.op == "call_function" and node.target in VIEW_LIKE:
-        if len(node.all_input_nodes) != 1:
+@dataclasses.dataclass(frozen=True)
+class WeightSource:
+    """Where a GEMM operand comes from when it is made of weights alone."""
+
+    indices: tuple       # graph input index of each weight it reads, in graph order
+    placeholders: tuple  # their placeholders, same order
+    nodes: tuple         # the views, casts and concatenations from them to the operand, in graph order
+
+
+def weight_source(operand: torch.fx.Node, weight_inputs: dict) -> Optional[WeightSource]:
+    """How `operand` is made from weight inputs of the graph (`weight_inputs`: placeholder
+    -> index) through views, dtype casts and concatenations only (sibling linears fused by
+    horizontal_fusion read their weights concatenated), else None."""
+    nodes, leaves, stack, seen = [], [], [operand], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            if node not in weight_inputs:
+                return None
+            leaves.append(node)
+            continue
+        if node.op != "call_function" or not (
+                node.target is aten.cat.default or (node.target in VIEW_LIKE and len(node.all_input_nodes) == 1)):
             return None
-        chain.append(node)
-        node = node.all_input_nodes[0]
-    if node.op != "placeholder" or node not in weight_inputs:
-        return None
-    return weight_inputs[node], node, chain[::-1]
+        nodes.append(node)
+        stack.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(operand.graph.nodes)}
+    leaves.sort(key=order.get)
+    nodes.sort(key=order.get)
+    return WeightSource(tuple(weight_inputs[p] for p in leaves), tuple(leaves), tuple(nodes))
 
 
 def weight_placeholders(graph: torch.fx.Graph, param_input_indices: frozenset) -> dict:

@@ -34,10 +34,10 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
                          K * N_total values every step, more than the (n - 1) * M * K input
                          reads the fusion saves (M: the input's rows; a symbolic M counts
                          as its hint; byte accounting, not yet timed on a GPU)
-    inference            the graph will be an inference graph and the `cached_weights` Mod
-                         is on: each sibling's weight is cast to FP8 once per weight
-                         version there, while the concatenated weight would be cast on
-                         every call
+
+In inference graphs the `cached_weights` Mod keeps the concatenated weight's FP8 copy, made
+once per version of the siblings' weights; a fused site left in bf16 concatenates its
+weights on every call, which the not_worth_it rule bounds.
 
 Inductor's pattern matcher (DESIGN convention 5) matches fixed patterns; a sibling group
 has any number of members, found by grouping the users of each node, so this pass walks
@@ -185,11 +185,10 @@ def _excluded(module: str, exclude_modules) -> bool:
     return any(module == p or module.startswith(p + ".") for p in exclude_modules)
 
 
-def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=(),
-                         inference: bool = False, cached_weights: bool = True) -> HorizontalFusion:
+def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> HorizontalFusion:
     """Fuse each group of sibling linears of `gm` in place (module docstring); return what
     was fused and declined. `example_inputs`: the graph's inputs in placeholder order (what
-    tells a Parameter); `inference`: the graph will compile as an inference graph."""
+    tells a Parameter)."""
     result = HorizontalFusion()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = dict(zip(placeholders, example_inputs))
@@ -206,9 +205,6 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
     for x, lins in by_input.items():
         if len(lins) < 2:
             decline(lins, "single_linear")
-            continue
-        if inference and cached_weights:
-            decline(lins, "inference")
             continue
         kept = []
         for lin in lins:

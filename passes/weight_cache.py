@@ -1,8 +1,9 @@
 """The `cached_weights` Mod: in inference graphs, a weight's FP8 copy is made once and
 read by its GEMMs as a constant, instead of being cast on every call.
 
-Matches: the B operand of an FP8 site in an inference graph that is a weight input of
-the graph (a parameter) seen through views and dtype casts only, of concrete shape.
+Matches: the B operand of an FP8 site in an inference graph that is made of weight inputs
+of the graph (parameters) through views, dtype casts and concatenations only (sibling
+linears fused by horizontal_fusion read `cat([W_1, ..., W_n])`), of concrete shape.
 Becomes: two `get_attr` constants, the FP8 operand and its scales in the layout the GEMM
 reads (column-major B, padded as the site is). `lower` emits them instead of the cast.
 Declines: operands computed from anything else (weight_norm's g * v / |v|, a LoRA sum),
@@ -10,7 +11,7 @@ symbolic shapes, training graphs (their weights change every step).
 
 The constants are filled outside the graph by `WeightCache.refresh`, which the backend
 calls before each call of the compiled graph: a weight is (re)quantized at the first
-call and whenever its storage or version counter changed (an optimizer step,
+call and whenever the storage or version counter of any weight it is made of changed (an optimizer step,
 `load_state_dict`, a new tensor), so a changed weight is never served stale. The
 constants keep their addresses, so a CUDA graph replayed after a refresh reads the new
 values. The eager cast uses the same ATen ops the graph would have run.
@@ -35,16 +36,16 @@ from .find_sites import weight_placeholders, weight_source
 class CachedWeight:
     """One weight operand held in FP8 for one site."""
 
-    input_index: int                 # the graph input it is made from
-    weight_shape: tuple              # that input's shape and dtype, checked at each refresh
-    weight_dtype: torch.dtype
-    derive: torch.fx.GraphModule     # weight input -> the site's B operand (views, casts)
+    input_indices: tuple             # the graph inputs it is made from
+    weight_shapes: tuple             # their shapes and dtypes, checked at each refresh
+    weight_dtypes: tuple
+    derive: torch.fx.GraphModule     # those inputs -> the site's B operand (views, casts, cat)
     spec: GemmSpec
     q: torch.Tensor                  # the FP8 operand, [K(+pad), N(+pad)] column-major
     scale: torch.Tensor              # its scales; a 0-d scale is kept as [1, 1]
-    seen: Optional[tuple] = None     # (storage, version) of the weight last quantized
+    seen: Optional[tuple] = None     # (storage, version) of each weight last quantized
     refreshes: int = 0               # times the weight was quantized
-    key: tuple = ()                  # (input, views, cast): sites with equal keys share the copy
+    key: tuple = ()                  # (inputs, views, cast): sites with equal keys share the copy
 
     @property
     def nbytes(self) -> int:
@@ -56,17 +57,17 @@ class CachedWeight:
         k, n = self.q.shape[-2] - self.spec.pad_k, self.q.shape[-1] - self.spec.pad_n
         return 2 * k * n * (self.q.numel() // max(1, self.q.shape[-2] * self.q.shape[-1]))
 
-    def refresh(self, weight: torch.Tensor) -> None:
-        """Quantize `weight` into the constants unless they already hold this version of it."""
-        identity = _identity(weight)
-        if identity is not None and identity == self.seen:
+    def refresh(self, weights: list) -> None:
+        """Quantize `weights` into the constants unless they already hold these versions."""
+        identity = tuple(_identity(w) for w in weights)
+        if None not in identity and identity == self.seen:
             return
-        if tuple(weight.shape) != self.weight_shape or weight.dtype != self.weight_dtype:
-            raise RuntimeError(f"loka cached weights: graph input {self.input_index} is "
-                               f"{tuple(weight.shape)} {weight.dtype}, compiled for {self.weight_shape} "
-                               f"{self.weight_dtype}")
+        for index, weight, shape, dtype in zip(self.input_indices, weights, self.weight_shapes, self.weight_dtypes):
+            if tuple(weight.shape) != shape or weight.dtype != dtype:
+                raise RuntimeError(f"loka cached weights: graph input {index} is {tuple(weight.shape)} "
+                                   f"{weight.dtype}, compiled for {shape} {dtype}")
         with torch.no_grad():
-            q, scale = cast_operand(self.derive(weight), "b", self.spec)
+            q, scale = cast_operand(self.derive(*weights), "b", self.spec)
             self.q.copy_(q)
             self.scale.copy_(scale.reshape(self.scale.shape))
         self.seen = identity
@@ -90,7 +91,7 @@ class WeightCache:
 
     def refresh(self, inputs) -> None:
         for weight in self.weights:
-            weight.refresh(inputs[weight.input_index])
+            weight.refresh([inputs[i] for i in weight.input_indices])
 
 
 class RefreshingGraph:
@@ -117,12 +118,12 @@ def _has_symbols(args) -> bool:
     return bool(found)
 
 
-def _derive_module(placeholder: torch.fx.Node, chain: list) -> torch.fx.GraphModule:
+def _derive_module(source, operand: torch.fx.Node) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
-    env = {placeholder: graph.placeholder("weight")}
-    for node in chain:
+    env = {p: graph.placeholder(f"weight_{i}") for i, p in enumerate(source.placeholders)}
+    for node in source.nodes:
         env[node] = graph.node_copy(node, lambda x: env[x])
-    graph.output(env[chain[-1]] if chain else env[placeholder])
+    graph.output(env[operand])
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
@@ -130,18 +131,17 @@ def cached_operand(site_node: torch.fx.Node, operand: torch.fx.Node, spec: GemmS
     """(q node, scale node) reading constants that hold `operand`'s FP8 cast, registered
     in `ctx.cached_weights`; or None when `operand` is not a cacheable weight."""
     graph = site_node.graph
-    found = weight_source(operand, weight_placeholders(graph, ctx.param_input_indices))
-    if found is None:
+    source = weight_source(operand, weight_placeholders(graph, ctx.param_input_indices))
+    if source is None:
         return None
-    index, placeholder, chain = found
-    weight_val, operand_val = placeholder.meta.get("val"), operand.meta.get("val")
-    if not isinstance(weight_val, torch.Tensor) or free_symbols(weight_val) or free_symbols(operand_val) \
-            or any(_has_symbols((n.args, n.kwargs)) for n in chain):
+    weight_vals, operand_val = [p.meta.get("val") for p in source.placeholders], operand.meta.get("val")
+    if not all(isinstance(v, torch.Tensor) and not free_symbols(v) for v in weight_vals) \
+            or free_symbols(operand_val) or any(_has_symbols((n.args, n.kwargs)) for n in source.nodes):
         return None
-    derive = _derive_module(placeholder, chain)
-    key = (index, _chain_key(chain), _cast_key(spec))
+    derive = _derive_module(source, operand)
+    key = (source.indices, _chain_key(source), _cast_key(spec))
     shared = next((w for w in ctx.cached_weights if w.key == key), None)
-    with weight_val.fake_mode:
+    with operand_val.fake_mode:
         q_fake, scale_fake = cast_operand(operand_val, "b", spec)
     if shared is not None:  # a weight two sites read alike (a shared tower) is cached once
         q, scale = shared.q, shared.scale
@@ -164,14 +164,19 @@ def cached_operand(site_node: torch.fx.Node, operand: torch.fx.Node, spec: GemmS
         scale_node.meta["val"] = torch.empty(scale_shape, dtype=scale_fake.dtype, device=scale_fake.device)
     if shared is None:
         ctx.cached_weights.append(CachedWeight(
-            input_index=index, weight_shape=tuple(weight_val.shape), weight_dtype=weight_val.dtype,
+            input_indices=source.indices, weight_shapes=tuple(tuple(v.shape) for v in weight_vals),
+            weight_dtypes=tuple(v.dtype for v in weight_vals),
             derive=derive, spec=spec, q=q, scale=scale, key=key))
     return q_node, scale_node
 
 
-def _chain_key(chain: list) -> tuple:
-    """The views' ops and constant arguments: equal keys derive the same operand."""
-    return tuple((node.target, torch.fx.node.map_arg((node.args, node.kwargs), lambda _: None)) for node in chain)
+def _chain_key(source) -> tuple:
+    """The views' and concatenations' ops and arguments, each node argument as its
+    position (a weight's among the source's inputs, or an earlier node's): with the same
+    inputs, equal keys derive the same operand."""
+    position = {node: i for i, node in enumerate(source.placeholders + source.nodes)}
+    return tuple((node.target, torch.fx.node.map_arg((node.args, node.kwargs), position.get))
+                 for node in source.nodes)
 
 
 def _cast_key(spec: GemmSpec) -> tuple:
