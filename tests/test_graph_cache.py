@@ -77,7 +77,13 @@ def caches(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+# On the H100 (torch 2.11.0+cu130, 2026-11-24) the second process had no hit on CUDA (the first
+# process's 4 misses as here); the cause is not isolated yet (torch 2.11 or CUDA; Inductor's
+# multi-kernel, on for loka's CUDA compiles, is one candidate). strict: a pass flags it.
+CUDA_MISSES = pytest.mark.xfail(strict=True, reason="no FX graph cache hit on CUDA in a second process (H100)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA_MISSES])])
 @torch._dynamo.config.patch(automatic_dynamic_local_pgo=False)
 def test_a_second_process_hits_the_cache_and_reports_alike(caches, device):
     # On a GPU the speed check would keep these tiny sites bf16; the test is about the cache.
