@@ -499,6 +499,9 @@ class LokaCompiledGraph:
         self.variants["fp8"] = self._compile_fp8()
         if measured is not None:
             self._verify_output_budget(*measured)
+            if self._tighten_output_budget(_decide_once(self._weigh_at_measured_scale)):
+                self.variants["fp8"] = self._compile_fp8()
+                self._verify_output_budget(*measured)
         if record.config.recheck_every:
             self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants["fp8"])
             _RECHECKING.add(self)
@@ -603,7 +606,8 @@ class LokaCompiledGraph:
     def _verify_output_budget(self, runs: "_SideRuns", reference: list) -> None:
         """Run the FP8 variant on the closing call's arguments and record its outputs'
         discrepancy from the probe variant's; warn when it exceeds the budget by over
-        VERIFY_SLACK (no recompile). Never raises."""
+        VERIFY_SLACK (the sites are then weighed again, once: `_weigh_at_measured_scale`).
+        Never raises."""
         record, budget = self.record, self.record.output_budget
         try:
             budget.predicted_after = self._predicted_as_compiled()
@@ -617,6 +621,41 @@ class LokaCompiledGraph:
                 "loka: %s: output discrepancy of the FP8 variant from high precision: measured %.3g, predicted %.3g "
                 "(budget max_output_error %g%s)", record.name, budget.measured, budget.predicted_after, budget.budget,
                 f", exceeded over {VERIFY_SLACK:g}x: the sensitivities did not predict it" if over else "")
+
+    def _weigh_at_measured_scale(self) -> Optional[tuple]:
+        """When the FP8 variant measured over VERIFY_SLACK times the budget: the sites left
+        in FP8 weighed again with the prediction scaled by what it measured
+        (`output_budget.measured_scale`), as (kept {site id: detail}, D before, D after,
+        scale); else None. Never raises (on rank 0 when distributed)."""
+        record, budget = self.record, self.record.output_budget
+        try:
+            if budget.measured is None or budget.measured <= VERIFY_SLACK * budget.budget:
+                return None
+            scale = output_budget.measured_scale(budget)
+            errors = {sid: e for sid, e in budget.error.items()
+                      if sid not in budget.kept and sid not in record.plan.unsafe}
+            return (*output_budget.keep_within(budget.sensitivity, errors, budget.budget, scale=scale), scale)
+        except Exception as error:  # noqa: BLE001
+            log.warning("loka: %s: output budget: weighing the sites again failed (%s: %s)",
+                        record.name, type(error).__name__, error)
+            return None
+
+    def _tighten_output_budget(self, weighed: Optional[tuple]) -> bool:
+        """Keep in high precision the sites `_weigh_at_measured_scale` found the budget can
+        no longer afford; True when there were any (the FP8 variant is compiled again, once)."""
+        if not weighed or not weighed[0]:
+            return False
+        kept, before, after, scale = weighed
+        record, budget = self.record, self.record.output_budget
+        for sid, detail in kept.items():
+            budget.kept[sid] = detail
+            record.plan.unsafe[sid] = budget.error[sid]
+        budget.predicted = after
+        log.warning("loka: %s: output budget: the FP8 variant measured %.3g, %.2gx its prediction; weighed again "
+                    "at that scale (predicted %.3g -> %.3g), %d more site(s) kept in high precision: %s; "
+                    "compiling the FP8 variant again", record.name, budget.measured, scale, before, after,
+                    len(kept), ", ".join(kept))
+        return True
 
     def _predicted_as_compiled(self) -> float:
         """D over the forward sites the FP8 variant runs in FP8, each at the scaling it runs."""
@@ -785,7 +824,8 @@ def _set_rng_state(state: tuple) -> None:
 
 
 # The output budget's check after the FP8 variant compiles: a measured discrepancy over this
-# many times the budget is logged as a warning (the prediction missed; no recompile). The
+# many times the budget is logged as a warning (the prediction missed), and the sites are
+# weighed again at the prediction's measured scale, once (`_weigh_at_measured_scale`). The
 # sensitivities come from one noise draw per site and FP8 errors are not exactly a
 # per-element relative noise, so predictions within 1.5x are taken as agreeing.
 VERIFY_SLACK = 1.5

@@ -172,18 +172,15 @@ def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
               if sid not in budget.kept and sid not in plan.unsafe}
     if not errors:
         return
-    k = 1.0
-    if budget.measured is not None and budget.predicted_after:
-        k = max(1.0, budget.measured / budget.predicted_after)
+    k = output_budget.measured_scale(budget)
     labels = {sid: "static scale" for sid in row_errors}
-    kept, before, after = output_budget.keep_within(budget.sensitivity, errors, config.max_output_error / k, labels)
+    kept, before, after = output_budget.keep_within(budget.sensitivity, errors, config.max_output_error, labels,
+                                                    scale=k)
     for sid, detail in kept.items():
-        if k > 1.0:
-            detail += f" (predictions scaled by {k:.2g}: the FP8 variant measured {budget.measured:.3g})"
         _keep_in_high_precision(plan, sid, errors[sid], detail)
     log.info("loka calibrate: %s: output budget as calibrated (static scales, prediction x %.2g): predicted "
              "output discrepancy %.3g -> %.3g, %d more site(s) kept in high precision",
-             record.name, k, before * k, after * k, len(kept))
+             record.name, k, before, after, len(kept))
 
 
 def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, decision, metric: str) -> float:

@@ -294,4 +294,4 @@ def test_calibration_scales_the_budget_by_what_the_fp8_variant_measured(measured
     assert set(plan.a_scales) == set(errors) - kept
     for sid in kept:
         assert plan.sites[sid].reason == Reason.PROBE_UNSAFE.value
-        assert "predictions scaled by 3" in plan.sites[sid].detail, plan.sites[sid].detail
+        assert "x 3 (the prediction's measured shortfall)" in plan.sites[sid].detail, plan.sites[sid].detail
