@@ -635,24 +635,33 @@ def _percent(v: float | None) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Speedup vs Inductor bf16 against batch size, one panel per model, a line per config."""
+    """Per model (a column): median ms per call against batch size (top, log-log), and the
+    speedup vs Inductor bf16 (bottom); a line per config."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
-    for ax, m in zip(axes[0], models):
+    fig, axes = plt.subplots(2, len(models), figsize=(4.5 * len(models), 7), squeeze=False)
+    for column, m in enumerate(models):
+        latency, speedup = axes[0][column], axes[1][column]
         for r in rows:
+            if r["model"] != m or not r["per_batch"]:
+                continue
+            latency.plot([e["batch"] for e in r["per_batch"]], [e["median_ms"] for e in r["per_batch"]],
+                         marker="o", label=r["config"])
             pts = [(e["batch"], e["speedup_vs_inductor_bf16"]) for e in r["per_batch"]
                    if e["speedup_vs_inductor_bf16"] is not None]
-            if r["model"] != m or not pts or r["config"] == r["speedup_ref"]:
-                continue
-            ax.plot(*zip(*pts), marker="o", label=r["config"])
-        ax.set_xscale("log", base=2)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_title(f"{m}: inference speedup vs Inductor bf16", fontsize=9)
-        ax.set_xlabel("batch size")
-        ax.legend(fontsize=7)
+            if pts and r["config"] != r["speedup_ref"]:
+                speedup.plot(*zip(*pts), marker="o", label=r["config"])
+        latency.set_xscale("log", base=2)
+        latency.set_yscale("log")
+        latency.set_title(f"{m}: ms per call (median)", fontsize=9)
+        speedup.set_xscale("log", base=2)
+        speedup.axhline(1.0, color="k", lw=0.8)
+        speedup.set_title(f"{m}: speedup vs Inductor bf16 (same run)", fontsize=9)
+        speedup.set_xlabel("batch size")
+        for ax in (latency, speedup):
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -33,7 +33,6 @@ from typing import Optional
 import torch
 
 from loka_compile.passes import GraphKind
-from loka_compile.perfdb import cache_dir
 
 log = logging.getLogger("loka")
 
@@ -88,6 +87,8 @@ def _target_name(target) -> str:
 
 
 def _path(key: str):
+    # Imported here: `python -m loka_compile.perfdb` must find perfdb not yet imported.
+    from loka_compile.perfdb import cache_dir
     return cache_dir() / DIR_NAME / f"{key}.json"
 
 
