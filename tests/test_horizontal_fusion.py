@@ -369,6 +369,51 @@ def test_inference_graphs_cache_the_concatenated_weight(fresh_compile_state):
         assert cached.refreshes == 2
 
 
+class MultiTaskRanker(nn.Module):
+    """Sparse features pooled by EmbeddingBags, a shared bottom, and three task towers
+    (click, like, share) whose first layers read the shared output: the siblings."""
+
+    def __init__(self, tables=3, rows=50, dim=16, hidden=64):
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum") for _ in range(tables))
+        self.bottom = nn.Sequential(nn.Linear(tables * dim, hidden), nn.LayerNorm(hidden), nn.ReLU())
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(hidden, 32), nn.ReLU(), nn.Linear(32, 1))
+                                    for _ in range(3))
+
+    def forward(self, ids, offsets):
+        pooled = torch.cat([bag(ids[i], offsets[i]) for i, bag in enumerate(self.bags)], 1)
+        shared = self.bottom(pooled)
+        return torch.cat([tower(shared) for tower in self.towers], 1)
+
+
+def test_served_multitask_towers_fuse_follow_dynamic_batches_and_a_new_state_dict(fresh_compile_state):
+    """Served the way ranking code is (eval, no_grad, dynamic batch): the towers' first
+    layers fuse and their concatenated weight is cached in FP8; a checkpoint loaded later
+    is served, not the stale copy."""
+    from loka_compile.passes.lower import CACHED_WEIGHT
+
+    def batch(b, rows=50, per_bag=3):
+        ids = [torch.randint(0, rows, (b * per_bag,)) for _ in range(3)]
+        return ids, [torch.arange(0, b * per_bag, per_bag) for _ in range(3)]
+
+    model = MultiTaskRanker().eval()
+    compiled = torch.compile(model, backend="loka", dynamic=True, options={"probe_steps": 0})
+    with torch.no_grad():
+        for b in (64, 96, 160):
+            ids, offsets = batch(b)
+            assert sqnr_db(model(ids, offsets), compiled(ids, offsets)) > OUTPUT_SQNR_FLOOR_DB
+        report = loka_compile.report(compiled)
+        assert report.mods["horizontal"] == 1 and report.mods["horizontal_linears"] == 3
+        fused = [w for w in report.cached_weights if len(w.input_indices) == 3]
+        assert len(fused) == 1 and fused[0].refreshes == 1
+        assert any(s.casts.get("b") == CACHED_WEIGHT and "towers" in s.module for s in report.sites)
+        trained = MultiTaskRanker()
+        model.load_state_dict(trained.state_dict())
+        ids, offsets = batch(96)
+        assert sqnr_db(trained.eval()(ids, offsets), compiled(ids, offsets)) > OUTPUT_SQNR_FLOOR_DB
+        assert fused[0].refreshes == 2
+
+
 def test_weight_source_follows_concatenations_of_weights_only():
     from loka_compile.passes.find_sites import weight_source
 
