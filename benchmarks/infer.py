@@ -39,9 +39,9 @@ applies to those only). In one process:
   run, against Inductor in the same mode (`inductor_bf16_ro` for reduce-overhead rows,
   `inductor_bf16` for default-mode and eager rows; `speedup_ref` names it);
 - error: after timing, at the largest batch size that ran up to ERROR_BATCH_MAX (8192;
-  `error_batch`), the output of the config on the first pool batch against the fp32 master (the initial or the trained
-  weights) on the same input, ||out - ref|| / ||ref|| (`out_relerr`; TF32 off for the
-  reference);
+  `error_batch`), the output of the config on the first pool batch against the fp32
+  master (the initial or the trained weights) on the same input, ||out - ref|| / ||ref||
+  (`out_relerr`; TF32 off for the reference);
 - quality: then, at that batch size (`eval_batch`), the config's compiled callable on
   `--eval-batches` (default 8) held-out batches (made one at a time, lookups by the master
   under --compile-scope dense; under CUDA graphs each output cloned before the next

@@ -11,10 +11,10 @@ symbolic shapes, training graphs (their weights change every step).
 
 The constants are filled outside the graph by `WeightCache.refresh`, which the backend
 calls before each call of the compiled graph: a weight is (re)quantized at the first
-call and whenever the storage or version counter of any weight it is made of changed (an optimizer step,
-`load_state_dict`, a new tensor), so a changed weight is never served stale. The
-constants keep their addresses, so a CUDA graph replayed after a refresh reads the new
-values. The eager cast uses the same ATen ops the graph would have run.
+call and whenever the storage or version counter of any weight it is made of changed
+(an optimizer step, `load_state_dict`, a new tensor), so a changed weight is never served
+stale. The constants keep their addresses, so a CUDA graph replayed after a refresh reads
+the new values. The eager cast uses the same ATen ops the graph would have run.
 """
 
 from __future__ import annotations
