@@ -51,6 +51,7 @@ def describe_run(options, device="cpu") -> dict:
     return {
         "hits": counters["inductor"]["fxgraph_cache_hit"] - hits,
         "misses": counters["inductor"]["fxgraph_cache_miss"] - misses,
+        "cache_counters": {k: v for k, v in counters["inductor"].items() if "cache" in k},
         "sites": [[s.graph, s.kind, s.id, s.key, s.fp8, s.reason, s.provider, s.scaling, s.formats, s.detail,
                    sorted(s.casts.items()), s.verdicts] for s in report.sites],
         "mods": report.mods,
@@ -63,7 +64,8 @@ def describe_run(options, device="cpu") -> dict:
 
 # The second process: Net and describe_run as above.
 SCRIPT = "\n".join([
-    "import json, sys", "import torch", "import loka_compile",
+    "import json, logging, sys", "import torch", "import loka_compile",
+    "logging.basicConfig(level=logging.WARNING); logging.getLogger('loka').setLevel(logging.INFO)",
     "torch._dynamo.config.automatic_dynamic_local_pgo = False  # no dynamic dims from the first process",
     inspect.getsource(Net), inspect.getsource(describe_run),
     "print(json.dumps(describe_run(json.loads(sys.argv[1]), sys.argv[2])))"])
@@ -87,7 +89,9 @@ def _fresh_process(options, device) -> dict:
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(options), device], env=dict(os.environ),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    result = json.loads(done.stdout.splitlines()[-1])
+    result["log"] = [line for line in done.stderr.splitlines() if "cache" in line][-10:]  # why a hit was not used
+    return result
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA_MISSES])])
@@ -97,8 +101,9 @@ def test_a_second_process_hits_the_cache_and_reports_alike(caches, device):
     # On a GPU the speed check would keep these tiny sites bf16; the test is about the cache.
     options = OPTIONS if device == "cpu" else {**OPTIONS, "speed_check": False}
     first, second = _fresh_process(options, device), _fresh_process(options, device)
-    assert first["hits"] == 0 and first["misses"] == 4  # probe and FP8 variants, forward and backward
-    assert second["hits"] == 4 and second["misses"] == 0
+    assert first["hits"] == 0 and first["misses"] == 4, first["cache_counters"]  # probe and FP8, fwd and bwd
+    assert second["hits"] == 4 and second["misses"] == 0, (first["cache_counters"], second["cache_counters"],
+                                                           second["log"])
     assert len(first["sites"]) == 5 and any(site[4] for site in first["sites"])
     for field in ("sites", "mods", "graphs"):
         assert second[field] == first[field], field
