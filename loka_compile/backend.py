@@ -606,7 +606,7 @@ class LokaCompiledGraph:
     def _verify_output_budget(self, runs: "_SideRuns", reference: list) -> None:
         """Run the FP8 variant on the closing call's arguments and record its outputs'
         discrepancy from the probe variant's; warn when it exceeds the budget by over
-        VERIFY_SLACK (the sites are then weighed again, once: `_weigh_at_measured_scale`).
+        VERIFY_SLACK (with `refit_output_budget` the sites are then weighed again, once).
         Never raises."""
         record, budget = self.record, self.record.output_budget
         try:
@@ -623,13 +623,14 @@ class LokaCompiledGraph:
                 f", exceeded over {VERIFY_SLACK:g}x: the sensitivities did not predict it" if over else "")
 
     def _weigh_at_measured_scale(self) -> Optional[tuple]:
-        """When the FP8 variant measured over VERIFY_SLACK times the budget: the sites left
-        in FP8 weighed again with the prediction scaled by what it measured
+        """With `refit_output_budget`, when the FP8 variant measured over VERIFY_SLACK times
+        the budget: the sites left in FP8 weighed again with the prediction scaled by what it measured
         (`output_budget.measured_scale`), as (kept {site id: detail}, D before, D after,
         scale); else None. Never raises (on rank 0 when distributed)."""
         record, budget = self.record, self.record.output_budget
         try:
-            if budget.measured is None or budget.measured <= VERIFY_SLACK * budget.budget:
+            if not record.config.refit_output_budget or budget.measured is None \
+                    or budget.measured <= VERIFY_SLACK * budget.budget:
                 return None
             scale = output_budget.measured_scale(budget)
             errors = {sid: e for sid, e in budget.error.items()
@@ -824,8 +825,9 @@ def _set_rng_state(state: tuple) -> None:
 
 
 # The output budget's check after the FP8 variant compiles: a measured discrepancy over this
-# many times the budget is logged as a warning (the prediction missed), and the sites are
-# weighed again at the prediction's measured scale, once (`_weigh_at_measured_scale`). The
+# many times the budget is logged as a warning (the prediction missed); with
+# `refit_output_budget` the sites are then weighed again at the prediction's measured scale,
+# once (`_weigh_at_measured_scale`). The
 # sensitivities come from one noise draw per site and FP8 errors are not exactly a
 # per-element relative noise, so predictions within 1.5x are taken as agreeing.
 VERIFY_SLACK = 1.5
