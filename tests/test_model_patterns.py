@@ -149,6 +149,52 @@ def test_no_grad_evaluation_then_training_with_dynamic_batches():
     assert kinds == {"inference", "forward", "backward"}, kinds
 
 
+class DotInteractionRanker(nn.Module):
+    """DLRM's shape: a bottom MLP for dense features, EmbeddingBag lookups, pairwise dot
+    products of all of them (bmm, lower triangle gathered with tril_indices), a top MLP."""
+
+    def __init__(self, tables=7, rows=200, dim=64):
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum") for _ in range(tables))
+        self.bottom = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, dim), nn.ReLU())
+        n = tables + 1
+        self.register_buffer("pairs", torch.tril_indices(n, n, offset=-1), persistent=False)
+        self.top = nn.Sequential(nn.Linear(dim + n * (n - 1) // 2, 128), nn.ReLU(), nn.Linear(128, 1))
+
+    def forward(self, dense, ids, offsets):
+        x = self.bottom(dense)
+        features = torch.stack([x] + [bag(i, o) for bag, i, o in zip(self.bags, ids, offsets)], 1)
+        dots = torch.bmm(features, features.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return self.top(torch.cat([x, dots], 1)).squeeze(-1)
+
+
+def test_autocast_bf16_training_of_fp32_weights():
+    """Public training code keeps fp32 weights and runs the forward under bf16 autocast:
+    the weights reach their GEMMs through a cast in the graph, and their gradients
+    through its backward; loka still tells wgrad from dgrad and trains."""
+    model = DotInteractionRanker()
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+
+    def step(*inputs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return compiled(*inputs)
+
+    def make_inputs(b):
+        ids, offsets = zip(*(_bags(b) for _ in range(7)))
+        return torch.randn(b, 16), list(ids), list(offsets)
+
+    losses = _train(model, step, make_inputs, lambda out: out.float())
+    assert losses[-2] < losses[0], losses
+    assert all(p.dtype == torch.float32 and p.grad is not None and torch.isfinite(p.grad).all()
+               for p in model.parameters())
+    report = loka_compile.report(compiled)
+    assert not any(g.fallback for g in report.graphs), str(report)
+    linears = [s for s in report.sites if s.op != "bmm"]
+    assert any(s.fp8 for s in linears), report.table()
+    wgrad = {s.module for s in linears if s.role == "wgrad"}
+    assert wgrad == {s.module for s in linears if s.role == "fwd"}, report.table()  # one per linear
+
+
 # LoRA fine-tuning of a pretrained ranking tower: the pretrained weights (and the embedding
 # table) are frozen, the low-rank factors, the LayerNorm and a new task head train.
 
