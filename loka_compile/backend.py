@@ -125,7 +125,9 @@ class LokaPostGradPass(CustomGraphPass):
         record.contexts[(self.phase, kind)] = ctx
         run_passes(graph, ctx)
         record.graph_modules[(self.phase, kind)] = graph.owning_module
-        self.digests[kind] = graph_cache.graph_digest(graph)
+        if inductor_config.fx_graph_cache and graph_cache.bypass_reason(
+                self.phase, kind, record.config.disabled_mods, self.param_input_indices) is None:
+            self.digests[kind] = graph_cache.graph_digest(graph)  # only a cacheable graph needs one
         if record.plan.source:
             missing = [site.id for site in ctx.sites if site.id not in record.plan.sites]
             if missing:
@@ -624,9 +626,9 @@ class LokaCompiledGraph:
 
     def _weigh_at_measured_scale(self) -> Optional[tuple]:
         """With `refit_output_budget`, when the FP8 variant measured over VERIFY_SLACK times
-        the budget: the sites left in FP8 weighed again with the prediction scaled by what it measured
-        (`output_budget.measured_scale`), as (kept {site id: detail}, D before, D after,
-        scale); else None. Never raises (on rank 0 when distributed)."""
+        the budget: the sites left in FP8 weighed again with the prediction scaled by what
+        it measured (`output_budget.measured_scale`), as (kept {site id: detail}, D before,
+        D after, scale); else None. Never raises (on rank 0 when distributed)."""
         record, budget = self.record, self.record.output_budget
         try:
             if not record.config.refit_output_budget or budget.measured is None \

@@ -351,34 +351,34 @@ def recovered_provenance(node: torch.fx.Node, grads: set, wgrads: set) -> tuple:
 class WeightSource:
     """Where a GEMM operand comes from when it is made of weights alone."""
 
-    indices: tuple       # graph input index of each weight it reads, in graph order
+    indices: tuple       # graph input index of each weight it reads, in the order first read
     placeholders: tuple  # their placeholders, same order
-    nodes: tuple         # the views, casts and concatenations from them to the operand, in graph order
+    nodes: tuple         # the views, casts and concatenations from them to the operand, inputs first
 
 
 def weight_source(operand: torch.fx.Node, weight_inputs: dict) -> Optional[WeightSource]:
     """How `operand` is made from weight inputs of the graph (`weight_inputs`: placeholder
     -> index) through views, dtype casts and concatenations only (sibling linears fused by
     horizontal_fusion read their weights concatenated), else None."""
-    nodes, leaves, stack, seen = [], [], [operand], set()
-    while stack:
-        node = stack.pop()
+    nodes, leaves, seen = [], [], set()
+
+    def visit(node) -> bool:  # depth first, each node after its inputs
         if node in seen:
-            continue
+            return True
         seen.add(node)
         if node.op == "placeholder":
-            if node not in weight_inputs:
-                return None
             leaves.append(node)
-            continue
+            return node in weight_inputs  # any other input: not a weight operand
         if node.op != "call_function" or not (
                 node.target is aten.cat.default or (node.target in VIEW_LIKE and len(node.all_input_nodes) == 1)):
-            return None
+            return False
+        if not all(visit(n) for n in node.all_input_nodes):
+            return False
         nodes.append(node)
-        stack.extend(node.all_input_nodes)
-    order = {n: i for i, n in enumerate(operand.graph.nodes)}
-    leaves.sort(key=order.get)
-    nodes.sort(key=order.get)
+        return True
+
+    if not visit(operand):
+        return None
     return WeightSource(tuple(weight_inputs[p] for p in leaves), tuple(leaves), tuple(nodes))
 
 
