@@ -132,6 +132,8 @@ from benchmarks.train import (_ALL_FP8, BudgetExceeded, Config, Runner, _error_t
                               _make_optimizer, _relerr, _torchao_import, compile_unit, device_tag, environment,
                               log, loka_options_for, loka_untimed_calls, release_config, train_step, write_json)
 from benchmarks.train import parse_args as train_parse_args
+from benchmarks.train import lookup_config as lookup_train_config
+from benchmarks.train import resolve_config as resolve_train_config
 from benchmarks.train import prepare as prepare_for_training
 from benchmarks.zoo import (MODEL_NAMES, SyntheticRecsysData, build_model, count_parameters, quality_metrics,
                             to_dense_dtype)
@@ -183,9 +185,8 @@ def config_for_device(name: str, cuda: bool) -> str:
 
 
 def resolve_config(name: str) -> Config:
-    if name not in CONFIGS:
-        raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}")
-    return CONFIGS[name]
+    """One of CONFIGS, or an ablation row `<loka config>_no_<mod>` (as in benchmarks.train)."""
+    return resolve_train_config(name, CONFIGS)
 
 
 def _quantize_torchao(dense: nn.Module, recipe: str) -> None:
@@ -379,7 +380,7 @@ def _check_pool(name: str, batch: int, pool: list[tuple]) -> None:
 
 
 def _base_row(model: str, cfg_name: str, args, batches: list[int]) -> dict:
-    cfg = CONFIGS.get(cfg_name)
+    cfg = lookup_train_config(cfg_name, CONFIGS)
     return {
         "model": model, "preset": args.preset, "config": cfg_name, "mode": cfg.mode if cfg else None,
         "compile_scope": args.compile_scope, "dynamic_shapes": args.dynamic_shapes,

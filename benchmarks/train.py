@@ -162,13 +162,15 @@ _ABLATION = re.compile(r"^(?P<base>loka\w*?)_no_(?P<mod>\w+)$")
 CEILING_CONFIGS = ("inductor_bf16",)
 
 
-def lookup_config(name: str) -> Config | None:
-    """The Config named `name`: one of CONFIGS, or an ablation row `<loka config>_no_<mod>`
-    (not checked against MODS here: `resolve_config` does that); None if neither."""
-    if name in CONFIGS:
-        return CONFIGS[name]
+def lookup_config(name: str, configs: dict[str, Config] | None = None) -> Config | None:
+    """The Config named `name`: one of `configs` (default: this harness's CONFIGS), or an
+    ablation row `<loka config>_no_<mod>` (not checked against MODS here: `resolve_config`
+    does that); None if neither."""
+    configs = CONFIGS if configs is None else configs
+    if name in configs:
+        return configs[name]
     m = _ABLATION.match(name)
-    base = CONFIGS.get(m.group("base")) if m else None
+    base = configs.get(m.group("base")) if m else None
     if base is None or base.kind != "loka" or base.ablated:
         return None
     mod = m.group("mod")
@@ -183,11 +185,11 @@ def loka_mods() -> tuple[str, ...]:
     return tuple(MODS)
 
 
-def resolve_config(name: str) -> Config:
+def resolve_config(name: str, configs: dict[str, Config] | None = None) -> Config:
     """lookup_config, raising ValueError for an unknown name or an unknown Mod."""
-    cfg = lookup_config(name)
+    cfg = lookup_config(name, configs)
     if cfg is None:
-        raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}, "
+        raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS if configs is None else configs)}, "
                          f"or <loka config>_no_<mod> (--ablate-mods)")
     if cfg.ablated is not None:
         mods = loka_mods()
