@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .quantize import Fp8Format, Scaling, cast_with_scale, quantize_along, quantize_blockwise, quantize_tensorwise
+from .quantize import (Fp8Format, Scaling, cast_with_scale, quantize_along, quantize_blockwise, quantize_pieces_along_k,
+                       quantize_tensorwise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,17 @@ def cast_operand(x: torch.Tensor, operand: str, spec: GemmSpec):
     if spec.fused_casts:
         return quantize_operand_aten(x, operand, spec.scaling, fmt)
     return torch.ops.loka.quantize_operand(x, operand, spec.scaling.value, fmt.value)
+
+
+def cast_a_pieces(pieces: list, spec: GemmSpec, dtype: torch.dtype, flatten: bool):
+    """Operand A given as the pieces it concatenates along K (the `cat_casts` Mod), cast
+    rowwise per piece (`quantize_pieces_along_k`): each piece converted to A's `dtype`
+    and, with `flatten`, viewed [rows, K_i] as A's 2-D view of the concatenation is."""
+    if spec.scaling is not Scaling.ROWWISE or spec.pad_k or spec.a_static_scale is not None or not spec.fused_casts:
+        raise ValueError("a per-piece cast of A is rowwise, fused, unpadded and dynamic")
+    pieces = [(p.reshape(-1, p.shape[-1]) if flatten else p).to(dtype) for p in pieces]
+    q, scale = quantize_pieces_along_k(pieces, spec.a_format)
+    return q.contiguous(), scale
 
 
 def scaled_gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], spec: GemmSpec) -> torch.Tensor:

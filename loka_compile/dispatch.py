@@ -201,7 +201,8 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.disabled_mods
     a_static = a_static and chosen["scaling"] != Scaling.BLOCKWISE.value
     shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached,
-                             "benchmarked_reductions" not in config.disabled_mods, a_static) if hardware else None
+                             "benchmarked_reductions" not in config.disabled_mods, a_static,
+                             "cat_casts" not in config.disabled_mods) if hardware else None
     if shape is not None and not config.speed_check:
         try:
             chosen["provider"] = speed.runnable_providers(shape, chosen["scaling"], chosen["a_format"],

@@ -173,6 +173,7 @@ class Report:
     def mods(self) -> dict:
         """What each Mod did across the FP8 sites: operand casts fused into their producer,
         standalone, or replaced by a cached FP8 weight (`cached_weights`), sites padded, GEMMs with fast accumulation,
+        A operands cast per piece of their concatenation (`cat_casts`),
         the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
         replaced, per Dynamo graph) and the opt-in architecture Mods' rewrites."""
         casts = [c for s in self.sites for c in s.casts.values()]
@@ -180,6 +181,7 @@ class Report:
         cached = sum(c.startswith("cached") for c in casts)
         counts = {"fused_casts": fused, "standalone_casts": len(casts) - fused - cached, "cached_weights": cached,
                   "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites),
+                  "cat_casts": sum("per piece" in s.casts.get("a", "") for s in self.sites),
                   "horizontal": self._horizontal["horizontal"], "horizontal_linears": self._horizontal["horizontal_linears"]}
         counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})
         return counts

@@ -215,6 +215,12 @@ PERSISTENT_ROW_MAX = 1024
 MULTI_KERNEL_PERSISTENT_ROW_MAX = 4096
 
 
+def persistent_row_max(benchmarked_reductions: bool) -> int:
+    """The longest row a fused cast reduces in one pass, with or without the
+    `benchmarked_reductions` Mod."""
+    return MULTI_KERNEL_PERSISTENT_ROW_MAX if benchmarked_reductions else PERSISTENT_ROW_MAX
+
+
 def _fused_fraction(dtype: torch.dtype, row: int, persistent_row_max: int = PERSISTENT_ROW_MAX,
                     static: bool = False) -> float:
     """Share of a standalone cast's time that a cast fused into its producer still costs
@@ -432,11 +438,14 @@ def m_bucket(m: int) -> int:
 
 
 def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: bool = False,
-               benchmarked_reductions: bool = False, a_static: bool = False) -> Optional[SiteShape]:
+               benchmarked_reductions: bool = False, a_static: bool = False,
+               cat_casts: bool = False) -> Optional[SiteShape]:
     """The timing key of a site with concrete K and N: at its M (and a batched site's
     batch) when concrete, at the bucket of its size hint when symbolic (module docstring);
     else None (symbolic K or N, or an M or batch without a hint). `a_static`: A is cast
-    with a calibrated static scale."""
+    with a calibrated static scale; `cat_casts`: the Mod of that name is on (a long row
+    of A concatenated from fused pieces is cast per piece: a fused cast, charged as a
+    looped one since the row is over the persistent length)."""
     from loka_compile.passes.find_sites import operand_casts
 
     _, k, n = site.shape
@@ -450,9 +459,9 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
         m = m_bucket(m)
     if batch is not None and not isinstance(site.batch, int):
         batch = m_bucket(batch)
-    casts = operand_casts(site, scaling, a_static=a_static)
+    row_max = persistent_row_max(benchmarked_reductions)
+    casts = operand_casts(site, scaling, a_static=a_static, row_max=row_max if cat_casts and not pad_k else None)
     return SiteShape(m, k, n, site.a_major, site.b_major, site.op in ("addmm", "baddbmm"), site.dtype, site.device,
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
                      b_cached=b_cached, a_static=a_static, pad_k=pad_k, pad_n=pad_n,
-                     persistent_row_max=MULTI_KERNEL_PERSISTENT_ROW_MAX if benchmarked_reductions
-                     else PERSISTENT_ROW_MAX, batch=batch)
+                     persistent_row_max=row_max, batch=batch)

@@ -9,6 +9,10 @@ Becomes (rowwise, `fused_casts` on; tensorwise and blockwise alike with their sc
     b_q, b_s = the same over B^T, written [N, K] and viewed [K, N]       (ATen ops)
     C = provider GEMM(a_q, a_s, b_q, b_s, bias)   aten._scaled_mm | loka.triton_fp8_gemm
                                                   | dequantize + fp32 matmul (emulated)
+With the `cat_casts` Mod, an A concatenated along K from pieces whose casts fuse into their
+producers, with rows longer than one persistent reduction, is cast per piece
+(`find_sites.per_piece_cast`, `scaled_gemm.cast_a_pieces`): each piece's row amax, their
+max as the row's scale, each piece cast with it, the FP8 pieces concatenated.
 With K or N padded (the `pad` Mod) the operands are zero-padded inside the casts and C
 is sliced back. Inductor then fuses each cast into the kernel that produced its operand.
 A bmm/baddbmm hands the provider 3-D operands as cast ([B, M, K] row-major, [B, K, N]
@@ -41,10 +45,11 @@ import functools
 import torch
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
-from loka_compile.kernels.scaled_gemm import GemmSpec, cast_operand, gemm_quantized, scaled_gemm
+from loka_compile.kernels.scaled_gemm import GemmSpec, cast_a_pieces, cast_operand, gemm_quantized
+from loka_compile.speed import persistent_row_max
 
 from .context import GraphKind, PassContext
-from .find_sites import VIEW_LIKE, operand_casts, operands
+from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast
 from .rewrite import replace_with_traced
 from .weight_cache import cached_operand
 
@@ -55,6 +60,8 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     lowered = 0
     fused_casts = "fused_casts" not in ctx.disabled_mods
     cache_weights = ctx.kind is GraphKind.INFERENCE and "cached_weights" not in ctx.disabled_mods
+    row_max_for_pieces = (persistent_row_max("benchmarked_reductions" not in ctx.disabled_mods)
+                          if "cat_casts" not in ctx.disabled_mods else None)
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
         if not decision.fp8:
@@ -64,17 +71,24 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
                         decision.provider, site.dtype, decision.pad_k, decision.pad_n, fused_casts,
                         decision.fast_accum)
-        site.casts = operand_casts(site, decision.scaling, fused_casts)
         static = ctx.static_a_scale(site)
         if static is not None and spec.scaling is not Scaling.BLOCKWISE:
             spec = dataclasses.replace(spec, a_static_scale=float(static["scale"]))
+        row_max = row_max_for_pieces if not spec.pad_k else None
+        site.casts = operand_casts(site, decision.scaling, fused_casts, a_static=spec.a_static_scale is not None,
+                                   row_max=row_max)
+        if spec.a_static_scale is not None:
             site.casts["a"] = f"static scale (calibrated {static['policy']})"
+        pieces = per_piece_cast(a, decision.scaling, fused_casts, spec.a_static_scale is not None, row_max)
+        a_args = [a] if pieces is None else list(pieces[0])
+        a_cast = functools.partial(_cast_a, spec=spec, pieces=None if pieces is None else
+                                   (len(pieces[0]), a.meta["val"].dtype, pieces[1]))
         cached = cached_operand(node, b, spec, ctx) if cache_weights else None
         if cached is not None:
             site.casts["b"] = CACHED_WEIGHT
-            args, fn = [a, *cached], functools.partial(_gemm_on_cached_b, spec=spec)
+            args, fn = [*a_args, *cached], functools.partial(_gemm_on_cached_b, a_cast=a_cast, spec=spec)
         else:
-            args, fn = [a, b], functools.partial(_gemm, spec=spec)
+            args, fn = [*a_args, b], functools.partial(_gemm, a_cast=a_cast, spec=spec)
         args += [] if bias is None else [bias]
         inserted = replace_with_traced(node, fn, args)
         if cached is not None:
@@ -92,11 +106,22 @@ def _erase_unused_views(node: torch.fx.Node) -> None:
         node = source
 
 
-def _gemm(a, b, bias=None, *, spec: GemmSpec):
-    return scaled_gemm(a, b, bias, spec)
+def _cast_a(args: tuple, *, spec: GemmSpec, pieces):
+    """(A's cast, the arguments after A's): A is args[0], or with `pieces` (count, A's
+    dtype, flatten) the first `count` arguments are the pieces of its concatenation."""
+    if pieces is None:
+        return cast_operand(args[0], "a", spec), args[1:]
+    count, dtype, flatten = pieces
+    return cast_a_pieces(list(args[:count]), spec, dtype, flatten), args[count:]
 
 
-def _gemm_on_cached_b(a, b_q, b_scale, bias=None, *, spec: GemmSpec):
+def _gemm(*args, a_cast, spec: GemmSpec):
+    (a_q, a_s), (b, *bias) = a_cast(args)
+    return gemm_quantized(a_q, a_s, *cast_operand(b, "b", spec), bias[0] if bias else None, spec)
+
+
+def _gemm_on_cached_b(*args, a_cast, spec: GemmSpec):
+    (a_q, a_s), (b_q, b_scale, *bias) = a_cast(args)
     if spec.scaling is Scaling.TENSORWISE:
         b_scale = b_scale.reshape(())  # cached as [1, 1]
-    return gemm_quantized(*cast_operand(a, "a", spec), b_q, b_scale, bias, spec)
+    return gemm_quantized(a_q, a_s, b_q, b_scale, bias[0] if bias else None, spec)

@@ -64,7 +64,7 @@ BAD_OPTIONS = [
     ({"fallback": "no"}, "fallback must be a bool"),
     ({"mode": "turbo"}, "valid modes"),
     ({"mode": None}, "valid modes"),
-    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cached_weights', 'horizontal', 'benchmarked_reductions'\]"),
+    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cached_weights', 'horizontal', 'benchmarked_reductions', 'cat_casts'\]"),
     ({"disabled_mods": "pad"}, r"disabled_mods must be a list or tuple of names from \['fused_casts'"),
     ({"disabled_mods": None}, "disabled_mods must be a list or tuple"),
     ({"arch_mods": ["layernorm"]}, r"valid arch_mods: \['blocknorm', 'no_bias', 'hardswish'\]"),
@@ -103,7 +103,7 @@ def test_good_values_are_normalized():
     assert config.max_probe_error == 1.0 and isinstance(config.max_probe_error, float)
     assert LokaConfig().disabled_mods == () and LokaConfig().arch_mods == ()
     assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == \
-        {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions"}
+        {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts"}
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
