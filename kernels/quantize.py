@@ -134,11 +134,16 @@ def quantize_pieces_along_k(pieces: list, fmt: Fp8Format, power_of_two: bool = F
     [.., R, 1] scale and the FP8 pieces concatenated. Equal, bit for bit, to
     quantize_along(cat(pieces, -1), -1, ...); each amax reduces only its piece's row, so
     Inductor computes it in the kernel that produced the piece."""
+    scale = row_scale_of_pieces(pieces, fmt, power_of_two)
+    return torch.cat([cast_with_scale(piece, scale, fmt) for piece in pieces], -1), scale
+
+
+def row_scale_of_pieces(pieces: list, fmt: Fp8Format, power_of_two: bool = False) -> torch.Tensor:
+    """The [.., R, 1] rowwise scale of cat(pieces, -1) from each piece's row amax."""
     amax = amax_along(pieces[0], -1)
     for piece in pieces[1:]:
         amax = torch.maximum(amax, amax_along(piece, -1))
-    scale = scale_from_amax(amax, fmt, power_of_two)
-    return torch.cat([cast_with_scale(piece, scale, fmt) for piece in pieces], -1), scale
+    return scale_from_amax(amax, fmt, power_of_two)
 
 
 def quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int, fmt: Fp8Format,

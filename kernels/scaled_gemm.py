@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .quantize import (Fp8Format, Scaling, cast_with_scale, quantize_along, quantize_blockwise, quantize_pieces_along_k,
-                       quantize_tensorwise)
+from .quantize import (Fp8Format, Scaling, cast_with_scale, quantize_along, quantize_blockwise, quantize_tensorwise,
+                       row_scale_of_pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +115,19 @@ def cast_a_pieces(pieces: list, spec: GemmSpec, dtype: torch.dtype, flatten: boo
     if spec.scaling is not Scaling.ROWWISE or spec.pad_k or spec.a_static_scale is not None or not spec.fused_casts:
         raise ValueError("a per-piece cast of A is rowwise, fused, unpadded and dynamic")
     pieces = [(p.reshape(-1, p.shape[-1]) if flatten else p).to(dtype) for p in pieces]
-    q, scale = quantize_pieces_along_k(pieces, spec.a_format)
-    return q.contiguous(), scale
+    scale = row_scale_of_pieces(pieces, spec.a_format)
+    # More parts than Inductor concatenates pointwise (`max_pointwise_cat_inputs`): it then
+    # computes each part's cast into its slice of the output (a ConcatKernel). A pointwise
+    # cat evaluates every part's cast for each output element, masked: over MaskNet's 8
+    # LayerNorm outputs (65536 x 8192, H100) that one kernel took 5.8 ms.
+    chunks = -(-(_pointwise_cat_limit() + 1) // len(pieces))
+    parts = [part for p in pieces for part in (p.chunk(chunks, -1) if chunks > 1 else (p,))]
+    return torch.cat([cast_with_scale(part, scale, spec.a_format) for part in parts], -1), scale
+
+
+def _pointwise_cat_limit() -> int:
+    from torch._inductor import config as inductor_config
+    return max(inductor_config.max_pointwise_cat_inputs, inductor_config.max_complex_pointwise_cat_inputs)
 
 
 def scaled_gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], spec: GemmSpec) -> torch.Tensor:

@@ -34,9 +34,10 @@ log = logging.getLogger("loka.passes")
 #                batch 8192: kernel time 3.84 -> 3.23 ms; Inductor bf16 3.25 -> 3.31 ms)
 #   cat_casts    an A concatenated along K from pieces whose casts fuse into their
 #                producers, with rows longer than one persistent reduction, is cast per
-#                piece (each piece's amax in its producer's kernel, one shared row scale)
-#                instead of by one kernel that reads every piece (H100, MaskNet inference,
-#                65536 rows: 5.3 ms for the cast of cat(8 LayerNorms), K = 8192)
+#                piece (each piece's amax in its producer's kernel, one shared row scale,
+#                each part cast into its slice) instead of by one kernel that computes
+#                every piece, masked, per element (H100, MaskNet inference, 65536 rows:
+#                5.4 ms for the cast of cat(8 LayerNorms), K = 8192)
 MODS = ("fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts")
 
 PIPELINE = (
