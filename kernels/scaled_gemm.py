@@ -126,8 +126,10 @@ def cast_a_pieces(pieces: list, spec: GemmSpec, dtype: torch.dtype, flatten: boo
 
 
 def _pointwise_cat_limit() -> int:
+    """Most inputs Inductor may concatenate pointwise (torch 2.11 has only the first limit)."""
     from torch._inductor import config as inductor_config
-    return max(inductor_config.max_pointwise_cat_inputs, inductor_config.max_complex_pointwise_cat_inputs)
+    return max(getattr(inductor_config, "max_pointwise_cat_inputs", 8),
+               getattr(inductor_config, "max_complex_pointwise_cat_inputs", 0))
 
 
 def scaled_gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], spec: GemmSpec) -> torch.Tensor:
