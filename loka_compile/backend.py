@@ -32,8 +32,10 @@ import itertools
 import logging
 import math
 import operator
+import os
 import pathlib
 import time
+import traceback
 import unittest.mock
 import weakref
 from typing import Optional
@@ -165,6 +167,14 @@ def _is_dynamo_control(error: Exception) -> bool:
     return isinstance(error, (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame))
 
 
+def _error_text(error: Exception) -> str:
+    """"Type: message (at file:line in function)", the innermost frame, so that a
+    fallback's reason says where the failure was."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
 def _warn_fallback(record: GraphRecord, why: str, whole_graph: bool = True) -> None:
     if whole_graph:
         record.fallback = why
@@ -200,6 +210,12 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     """Inductor's config for a loka compile (`custom_pass` None: a plain compile, as a
     fallback)."""
     patches = dict(list_mode_options(config.mode))
+    if patches.get("triton.cudagraphs"):
+        # An FX graph cache hit in a CUDA-graph mode raised TypeError ("'NoneType'
+        # object does not support the context manager protocol") inside Inductor on
+        # the H100 (torch 2.11) for graphs loka compiles after the probe window and
+        # their fallbacks (DLRM training, MaskNet inference); cause not isolated.
+        patches["fx_graph_cache"] = False
     if custom_pass is not None:
         patches["post_grad_custom_pre_pass"] = LokaProvenancePass(inductor_config.post_grad_custom_pre_pass)
         patches["post_grad_custom_post_pass"] = custom_pass
@@ -325,7 +341,7 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
         if not record.config.fallback or _is_dynamo_control(error):
             raise
         kind = graph_kind(pristine.graph)
-        why = f"{kind.value} graph: {type(error).__name__}: {error}"
+        why = f"{kind.value} graph: {_error_text(error)}"
         record.fallen_back[kind] = why
         _forget_rewrite(record, why, kind=kind)
         _warn_fallback(record, why, whole_graph=False)
@@ -422,7 +438,7 @@ class LokaCompiledGraph:
         except Exception as error:
             if not record.config.fallback or _is_dynamo_control(error):
                 raise
-            why = f"compile failed: {type(error).__name__}: {error}"
+            why = f"compile failed: {_error_text(error)}"
             _warn_fallback(record, why)
             _forget_rewrite(record, why, phase=phase)
             return compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, None))

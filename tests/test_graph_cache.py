@@ -208,3 +208,14 @@ def test_a_hit_whose_graph_loka_now_makes_otherwise_is_compiled_again(caches, mo
     assert not fc2.fp8 and fc2.reason == Reason.SLOWER_THAN_BF16.value
     _, again, hits, misses = _compile_and_run(CACHED)  # the new entry, with the decision made now
     assert (hits, misses) == (1, 0) and again == now
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_cuda_graph_modes_compile_without_the_fx_graph_cache(mode):
+    """A hit in a CUDA-graph mode raised inside Inductor on the H100 (backend.py says how);
+    loka's compiles in those modes, and their fallbacks, leave the cache off."""
+    from loka_compile.backend import _inductor_patches
+    config = loka_compile.LokaConfig(mode=mode)
+    for custom_pass in (object(), None):
+        patches = _inductor_patches(config, custom_pass)
+        assert patches.get("fx_graph_cache", True) is (mode == "default")
