@@ -178,9 +178,14 @@ def per_piece_cast(operand: torch.fx.Node, scaling: str, fused_casts: bool, stat
     if not isinstance(k, int) or k <= row_max:
         return None
     found = cat_pieces(operand)
-    if found is None or not all(cast_origin(p, "a", "row", scaling).startswith("fused") for p in found[0]):
+    if found is None or not all(_piece_cast(p, scaling).startswith("fused") for p in found[0]):
         return None
     return found
+
+
+def _piece_cast(piece: torch.fx.Node, scaling: str) -> str:
+    """cast_origin of one piece of a concatenated A, in the piece's own layout."""
+    return cast_origin(piece, "a", operand_major(piece.meta["val"]), scaling)
 
 
 def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fused_casts: bool = True,
@@ -206,7 +211,7 @@ def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fu
     if which == "a":
         found = per_piece_cast(operand, scaling, fused_casts, static_scale, row_max)
         if found is not None:
-            names = sorted({cast_origin(p, "a", "row", scaling)[len("fused into "):] for p in found[0]})
+            names = sorted({_piece_cast(p, scaling)[len("fused into "):] for p in found[0]})
             return f"fused into {', '.join(names)} (per piece of a {len(found[0])}-way cat)"
     producer = skip_views_up(operand)
     if producer.op == "placeholder":

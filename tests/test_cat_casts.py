@@ -132,16 +132,20 @@ def test_dynamic_batch(fresh_compile_state):
     assert top.fp8 and PER_PIECE in top.casts["a"]
 
 
-@pytest.mark.parametrize("case", ["short_row", "piece_is_an_input", "tensorwise", "cat_along_batch", "mod_off"])
+@pytest.mark.parametrize("case", ["short_row", "piece_is_an_input", "transposed_piece", "tensorwise",
+                                  "cat_along_batch", "mod_off"])
 def test_declines(fresh_compile_state, case):
     """Negatives: rows within one persistent reduction (K = 512 <= 1024), a piece that
-    is a graph input (its cast cannot fuse), tensorwise scaling (one global amax first), a
+    is a graph input (its cast cannot fuse), a piece whose rows are its producer's
+    columns (a transposed view: its amax cannot run along the producer's rows), tensorwise scaling (one global amax first), a
     concatenation along the rows, the Mod switched off."""
     options = OPTIONS
     if case == "short_row":
         model, x = ParallelTowers(width=256), torch.randn(16, 64)
     elif case == "piece_is_an_input":
         model, x = _InputPiece(), torch.randn(16, 1024)
+    elif case == "transposed_piece":
+        model, x = _TransposedPiece(), torch.randn(16, 64)
     elif case == "tensorwise":
         model, x = ParallelTowers(), torch.randn(16, 64)
         options = {**OPTIONS, "recipe": "tensorwise"}
@@ -164,6 +168,21 @@ class _InputPiece(nn.Module):
 
     def forward(self, x):
         return self.top(torch.cat([x, torch.relu(self.norm(self.branch(x)))], -1))
+
+
+class _TransposedPiece(nn.Module):
+    """The second piece is a [16, 768] view of a [768, 16] ReLU output: its rows are the
+    producer's columns."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 768), nn.Linear(64, 16)
+        self.basis = nn.Parameter(torch.randn(768, 64))
+        self.top = nn.Linear(1536, 64)
+
+    def forward(self, x):
+        cols = torch.relu(self.b(self.basis + x[:1]))  # [768, 16]
+        return self.top(torch.cat([torch.relu(self.a(x)), cols.t()], -1))
 
 
 class _CatRows(nn.Module):
