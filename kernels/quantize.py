@@ -128,18 +128,9 @@ def quantize_along(x: torch.Tensor, dim: int, fmt: Fp8Format, power_of_two: bool
     return cast_with_scale(x, scale, fmt), scale
 
 
-def quantize_pieces_along_k(pieces: list, fmt: Fp8Format, power_of_two: bool = False):
-    """Rowwise cast of cat(pieces, -1) [.., R, K], one piece at a time: each piece's row
-    amax, their max (NaN wins, as in `amax_along`), then each piece cast with the shared
-    [.., R, 1] scale and the FP8 pieces concatenated. Equal, bit for bit, to
-    quantize_along(cat(pieces, -1), -1, ...); each amax reduces only its piece's row, so
-    Inductor computes it in the kernel that produced the piece."""
-    scale = row_scale_of_pieces(pieces, fmt, power_of_two)
-    return torch.cat([cast_with_scale(piece, scale, fmt) for piece in pieces], -1), scale
-
-
 def row_scale_of_pieces(pieces: list, fmt: Fp8Format, power_of_two: bool = False) -> torch.Tensor:
-    """The [.., R, 1] rowwise scale of cat(pieces, -1) from each piece's row amax."""
+    """The [.., R, 1] rowwise scale of cat(pieces, -1) from each piece's row amax (a NaN
+    anywhere in a row wins, as in `amax_along`: torch.maximum propagates it)."""
     amax = amax_along(pieces[0], -1)
     for piece in pieces[1:]:
         amax = torch.maximum(amax, amax_along(piece, -1))

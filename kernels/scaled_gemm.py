@@ -110,9 +110,11 @@ def cast_operand(x: torch.Tensor, operand: str, spec: GemmSpec):
 
 def cast_a_pieces(pieces: list, spec: GemmSpec, dtype: torch.dtype, flatten: bool):
     """Operand A given as the pieces it concatenates along K (the `cat_casts` Mod), cast
-    rowwise per piece to the values `quantize_pieces_along_k` gives: each piece converted
-    to A's `dtype` and, with `flatten`, viewed [rows, K_i] as A's 2-D view of the
-    concatenation is."""
+    rowwise per piece: each piece's row amax, their max as the row's scale, each part cast
+    with it. The same values as quantize_along(cat(pieces, -1), -1); each amax reduces only
+    its piece's row, so Inductor computes it in the kernel that produced the piece. Each
+    piece is converted to A's `dtype` and, with `flatten`, viewed [rows, K_i] as A's 2-D
+    view of the concatenation is."""
     if spec.scaling is not Scaling.ROWWISE or spec.pad_k or spec.a_static_scale is not None or not spec.fused_casts:
         raise ValueError("a per-piece cast of A is rowwise, fused, unpadded and dynamic")
     pieces = [(p.reshape(-1, p.shape[-1]) if flatten else p).to(dtype) for p in pieces]

@@ -221,6 +221,14 @@ def persistent_row_max(benchmarked_reductions: bool) -> int:
     return MULTI_KERNEL_PERSISTENT_ROW_MAX if benchmarked_reductions else PERSISTENT_ROW_MAX
 
 
+def per_piece_row_max(benchmarked_reductions: bool, cat_casts: bool, pad_k: int) -> Optional[int]:
+    """`row_max` for `find_sites.per_piece_cast`: the persistent row length when the
+    `cat_casts` Mod is on and K is not padded (a padded A keeps the whole-row cast), else
+    None. Dispatch's timing and the lowering ask alike, so the report's label, the charge
+    and the graph agree."""
+    return persistent_row_max(benchmarked_reductions) if cat_casts and not pad_k else None
+
+
 def _fused_fraction(dtype: torch.dtype, row: int, persistent_row_max: int = PERSISTENT_ROW_MAX,
                     static: bool = False) -> float:
     """Share of a standalone cast's time that a cast fused into its producer still costs
@@ -459,9 +467,9 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
         m = m_bucket(m)
     if batch is not None and not isinstance(site.batch, int):
         batch = m_bucket(batch)
-    row_max = persistent_row_max(benchmarked_reductions)
-    casts = operand_casts(site, scaling, a_static=a_static, row_max=row_max if cat_casts and not pad_k else None)
+    casts = operand_casts(site, scaling, a_static=a_static,
+                          row_max=per_piece_row_max(benchmarked_reductions, cat_casts, pad_k))
     return SiteShape(m, k, n, site.a_major, site.b_major, site.op in ("addmm", "baddbmm"), site.dtype, site.device,
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
                      b_cached=b_cached, a_static=a_static, pad_k=pad_k, pad_n=pad_n,
-                     persistent_row_max=row_max, batch=batch)
+                     persistent_row_max=persistent_row_max(benchmarked_reductions), batch=batch)

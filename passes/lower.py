@@ -46,7 +46,7 @@ import torch
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import GemmSpec, cast_a_pieces, cast_operand, gemm_quantized
-from loka_compile.speed import persistent_row_max
+from loka_compile.speed import per_piece_row_max
 
 from .context import GraphKind, PassContext
 from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast
@@ -60,8 +60,6 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     lowered = 0
     fused_casts = "fused_casts" not in ctx.disabled_mods
     cache_weights = ctx.kind is GraphKind.INFERENCE and "cached_weights" not in ctx.disabled_mods
-    row_max_for_pieces = (persistent_row_max("benchmarked_reductions" not in ctx.disabled_mods)
-                          if "cat_casts" not in ctx.disabled_mods else None)
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
         if not decision.fp8:
@@ -74,7 +72,8 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         static = ctx.static_a_scale(site)
         if static is not None and spec.scaling is not Scaling.BLOCKWISE:
             spec = dataclasses.replace(spec, a_static_scale=float(static["scale"]))
-        row_max = row_max_for_pieces if not spec.pad_k else None
+        row_max = per_piece_row_max("benchmarked_reductions" not in ctx.disabled_mods,
+                                    "cat_casts" not in ctx.disabled_mods, spec.pad_k)
         site.casts = operand_casts(site, decision.scaling, fused_casts, a_static=spec.a_static_scale is not None,
                                    row_max=row_max)
         if spec.a_static_scale is not None:

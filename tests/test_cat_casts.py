@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import loka_compile
-from loka_compile.kernels.quantize import Fp8Format, quantize_along, quantize_pieces_along_k
+from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along
+from loka_compile.kernels.scaled_gemm import GemmSpec, cast_a_pieces
 from numerics import sqnr_db
 
 # Every eligible site FP8 (no probe window, no budget): the tests are about the cast's form.
@@ -72,7 +73,8 @@ def test_per_piece_cast_is_bit_identical_to_the_cast_of_the_concatenation():
     pieces[2][5, 0] = float("inf")
     pieces[0][9].zero_(); pieces[1][9].zero_(); pieces[2][9].zero_()  # an all-zero row: scale 1
     for fmt in Fp8Format:
-        q, scale = quantize_pieces_along_k(pieces, fmt)
+        spec = GemmSpec(Scaling.ROWWISE, fmt, fmt, "emulated", torch.float32)
+        q, scale = cast_a_pieces(pieces, spec, torch.float32, flatten=False)
         q_ref, scale_ref = quantize_along(torch.cat(pieces, -1), -1, fmt)
         torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
