@@ -48,7 +48,6 @@ import logging
 from typing import Mapping, Optional
 
 import torch
-from torch._inductor import list_mode_options
 
 from loka_compile import probe, speed
 from loka_compile.config import RECIPES, LokaConfig
@@ -214,7 +213,7 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
         return Decision(fp8=True, reason=Reason.FP8, detail=notes, **chosen)
     try:
         timing = speed.site_timing(shape, chosen["scaling"], chosen["a_format"], chosen["b_format"],
-                                   tuple(candidates), graphed=uses_cuda_graphs(config.mode),
+                                   tuple(candidates),
                                    fast_accum=chosen["fast_accum"])
     except speed.NoProviderRuns as error:
         return _fallback(Reason.PROVIDER_FAILED, str(error))
@@ -273,7 +272,3 @@ def _upgrade_steps(entry) -> Optional[list]:
     if isinstance(entry[0], str):
         return [[str(s), float(b)] for s, b in entry[1]]
     return [["tensorwise", float(entry[0])], ["rowwise", float(entry[1])]]
-
-
-def uses_cuda_graphs(mode: str) -> bool:
-    return bool(list_mode_options(mode).get("triton.cudagraphs", False))

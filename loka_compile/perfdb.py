@@ -76,14 +76,14 @@ def environment(device: torch.device) -> dict:
                 triton=_triton_version())
 
 
-def site_key(shape, scaling: str, a_format: str, b_format: str, providers: tuple, graphed: bool,
+def site_key(shape, scaling: str, a_format: str, b_format: str, providers: tuple,
              fast_accum: bool, method: int) -> dict:
     """The key of one site timing: the environment of shape's device, the shape's fields
     (dtype by name; the device index does not change a timing) and the recipe."""
     fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape) if f.name != "device"}
     fields["dtype"] = str(fields["dtype"]).removeprefix("torch.")
     return dict(environment(shape.device), method=method, **fields, scaling=scaling, a_format=a_format,
-                b_format=b_format, providers=list(providers), graphed=graphed, fast_accum=fast_accum)
+                b_format=b_format, providers=list(providers), fast_accum=fast_accum)
 
 
 def _key_id(key: dict) -> str:
@@ -207,11 +207,11 @@ def _table(entries: list) -> str:
     for entry in entries:
         key, value = entry["key"], entry["value"]
         rows.append([key["device"], key["torch"], f"{key['m']} x {key['k']} x {key['n']}", key["dtype"],
-                     key["scaling"], f"{key['a_format']}x{key['b_format']}", "yes" if key["graphed"] else "no",
+                     key["scaling"], f"{key['a_format']}x{key['b_format']}",
                      value["provider"], round(value["bf16_us"], 1), round(value["fp8_us"], 1),
                      f"{value['bf16_us'] / value['fp8_us']:.2f}x"])
     rows.sort(key=lambda row: row[:3])
-    return tabulate(rows, headers=["device", "torch", "M x K x N", "dtype", "scaling", "formats", "graphed",
+    return tabulate(rows, headers=["device", "torch", "M x K x N", "dtype", "scaling", "formats",
                                    "provider", "bf16 us", "fp8 us", "speedup"])
 
 

@@ -166,19 +166,19 @@ def test_training_graphs_ignore_static_scales(calibrated):
 
 @pytest.fixture
 def timed(fp8_hardware, cache_dir, monkeypatch):
-    """Each timing the speed check asks for on stand-in FP8 hardware, as (shape, graphed);
+    """Each shape the speed check asks a timing for on stand-in FP8 hardware;
     the measurement is faked: FP8 pays at these small sites only where A has a static
     scale (a dynamic cast's amax costs more than FP8 saves, as on the H100 for small sites)."""
     calls = []
     site_timing = speed.site_timing
 
-    def asked(shape, scaling, a_format, b_format, providers, graphed, fast_accum=False):
-        calls.append((shape, graphed))
-        return site_timing(shape, scaling, a_format, b_format, providers, graphed, fast_accum)
+    def asked(shape, scaling, a_format, b_format, providers, fast_accum=False):
+        calls.append(shape)
+        return site_timing(shape, scaling, a_format, b_format, providers, fast_accum)
 
-    def measure(shape, scaling, a_format, b_format, providers, graphed, fast_accum):
+    def measure(shape, scaling, a_format, b_format, providers, fast_accum):
         fp8_us = 5.0 if shape.a_static else 20.0
-        return speed.SiteTiming(10.0, fp8_us, providers[0], {providers[0]: 4.0}, fp8_us - 4.0, graphed)
+        return speed.SiteTiming(10.0, fp8_us, providers[0], {providers[0]: 4.0}, fp8_us - 4.0)
 
     monkeypatch.setattr(speed, "site_timing", asked)
     monkeypatch.setattr(speed, "_measure_site", measure)
@@ -195,7 +195,7 @@ def test_calibration_leaves_the_speed_check_to_the_serving_compile(timed, cache_
     with torch.no_grad():
         torch.compile(model, backend="loka", options={**mode, "probe_steps": 0})(data[0])
     assert {s.reason for s in loka_compile.report(model).sites} == {Reason.SLOWER_THAN_BF16.value}
-    assert len(timed) == 2 and not any(shape.a_static for shape, _ in timed)  # dynamic casts
+    assert len(timed) == 2 and not any(shape.a_static for shape in timed)  # dynamic casts
     torch._dynamo.reset()
     loka_compile.reset()
     timed.clear()
@@ -208,7 +208,7 @@ def test_calibration_leaves_the_speed_check_to_the_serving_compile(timed, cache_
     path = plan.save(tmp_path / "plan.json").source
     with torch.no_grad():
         torch.compile(model, backend="loka", options={**mode, "plan": path})(data[0])
-    assert len(timed) == 2 and all(shape.a_static and graphed for shape, graphed in timed)
+    assert len(timed) == 2 and all(shape.a_static for shape in timed)
     for site in loka_compile.report(model).sites:
         assert site.fp8 and site.reason == Reason.FP8.value and site.casts["a"] == STATIC
         assert "A with its static scale" in site.detail and "from plan" not in site.detail

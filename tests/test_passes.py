@@ -270,9 +270,9 @@ class TestSpeedCheck:
     def _decide(self, site, monkeypatch, bf16_us, fp8_us, **config):
         calls = []
 
-        def timing(shape, scaling, a_format, b_format, providers, graphed, fast_accum=False):
-            calls.append((shape, graphed))
-            return speed.SiteTiming(bf16_us, fp8_us, providers[0], {providers[0]: fp8_us}, 0.0, graphed)
+        def timing(shape, scaling, a_format, b_format, providers, fast_accum=False):
+            calls.append(shape)
+            return speed.SiteTiming(bf16_us, fp8_us, providers[0], {providers[0]: fp8_us}, 0.0)
 
         monkeypatch.setattr(dispatch.speed, "site_timing", timing)
         monkeypatch.setattr(dispatch.speed, "runnable_providers", lambda shape, scaling, a, b, names, fast: names)
@@ -282,10 +282,9 @@ class TestSpeedCheck:
         decision, calls = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=12.0)
         assert decision.reason is Reason.SLOWER_THAN_BF16 and not decision.fp8
         assert (decision.bf16_us, decision.fp8_us) == (10.0, 12.0) and "0.83x" in decision.detail
-        shape, graphed = calls[0]
+        shape = calls[0]
         assert (shape.m, shape.k, shape.n, shape.a_major, shape.b_major, shape.has_bias) == \
             (32, 64, 128, "row", "column", True)
-        assert not graphed
 
     def test_faster_site_goes_fp8_and_margin_applies(self, fp8_site, monkeypatch):
         decision, _ = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=8.0)
@@ -295,11 +294,14 @@ class TestSpeedCheck:
         decision, _ = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=9.8, min_fp8_speedup=1.0)
         assert decision.fp8
 
-    def test_speed_check_off_and_cuda_graph_modes(self, fp8_site, monkeypatch):
+    def test_speed_check_off_and_one_timing_for_every_mode(self, fp8_site, monkeypatch):
+        """Device time decides in every compile mode: default and CUDA-graph modes ask for
+        the same timing."""
         decision, calls = self._decide(fp8_site, monkeypatch, 10.0, 20.0, speed_check=False)
         assert decision.fp8 and not calls
-        _, calls = self._decide(fp8_site, monkeypatch, 10.0, 5.0, mode="reduce-overhead")
-        assert calls[0][1] is True
+        _, graphed_calls = self._decide(fp8_site, monkeypatch, 10.0, 5.0, mode="reduce-overhead")
+        _, default_calls = self._decide(fp8_site, monkeypatch, 10.0, 5.0)
+        assert graphed_calls == default_calls and len(default_calls) == 1
 
     def test_a_failed_timing_leaves_the_site_fp8_with_a_warning(self, fp8_site, monkeypatch, caplog):
         def broken(*args, **kwargs):
@@ -328,7 +330,7 @@ class TestSpeedCheck:
 
     def test_a_provider_that_raises_at_the_shape_is_never_chosen(self, failing_provider):
         shape = speed.SiteShape(64, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
-        timing = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", (failing_provider, "emulated"), graphed=False)
+        timing = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", (failing_provider, "emulated"))
         assert timing.provider == "emulated" and set(timing.gemm_us) == {"emulated"}
         assert "CUBLAS_STATUS_NOT_SUPPORTED" in timing.failed[failing_provider]
         assert speed.runnable_providers(shape, "rowwise", "e4m3", "e4m3", (failing_provider, "emulated")) == \
@@ -359,7 +361,7 @@ class TestSpeedCheck:
         symbolic = dataclasses.replace(fp8_site, shape=("s0", 64, 128))
         monkeypatch.setattr(speed, "m_hint", lambda site: 24 if site is symbolic else site.shape[0])
         decision, calls = self._decide(symbolic, monkeypatch, bf16_us=10.0, fp8_us=12.0)
-        assert [shape.m for shape, _ in calls] == [32]
+        assert [shape.m for shape in calls] == [32]
         assert decision.reason is Reason.SLOWER_THAN_BF16 and decision.m_bucket == 32
         assert "M=s0 timed at 32, the power of two at or above its compile-time size 24" in decision.detail
         decision, _ = self._decide(symbolic, monkeypatch, bf16_us=10.0, fp8_us=5.0)
@@ -373,8 +375,8 @@ class TestSpeedCheck:
         assert not calls and decision.reason is Reason.FP8 and decision.m_bucket is None
 
     def test_candidates_are_recorded_per_provider(self, fp8_site, monkeypatch):
-        def timing(shape, scaling, a_format, b_format, providers, graphed, fast_accum=False):
-            return speed.SiteTiming(10.0, 5.0, "p1", {"p1": 4.0, "p2": 6.0}, 1.0, graphed,
+        def timing(shape, scaling, a_format, b_format, providers, fast_accum=False):
+            return speed.SiteTiming(10.0, 5.0, "p1", {"p1": 4.0, "p2": 6.0}, 1.0,
                                     failed={"p3": "RuntimeError: no (kernel)"})
 
         monkeypatch.setattr(dispatch.speed, "site_timing", timing)
@@ -414,12 +416,12 @@ class TestSpeedCheck:
     def test_real_timing_on_cpu(self):
         speed.clear_cache()
         shape = speed.SiteShape(64, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
-        timing = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", ("emulated",), graphed=False)
+        timing = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", ("emulated",))
         assert 0 < timing.bf16_us < 1e6 and 0 < timing.fp8_us < 1e6
         assert timing.provider == "emulated" and 0 < timing.cast_us < timing.fp8_us
-        assert speed.site_timing(shape, "rowwise", "e4m3", "e4m3", ("emulated",), graphed=False) is timing
+        assert speed.site_timing(shape, "rowwise", "e4m3", "e4m3", ("emulated",)) is timing
         static = speed.site_timing(dataclasses.replace(shape, a_static=True), "rowwise", "e4m3", "e4m3",
-                                   ("emulated",), graphed=False)
+                                   ("emulated",))
         assert static is not timing and 0 < static.cast_us < static.fp8_us
         speed.clear_cache()
 

@@ -12,7 +12,7 @@ import torch
 
 from loka_compile import perfdb, speed
 
-RECIPE = dict(scaling="rowwise", a_format="e4m3", b_format="e4m3", providers=("emulated",), graphed=False,
+RECIPE = dict(scaling="rowwise", a_format="e4m3", b_format="e4m3", providers=("emulated",),
               fast_accum=False)
 
 
@@ -28,7 +28,7 @@ def key(shape):
 
 def _value(bf16_us=10.0, fp8_us=8.0):
     return dict(bf16_us=bf16_us, fp8_us=fp8_us, provider="emulated", gemm_us={"emulated": fp8_us - 1.0},
-                cast_us=1.0, graphed=False, bf16_range_us=[9.0, 11.0], fp8_range_us=[7.5, 9.0])
+                cast_us=1.0, bf16_range_us=[9.0, 11.0], fp8_range_us=[7.5, 9.0])
 
 
 class TestStore:
@@ -168,7 +168,7 @@ class TestSiteTiming:
 
     def test_other_recipe_is_timed(self, shape, measured, cache_dir):
         speed.site_timing(shape, **RECIPE)
-        speed.site_timing(shape, **dict(RECIPE, graphed=True))
+        speed.site_timing(shape, **dict(RECIPE, fast_accum=True))
         assert len(measured) == 2
 
     def test_unwritable_cache_still_times_once(self, shape, measured, tmp_path, monkeypatch):
@@ -190,11 +190,11 @@ class TestSymbolicBatch:
     def fp8_machine(self, fp8_hardware, monkeypatch, cache_dir, fresh_compile_state):
         timed = []
 
-        def measure(shape, scaling, a_format, b_format, providers, graphed, fast_accum):
+        def measure(shape, scaling, a_format, b_format, providers, fast_accum):
             # FP8 pays on the wide layer (N = 128), not on the narrow one
             timed.append(shape)
             fp8_us = 5.0 if shape.n == 128 else 20.0
-            return speed.SiteTiming(10.0, fp8_us, providers[0], {providers[0]: fp8_us - 1.0}, 1.0, graphed)
+            return speed.SiteTiming(10.0, fp8_us, providers[0], {providers[0]: fp8_us - 1.0}, 1.0)
 
         monkeypatch.setattr(speed, "_measure_site", measure)
         speed.clear_cache()

@@ -219,7 +219,7 @@ def test_speed_check_times_batched_sites_on_the_lowerings_operands(scaling, b_ma
         q_ref, s_ref = quantize_operand_aten(x, operand, Scaling(scaling), E4M3)
         assert q.shape == q_ref.shape and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
         assert torch.equal(s, s_ref)
-    timing = speed.site_timing(shape, scaling, "e4m3", "e4m3", ("emulated",), graphed=False)
+    timing = speed.site_timing(shape, scaling, "e4m3", "e4m3", ("emulated",))
     assert timing.provider == "emulated" and timing.bf16_us > 0 and timing.fp8_us > timing.cast_us > 0
 
 
