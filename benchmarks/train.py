@@ -557,7 +557,8 @@ def _base_row(setup: ModelSetup, cfg_name: str, args) -> dict:
         "loka_options": (loka_options_for(cfg, args.loka_options) if cfg and cfg.kind == "loka" else None),
         "disabled_mods": [cfg.ablated] if cfg and cfg.ablated else None,
         "steps": args.steps, "train_steps": None,
-        "step_ms": None, "step_ms_min": None, "speedup_vs_inductor_bf16": None,
+        "step_ms": None, "step_ms_min": None, "step_ms_mean": None, "step_ms_max": None,
+        "speedup_vs_inductor_bf16": None,
         "peak_mem_gb": None, "first_step_s": None,
         "out_relerr": None, "grad_relerr": None, "grad_relerr_first": None,
         "out_relerr_x_bf16": None,
@@ -641,6 +642,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
                     ms = [t * 1e3 for t in times]
                 row["step_ms"] = statistics.median(ms)
                 row["step_ms_min"] = min(ms)
+                row["step_ms_mean"], row["step_ms_max"] = statistics.fmean(ms), max(ms)
                 # GFLOP per step / ms per step = TFLOP/s
                 row["tflops"] = setup.train_gflops_per_sample * args.batch / row["step_ms"]
                 log(f"  {setup.name}/{cfg_name}: step {row['step_ms']:.3f} ms (median of {len(ms)})")
@@ -754,6 +756,8 @@ def environment(device: torch.device, args) -> dict:
         "argv": sys.argv[1:],
         "notes": {
             "step_ms": "median forward+backward+optimizer step (CUDA events on GPU)",
+            "step_ms_mean": "mean of the timed steps: what occasional slow steps (loka re-checks, "
+                            "recheck_every) cost in steady state; step_ms_max the slowest",
             "grad_relerr": "all dense-arch parameter grads concatenated vs fp32 copy",
             "grad_relerr_first": "weight grad of the first Linear of the dense arch",
             "errors": "*_init: at the shared initial weights; plain: after the timed steps, "
