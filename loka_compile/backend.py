@@ -121,14 +121,14 @@ class LokaPostGradPass(CustomGraphPass):
         static = dict(record.plan.a_scales) if kind is passes.GraphKind.INFERENCE and record.plan.source else {}
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
-                          disabled_mods=frozenset(record.config.disabled_mods), static_a_scales=static,
+                          disabled_mods=record.config.inactive_mods, static_a_scales=static,
                           perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error))
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
         run_passes(graph, ctx)
         record.graph_modules[(self.phase, kind)] = graph.owning_module
         if inductor_config.fx_graph_cache and graph_cache.bypass_reason(
-                self.phase, kind, record.config.disabled_mods, self.param_input_indices) is None:
+                self.phase, kind, record.config.inactive_mods, self.param_input_indices) is None:
             self.digests[kind] = graph_cache.graph_digest(graph)  # only a cacheable graph needs one
         if record.plan.source:
             missing = [site.id for site in ctx.sites if site.id not in record.plan.sites]
@@ -219,13 +219,12 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     if custom_pass is not None:
         patches["post_grad_custom_pre_pass"] = LokaProvenancePass(inductor_config.post_grad_custom_pre_pass)
         patches["post_grad_custom_post_pass"] = custom_pass
-        if "benchmarked_reductions" not in config.disabled_mods:
+        if "benchmarked_reductions" not in config.inactive_mods:  # CUDA-graph modes only
             patches.update(BENCHMARKED_REDUCTIONS)
-            if patches.get("triton.cudagraphs"):
-                # In a CUDA-graph partition a multi-kernel call passed its sub-kernels two
-                # tensors more than they take (H100, torch 2.11: TypeError at the first call
-                # of MaskNet variants compiled after a probe window); unpartitioned, they run.
-                patches["graph_partition"] = False
+            # In a CUDA-graph partition a multi-kernel call passed its sub-kernels two
+            # tensors more than they take (H100, torch 2.11: TypeError at the first call
+            # of MaskNet variants compiled after a probe window); unpartitioned, they run.
+            patches["graph_partition"] = False
     return patches
 
 
@@ -276,7 +275,7 @@ def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecor
     loka_pass = inductor_config.post_grad_custom_post_pass
     if not isinstance(loka_pass, LokaPostGradPass) or not inductor_config.fx_graph_cache:
         return compile_fx_inner(gm, example_inputs, **kwargs)
-    why = graph_cache.bypass_reason(loka_pass.phase, kind, record.config.disabled_mods, loka_pass.param_input_indices)
+    why = graph_cache.bypass_reason(loka_pass.phase, kind, record.config.inactive_mods, loka_pass.param_input_indices)
     if why is not None:
         log.debug("%s/%s (%s): FX graph cache bypassed: %s", record.name, kind.value, loka_pass.phase, why)
         with inductor_config.patch(fx_graph_cache=False):
@@ -949,7 +948,7 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
     if config.arch_mods:
         record.arch_mod_counts = apply_arch_mods(gm, config.arch_mods)
         log.info("%s: architecture Mods %s", record.name, record.arch_mod_counts)
-    if "horizontal" not in config.disabled_mods:
+    if "horizontal" not in config.inactive_mods:
         try:
             record.horizontal = fuse_sibling_linears(gm, example_inputs, exclude_modules=config.exclude_modules)
         except Exception as error:  # the pass restored the graph

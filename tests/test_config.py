@@ -134,13 +134,20 @@ def test_public_names():
         assert hasattr(loka_compile, name)
 
 
-def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_graphs_only():
+def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_cuda_graph_graphs_only():
     from loka_compile.backend import _inductor_patches
 
     marker = object()  # stands for loka's custom pass
-    assert _inductor_patches(LokaConfig(), marker)["triton.multi_kernel"] == 1
-    assert "triton.multi_kernel" not in _inductor_patches(LokaConfig(disabled_mods=["benchmarked_reductions"]), marker)
-    assert "triton.multi_kernel" not in _inductor_patches(LokaConfig(), None)  # a fallback compile is Inductor's own
+    graphed = LokaConfig(mode="reduce-overhead")
+    patches = _inductor_patches(graphed, marker)
     # with CUDA graphs, unpartitioned: multi-kernel in a partition raised TypeError on the H100
-    assert _inductor_patches(LokaConfig(mode="reduce-overhead"), marker)["graph_partition"] is False
-    assert "graph_partition" not in _inductor_patches(LokaConfig(mode="reduce-overhead", disabled_mods=["benchmarked_reductions"]), marker)
+    assert patches["triton.multi_kernel"] == 1 and patches["graph_partition"] is False
+    assert "benchmarked_reductions" not in graphed.inactive_mods
+    off = LokaConfig(mode="reduce-overhead", disabled_mods=["benchmarked_reductions"])
+    assert not {"triton.multi_kernel", "graph_partition"} & set(_inductor_patches(off, marker))
+    assert "triton.multi_kernel" not in _inductor_patches(graphed, None)  # a fallback compile is Inductor's own
+    # without CUDA graphs its per-call kernel choice is host work in every step: not run
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        config = LokaConfig(mode=mode)
+        assert "triton.multi_kernel" not in _inductor_patches(config, marker)
+        assert config.inactive_mods == {"benchmarked_reductions"} and config.disabled_mods == ()

@@ -294,14 +294,16 @@ class TestSpeedCheck:
         decision, _ = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=9.8, min_fp8_speedup=1.0)
         assert decision.fp8
 
-    def test_speed_check_off_and_one_timing_for_every_mode(self, fp8_site, monkeypatch):
-        """Device time decides in every compile mode: default and CUDA-graph modes ask for
-        the same timing."""
+    def test_speed_check_off_and_every_mode_timed(self, fp8_site, monkeypatch):
+        """Device time decides in every compile mode; the shapes differ only where the
+        graphs do: multi-kernel (longer persistent rows) runs in CUDA-graph modes only."""
         decision, calls = self._decide(fp8_site, monkeypatch, 10.0, 20.0, speed_check=False)
         assert decision.fp8 and not calls
-        _, graphed_calls = self._decide(fp8_site, monkeypatch, 10.0, 5.0, mode="reduce-overhead")
-        _, default_calls = self._decide(fp8_site, monkeypatch, 10.0, 5.0)
-        assert graphed_calls == default_calls and len(default_calls) == 1
+        _, (graphed,) = self._decide(fp8_site, monkeypatch, 10.0, 5.0, mode="reduce-overhead")
+        _, (default,) = self._decide(fp8_site, monkeypatch, 10.0, 5.0)
+        assert (graphed.persistent_row_max, default.persistent_row_max) == \
+            (speed.MULTI_KERNEL_PERSISTENT_ROW_MAX, speed.PERSISTENT_ROW_MAX)
+        assert dataclasses.replace(graphed, persistent_row_max=default.persistent_row_max) == default
 
     def test_a_failed_timing_leaves_the_site_fp8_with_a_warning(self, fp8_site, monkeypatch, caplog):
         def broken(*args, **kwargs):
