@@ -33,7 +33,11 @@ while the host launches ahead, so host work is hidden, and in the compiled graph
 cast adds no launch at all; timing eager calls charged the dispatcher's host work instead.
 Measured on the H100 (Wukong training, batch 8192, default mode): timed as plain calls, the
 fused casts of 2048 x 2048 GEMMs were charged 461 us and every one of the 158 sites stayed
-bf16; the model's step was 40.4 ms, of which 35.6 ms were kernels. On CPU: wall time.
+bf16; the model's step was 40.4 ms, of which 35.6 ms were kernels. A step that is host
+bound without CUDA graphs is not modelled: there each FP8 site's extra launches (a
+standalone weight cast) cost host time the timing leaves out (MaskNet training with every
+site FP8, default mode: 26.9 ms per step for 16.4 ms of kernels); such models want
+`reduce-overhead`. On CPU: wall time.
 Timings are cached per (shape, layouts, casts, a static A, dtype, device, recipe, providers)
 for the life of the process, and kept across processes in the performance database
 (`perfdb.py`), keyed also by the GPU and the torch and triton versions.
