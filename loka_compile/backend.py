@@ -121,7 +121,7 @@ class LokaPostGradPass(CustomGraphPass):
         static = dict(record.plan.a_scales) if kind is passes.GraphKind.INFERENCE and record.plan.source else {}
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
-                          disabled_mods=record.config.inactive_mods, static_a_scales=static,
+                          inactive_mods=record.config.inactive_mods, static_a_scales=static,
                           perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error))
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx

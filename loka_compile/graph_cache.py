@@ -41,11 +41,11 @@ DIR_NAME = "graphs"
 FORMAT = 1
 
 
-def bypass_reason(phase: str, kind: GraphKind, disabled_mods, param_input_indices) -> Optional[str]:
+def bypass_reason(phase: str, kind: GraphKind, inactive_mods, param_input_indices) -> Optional[str]:
     """Why a graph must not use the FX graph cache, or None."""
     if torch._inductor.config.freezing:
         return "freezing: its weights are constants taken from this process's parameters"
-    if phase == "fp8" and kind is GraphKind.INFERENCE and "cached_weights" not in disabled_mods \
+    if phase == "fp8" and kind is GraphKind.INFERENCE and "cached_weights" not in inactive_mods \
             and param_input_indices:
         # Its FP8 weight copies are constants taken from this process's parameters, and
         # the compiled graph is wrapped to refresh them; a cached entry holds neither.

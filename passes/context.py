@@ -118,7 +118,7 @@ class PassContext:
     phase: str                                   # "probe" or "fp8"
     param_input_indices: frozenset               # forward inputs that are parameters
     decide: Callable[..., Decision]              # (site, a_static=bool) -> Decision
-    disabled_mods: frozenset = frozenset()      # names from MODS switched off
+    inactive_mods: frozenset = frozenset()      # names from MODS that do not run (LokaConfig.inactive_mods)
     sites: list = dataclasses.field(default_factory=list)
     decisions: dict = dataclasses.field(default_factory=dict)   # site key -> Decision
     changes: dict = dataclasses.field(default_factory=dict)     # pass name -> count

@@ -58,8 +58,8 @@ CACHED_WEIGHT = "cached weight (FP8 copy made once per weight version)"
 
 def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     lowered = 0
-    fused_casts = "fused_casts" not in ctx.disabled_mods
-    cache_weights = ctx.kind is GraphKind.INFERENCE and "cached_weights" not in ctx.disabled_mods
+    fused_casts = "fused_casts" not in ctx.inactive_mods
+    cache_weights = ctx.kind is GraphKind.INFERENCE and "cached_weights" not in ctx.inactive_mods
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
         if not decision.fp8:
@@ -72,8 +72,8 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         static = ctx.static_a_scale(site)
         if static is not None and spec.scaling is not Scaling.BLOCKWISE:
             spec = dataclasses.replace(spec, a_static_scale=float(static["scale"]))
-        row_max = per_piece_row_max("benchmarked_reductions" not in ctx.disabled_mods,
-                                    "cat_casts" not in ctx.disabled_mods, spec.pad_k)
+        row_max = per_piece_row_max("benchmarked_reductions" not in ctx.inactive_mods,
+                                    "cat_casts" not in ctx.inactive_mods, spec.pad_k)
         site.casts = operand_casts(site, decision.scaling, fused_casts, a_static=spec.a_static_scale is not None,
                                    row_max=row_max)
         if spec.a_static_scale is not None:

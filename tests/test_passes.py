@@ -39,7 +39,7 @@ def make_ctx(graph, phase="fp8", params=frozenset(), config=None, unsafe=None):
     config = config or LokaConfig(recipe="rowwise")
     decide = functools.partial(dispatch.decide, config=config, phase=phase, unsafe_sites=unsafe or {})
     return PassContext(graph="t", kind=graph_kind(graph), phase=phase, param_input_indices=params, decide=decide,
-                       disabled_mods=frozenset(config.disabled_mods))
+                       inactive_mods=config.inactive_mods)
 
 
 def targets(graph):
