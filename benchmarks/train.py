@@ -23,7 +23,8 @@ batches, in one process:
   `grad_relerr_first` is the weight gradient of the first Linear of the dense arch;
 - quality: after max(--quality-steps, warmup + steps) training steps, logloss, NE and AUC
   on `--eval-batches` held-out batches, also relative to the bf16 Inductor row (or eager
-  bf16 when that one is missing);
+  bf16 when that one is missing); `within_quality_target` when |dNE| is within the larger
+  of 0.1% and the bf16 rows' own logloss spread (NE_TOLERANCE);
 - the FP8 ceiling (`ceiling` in the JSON, a second table when printed), for the rows of
   `--ceiling-configs` (default inductor_bf16): right after the timed steps, one more
   forward + backward (no optimizer step, so training is unchanged) runs under
