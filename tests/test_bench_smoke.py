@@ -84,12 +84,13 @@ def _quality_row(config: str, ne: float, model: str = "dlrm_dcnv2") -> dict:
 
 
 def test_training_quality_is_judged_against_the_bf16_rows_spread():
-    """A training row's NE passes within 0.1% of bf16 Inductor's, or within the bf16 rows'
-    own spread where that is larger (rounding-level changes move 200-step NE)."""
+    """A training row's NE passes at most 0.1% above bf16 Inductor's, or the bf16 rows' own
+    spread where that is larger (rounding-level changes move 200-step NE); lower passes."""
     rows = [_quality_row("inductor_bf16_ro", 0.8787), _quality_row("inductor_bf16_mk_ro", 0.8867),
             _quality_row("loka_ro", 0.8799), _quality_row("loka_all_fp8_ro", 0.9175),
             _quality_row("inductor_bf16_ro", 0.8787, model="masknet"),
-            _quality_row("loka_ro", 0.8799, model="masknet"), _quality_row("torchao_rowwise_ro", 0.8790, "masknet")]
+            _quality_row("loka_ro", 0.8799, model="masknet"), _quality_row("torchao_rowwise_ro", 0.8790, "masknet"),
+            _quality_row("loka_all_fp8_ro", 0.8700, model="masknet")]
     train.fill_relative(rows)
     by = {(r["model"], r["config"]): r for r in rows}
     assert by["dlrm_dcnv2", "loka_ro"]["bf16_logloss_spread"] == pytest.approx(0.0080 / 0.8787, rel=1e-3)
@@ -98,6 +99,7 @@ def test_training_quality_is_judged_against_the_bf16_rows_spread():
     assert by["masknet", "loka_ro"]["bf16_logloss_spread"] is None  # one bf16 row: no floor
     assert by["masknet", "loka_ro"]["within_quality_target"] is False  # +0.14% > 0.1%
     assert by["masknet", "torchao_rowwise_ro"]["within_quality_target"] is True  # +0.03%
+    assert by["masknet", "loka_all_fp8_ro"]["within_quality_target"] is True  # -0.99%: better
 
 
 # --warmup 4: loka's default probe window (2 calls), its close and one more, all untimed.
