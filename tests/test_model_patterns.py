@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import loka_compile
+from numerics import sqnr_db
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -193,6 +194,96 @@ def test_autocast_bf16_training_of_fp32_weights():
     assert any(s.fp8 for s in linears), report.table()
     wgrad = {s.module for s in linears if s.role == "wgrad"}
     assert wgrad == {s.module for s in linears if s.role == "fwd"}, report.table()  # one per linear
+
+
+class MMoE(nn.Module):
+    """Multi-gate mixture of experts as public code writes it: the experts' weights stacked
+    in one parameter and applied with einsum, a softmax gate and a tower per task."""
+
+    def __init__(self, d_in=64, experts=4, d_expert=64, tasks=2):
+        super().__init__()
+        self.expert_w = nn.Parameter(torch.randn(experts, d_in, d_expert) * d_in ** -0.5)
+        self.expert_b = nn.Parameter(torch.zeros(experts, d_expert))
+        self.gates = nn.ModuleList(nn.Linear(d_in, experts) for _ in range(tasks))
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(d_expert, 32), nn.ReLU(), nn.Linear(32, 1))
+                                    for _ in range(tasks))
+
+    def forward(self, x):
+        h = F.relu(torch.einsum("bd,edh->ebh", x, self.expert_w) + self.expert_b[:, None, :])
+        return torch.stack([tower(torch.einsum("be,ebh->bh", torch.softmax(gate(x), -1), h)).squeeze(-1)
+                            for gate, tower in zip(self.gates, self.towers)], -1)
+
+
+@pytest.mark.slow
+def test_mmoe_with_einsum_experts_trains_through_the_probe_window():
+    """The stacked expert weights reach one GEMM through einsum; loka sees it as a weight
+    (a wgrad site for it) and trains with its defaults."""
+    torch.manual_seed(0)
+    model = MMoE()
+    compiled = torch.compile(model, backend="loka")
+    losses = _train(model, compiled, lambda b: (torch.randn(b, 64),), lambda out: out.sum(-1), steps=6, batch=128)
+    assert losses[-2] < losses[0], losses
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    report = loka_compile.report(compiled)
+    assert not any(g.fallback for g in report.graphs), str(report)
+    assert all(g.phase == "fp8" for g in report.graphs)
+    # einsum("bd,edh->ebh") is one bmm over a batch of 1: [1, batch, d] @ [1, d, experts * h]
+    experts = [s for s in report.sites if s.module == "" and s.batch == 1]  # the root module
+    assert {s.role for s in experts} == {"fwd", "wgrad"}, report.table()
+
+
+class NormDropoutRanker(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(48, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.1))
+        self.top = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, x):
+        return self.top(self.bottom(x)).squeeze(-1)
+
+
+@pytest.mark.slow
+def test_freezing_the_bottom_mid_training_recompiles_and_trains_on():
+    """Fine-tuning code freezes a tower between steps: Dynamo recompiles with other inputs
+    requiring grad and loka compiles the new graphs (their own probe windows) without
+    touching the frozen weights."""
+    torch.manual_seed(0)
+    model = NormDropoutRanker()
+    compiled = torch.compile(model, backend="loka")
+    _train(model, compiled, lambda b: (torch.randn(b, 48),), lambda out: out, steps=4)
+    for p in model.bottom.parameters():
+        p.requires_grad_(False)
+    frozen = [p.detach().clone() for p in model.bottom.parameters()]
+    model.top.zero_grad(set_to_none=True)
+    losses = _train(model, compiled, lambda b: (torch.randn(b, 48),), lambda out: out, steps=6)
+    assert losses[-2] < losses[0], losses
+    assert all(torch.equal(before, p) for before, p in zip(frozen, model.bottom.parameters()))
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.top.parameters())
+    report = loka_compile.report(compiled)
+    assert len(report.graphs) >= 2 and not any(g.fallback for g in report.graphs), str(report)
+
+
+@pytest.mark.slow
+def test_train_then_eval_then_train_with_batchnorm_and_dropout():
+    """model.eval() under torch.no_grad between training steps: the inference graph uses the
+    running statistics and no dropout (two calls agree, and agree with eager), and training
+    resumes on its own graph."""
+    torch.manual_seed(0)
+    model = NormDropoutRanker()
+    compiled = torch.compile(model, backend="loka")
+    _train(model, compiled, lambda b: (torch.randn(b, 48),), lambda out: out, steps=3)
+    model.eval()
+    x = torch.randn(64, 48)
+    with torch.no_grad():
+        first, second, eager = compiled(x), compiled(x), model(x)
+    torch.testing.assert_close(first, second)
+    assert sqnr_db(eager, first) > 20.0
+    model.train()
+    losses = _train(model, compiled, lambda b: (torch.randn(b, 48),), lambda out: out, steps=4)
+    assert all(math.isfinite(v) for v in losses)
+    report = loka_compile.report(compiled)
+    assert {s.kind for s in report.sites} == {"inference", "forward", "backward"}
+    assert not any(g.fallback for g in report.graphs), str(report)
 
 
 # LoRA fine-tuning of a pretrained ranking tower: the pretrained weights (and the embedding
