@@ -281,10 +281,18 @@ def _fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
             and module.out_features % 16 == 0)
 
 
+def predicted_saving_ms(sites) -> float | None:
+    """What the speed check expects the FP8 sites to save per step: the sum of bf16_us -
+    fp8_us over FP8 sites it timed (each site runs once per step), in ms; None when it
+    timed none. Read against the measured step saving (`step_saving_ms`)."""
+    timed = [s.bf16_us - s.fp8_us for s in sites if s.fp8 and s.bf16_us is not None and s.fp8_us is not None]
+    return sum(timed) / 1000.0 if timed else None
+
+
 def loka_site_summary(model: nn.Module) -> dict:
     """What loka decided for the model: FP8 sites / all sites per role, counts by reason,
-    how the FP8 operands were cast, and every site (name, role, M x K x N, provider,
-    reason, casts, detail)."""
+    how the FP8 operands were cast, the speed check's predicted saving, and every site
+    (name, role, M x K x N, provider, reason, casts, detail)."""
     import loka_compile
 
     report = loka_compile.report(model.dense)
@@ -299,6 +307,7 @@ def loka_site_summary(model: nn.Module) -> dict:
         "reasons": dict(collections.Counter(s.reason for s in report.sites)),
         "casts": dict(collections.Counter(casts)),
         "fallbacks": [g.fallback for g in report.graphs if g.fallback],
+        "predicted_saving_ms": predicted_saving_ms(report.sites),
         "sites": [{"name": s.name, "role": s.role, "shape": [str(d) for d in s.shape], "fp8": s.fp8,
                    "provider": s.provider, "reason": s.reason, "casts": s.casts, "detail": s.detail}
                   for s in report.sites],
@@ -566,7 +575,7 @@ def _base_row(setup: ModelSetup, cfg_name: str, args) -> dict:
         "out_relerr_init": None, "grad_relerr_init": None, "grad_relerr_first_init": None,
         "final_logloss": None, "final_ne": None, "final_auc": None,
         "logloss_rel_bf16": None, "ne_rel_bf16": None, "auc_rel_bf16": None, "quality_ref": None,
-        "within_quality_target": None,
+        "within_quality_target": None, "step_saving_ms": None,
         "bf16_logloss_spread": None, "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
         "train_gflops_per_sample": setup.train_gflops_per_sample,
         "tflops": None, "ceiling": None, "wall_s": None, "error": None,
@@ -729,6 +738,7 @@ def fill_relative(rows: list[dict]) -> None:
             ref = ind.get(r["mode"])
             if ref and ref.get("step_ms") and r.get("step_ms"):
                 r["speedup_vs_inductor_bf16"] = ref["step_ms"] / r["step_ms"]
+                r["step_saving_ms"] = ref["step_ms"] - r["step_ms"]
             if eager and eager.get("out_relerr") and r.get("out_relerr") is not None:
                 r["out_relerr_x_bf16"] = r["out_relerr"] / eager["out_relerr"]
             if qref and r.get("final_logloss") is not None:
@@ -785,6 +795,9 @@ def environment(device: torch.device, args) -> dict:
                        "1 / ((1 - g) + g / s), the step speedup if every GEMM ran s times faster and casts "
                        "were free; top_kernels lists the 10 largest with their GEMM verdict",
             "disabled_mods": "per-Mod ablation rows (<loka config>_no_<mod>): loka with that Mod off",
+            "step_saving_ms": "Inductor bf16's step_ms (same mode) minus the row's; for loka rows compare "
+                              "loka_sites.predicted_saving_ms, the speed check's expected saving from its "
+                              "FP8 sites (the Mods' non-FP8 effects are not in it)",
         },
     }
 
@@ -1028,7 +1041,7 @@ def main(argv=None) -> Path:
 
 _ROW_KEYS = ["model", "preset", "config", "mode", "batch", "compile_scope", "sparse_embeddings", "loka_options",
              "disabled_mods", "steps", "train_steps",
-             "step_ms", "step_ms_min", "speedup_vs_inductor_bf16", "peak_mem_gb", "first_step_s",
+             "step_ms", "step_ms_min", "speedup_vs_inductor_bf16", "step_saving_ms", "peak_mem_gb", "first_step_s",
              "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_x_bf16", "out_relerr_init",
              "grad_relerr_init", "grad_relerr_first_init", "final_logloss",
              "final_ne", "final_auc", "logloss_rel_bf16", "ne_rel_bf16", "auc_rel_bf16", "quality_ref",

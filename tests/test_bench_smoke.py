@@ -102,6 +102,20 @@ def test_training_quality_is_judged_against_the_bf16_rows_spread():
     assert by["masknet", "loka_all_fp8_ro"]["within_quality_target"] is True  # -0.99%: better
 
 
+def test_speed_check_prediction_sits_beside_the_measured_saving():
+    """predicted_saving_ms sums bf16_us - fp8_us over the timed FP8 sites only; a row's
+    step_saving_ms is its bf16 reference's step minus its own."""
+    from types import SimpleNamespace as Site
+    sites = [Site(fp8=True, bf16_us=236.5, fp8_us=211.0), Site(fp8=True, bf16_us=236.5, fp8_us=211.0),
+             Site(fp8=False, bf16_us=514.6, fp8_us=552.3), Site(fp8=True, bf16_us=None, fp8_us=None)]
+    assert train.predicted_saving_ms(sites) == pytest.approx(0.051)
+    assert train.predicted_saving_ms(sites[2:]) is None
+    rows = [{**_quality_row("inductor_bf16_ro", 0.8), "step_ms": 45.12},
+            {**_quality_row("loka_ro", 0.8), "step_ms": 45.15}]
+    train.fill_relative(rows)
+    assert rows[1]["step_saving_ms"] == pytest.approx(-0.03) and rows[0]["step_saving_ms"] == 0.0
+
+
 # --warmup 4: loka's default probe window (2 calls), its close and one more, all untimed.
 INFER_TINY = ["--models", "dlrm_dcnv2", "--preset", "tiny", "--iters", "2", "--warmup", "4",
               "--device", "cpu", "--cpu-threads", "1"]
