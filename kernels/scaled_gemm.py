@@ -96,7 +96,12 @@ def _pad(x: torch.Tensor, last: int, second_last: int) -> torch.Tensor:
 
 def cast_operand(x: torch.Tensor, operand: str, spec: GemmSpec):
     """Operand "a" [.., M, K] or "b" [.., K, N] padded and cast as `spec` says, K-major:
-    ATen ops with `fused_casts`, else one opaque `loka::quantize_operand` node."""
+    ATen ops with `fused_casts`, else one opaque `loka::quantize_operand` node. One matrix
+    broadcast over a batch (stride 0: W @ x of the transposed_linear Mod) is cast once and
+    its FP8 copy and scales broadcast the same way."""
+    if x.dim() == 3 and _broadcast_batch(x):
+        q, scale = cast_operand(x[0], operand, spec)
+        return q.expand(x.shape[0], *q.shape), (scale if scale.dim() == 0 else scale.expand(x.shape[0], *scale.shape))
     if operand == "a":
         x, fmt = _pad(x, spec.pad_k, 0), spec.a_format
         if spec.a_static_scale is not None:
@@ -154,3 +159,8 @@ def gemm_quantized(a_q, a_s, b_q, b_s, bias: Optional[torch.Tensor], spec: GemmS
 def padding_for(k: int, n: int, alignment: int = 16) -> tuple[int, int]:
     """(pad_k, pad_n) that make K and N multiples of `alignment`."""
     return (-k) % alignment, (-n) % alignment
+
+
+def _broadcast_batch(x: torch.Tensor) -> bool:
+    stride, size = x.stride(0), x.shape[0]
+    return isinstance(stride, int) and stride == 0 and not (isinstance(size, int) and size == 1)

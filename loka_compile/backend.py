@@ -56,6 +56,7 @@ from loka_compile.passes.arch_mods import apply_arch_mods
 from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenance
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.passes.horizontal_fusion import HorizontalFusion, fuse_sibling_linears
+from loka_compile.passes.transposed_linear import TransposedLinears, rewrite_transposed_linears
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
 log = logging.getLogger("loka")
@@ -88,6 +89,7 @@ class GraphRecord:
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
     arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
     horizontal: Optional[HorizontalFusion] = None  # what the horizontal Mod did, when it ran
+    transposed_linear: Optional[TransposedLinears] = None  # what the transposed_linear Mod did, when it ran
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     output_budget: Optional[OutputBudget] = None  # what max_output_error measured and kept, when it acted
     warned: bool = False
@@ -960,6 +962,19 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
         else:
             log.info("%s: horizontal fusion: %d GEMMs from %d linears, declined %s", record.name,
                      record.horizontal.groups, record.horizontal.linears, dict(record.horizontal.declined))
+    if "transposed_linear" not in config.inactive_mods:
+        try:
+            record.transposed_linear = rewrite_transposed_linears(gm, example_inputs,
+                                                                  exclude_modules=config.exclude_modules)
+        except Exception as error:  # the pass restored the graph
+            if not config.fallback or _is_dynamo_control(error):
+                raise
+            log.warning("loka: transposed_linear failed on %s (%s: %s); those linears stay as written",
+                        record.name, type(error).__name__, error)
+            record.transposed_linear = None
+        else:
+            log.info("%s: transposed_linear: %d linears as W @ x, declined %s", record.name,
+                     record.transposed_linear.rewritten, dict(record.transposed_linear.declined))
     compiled = LokaCompiledGraph(gm, example_inputs, record)
     GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
     return compiled

@@ -153,12 +153,15 @@ class Report:
                                    r.config, getattr(r, "output_budget", None)) for r in records]
         self.sites = [row for r in records for row in _site_records(r)]
         self._arch_mods = collections.Counter()
-        self._horizontal = collections.Counter()
+        self._graph_mods = collections.Counter()
         for r in records:
             self._arch_mods.update(r.arch_mod_counts)
             fusion = getattr(r, "horizontal", None)
             if fusion is not None:
-                self._horizontal.update({"horizontal": fusion.groups, "horizontal_linears": fusion.linears})
+                self._graph_mods.update({"horizontal": fusion.groups, "horizontal_linears": fusion.linears})
+            transposed = getattr(r, "transposed_linear", None)
+            if transposed is not None:
+                self._graph_mods.update({"transposed_linear": transposed.rewritten})
         self.cached_weights = [w for r in records for (phase, kind), ctx in r.contexts.items()
                                 if phase == r.phase and not (r.fallback or r.fallen_back.get(kind))
                                 for w in ctx.cached_weights]
@@ -175,14 +178,16 @@ class Report:
         standalone, or replaced by a cached FP8 weight (`cached_weights`), sites padded, GEMMs with fast accumulation,
         A operands cast per piece of their concatenation (`cat_casts`),
         the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
-        replaced, per Dynamo graph) and the opt-in architecture Mods' rewrites."""
+        replaced, per Dynamo graph), the linears of a transposed input computed as W @ x
+        (`transposed_linear`, per Dynamo graph) and the opt-in architecture Mods' rewrites."""
         casts = [c for s in self.sites for c in s.casts.values()]
         fused = sum(c.startswith("fused") for c in casts)
         cached = sum(c.startswith("cached") for c in casts)
         counts = {"fused_casts": fused, "standalone_casts": len(casts) - fused - cached, "cached_weights": cached,
                   "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites),
                   "cat_casts": sum("per piece" in s.casts.get("a", "") for s in self.sites),
-                  "horizontal": self._horizontal["horizontal"], "horizontal_linears": self._horizontal["horizontal_linears"]}
+                  "horizontal": self._graph_mods["horizontal"], "horizontal_linears": self._graph_mods["horizontal_linears"],
+                  "transposed_linear": self._graph_mods["transposed_linear"]}
         counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})
         return counts
 

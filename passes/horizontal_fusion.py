@@ -316,18 +316,29 @@ def _fake_mode(nodes):
     return None
 
 
-def _set_example_values(nodes, mode) -> None:
-    """Dynamo's `example_value` metadata for the new nodes, computed on fake tensors."""
+def _set_example_values(nodes, mode, gm=None) -> None:
+    """Dynamo's `example_value` metadata for the new nodes, computed on fake tensors (a
+    get_attr's from the tensor it names in `gm`)."""
     if mode is None:
         return
     value = lambda a: a.meta["example_value"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
     with mode:
         for node in nodes:
+            if node.op == "get_attr":
+                if gm is None:
+                    return
+                real = _fetch_attr(gm, node.target)
+                node.meta["example_value"] = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype,
+                                                                 device=real.device)
+                continue
             if not all("example_value" in a.meta for a in node.all_input_nodes):
                 return
             args = torch.fx.node.map_aggregate(node.args, value)
             kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
-            node.meta["example_value"] = node.target(*args, **kwargs)
+            if node.op == "call_method":
+                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                node.meta["example_value"] = node.target(*args, **kwargs)
 
 
 def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:

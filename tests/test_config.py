@@ -103,7 +103,8 @@ def test_good_values_are_normalized():
     assert config.max_probe_error == 1.0 and isinstance(config.max_probe_error, float)
     assert LokaConfig().disabled_mods == () and LokaConfig().arch_mods == ()
     assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == \
-        {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts"}
+        {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
+         "transposed_linear"}
 
 
 @pytest.mark.usefixtures("fresh_compile_state")

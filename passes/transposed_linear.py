@@ -1,0 +1,207 @@
+"""transposed_linear: a linear over the middle axis of a 3-D input, written as a linear of
+its transpose, becomes a batched GEMM that reads the input as it is and writes its output
+in the input's layout. A Mod that is on by default (`disabled_mods=["transposed_linear"]`
+switches it off); it runs on the Dynamo graph (torch-level IR) after horizontal_fusion, so
+the backward follows from the forward.
+
+Matches, in a Dynamo graph, a linear (`torch._C._nn.linear`, `F.linear`, `aten.linear`,
+an `nn.Linear` call_module node) whose input is x.transpose(1, 2) of a 3-D x (also written
+transpose(-1, -2), transpose(2, 1), permute(0, 2, 1), torch.transpose/torch.permute, with
+an optional .contiguous()):
+
+    xt = x.transpose(1, 2)        # [B, d, n]          y_t = bmm(W.unsqueeze(0).expand(B, N, n), x)   # [B, N, d]
+    y  = linear(xt, W, b)         # [B, d, N]    ->    y_t = y_t + b.unsqueeze(-1)                     # with a bias
+                                                       y   = y_t.transpose(1, 2)                       # [B, d, N], a view
+
+Feature-interaction layers are written this way: Wukong's linear compression (W_L X) and
+FM projection, token- and feature-mixing MLPs. What it buys: as written, the GEMM reads xt
+as a [B*d, n] matrix, so x is copied transposed, and its [B*d, N] output is read
+transposed by every consumer that works in x's layout (Wukong: the LayerNorm over d of
+cat(FMB, LCB) + residual), in the forward and again in the backward. W @ x needs neither.
+Each output element is the same dot product over n; only the GEMM's summation order
+changes, and the weight gradient is summed over the batch from per-sample bmm products.
+Measured (H100, Inductor bf16, 8 Wukong layers at paper sizes, batch 8192, forward +
+backward, the three feature-axis linears already fused by horizontal_fusion): 30.6 ms as
+written, 26.5 ms as W @ x (`benchmarks/results/2026-11-25_H100_transposed_linear.md`).
+
+Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
+    excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
+    not_3d               x is not 3-D, or its shape is unknown
+    transposed_input     x is itself a transposed view with a contiguous transpose: the
+                         linear as written reads xt without a copy, and W @ x would move
+                         the copy to its output
+    narrow_output        d < 16: each sample's GEMM would be too narrow for tensor cores
+    weight_not_2d        the weight is not a 2-D tensor of known shape, or the bias not 1-D
+
+Linears that read no transposed input are not counted. Inductor's pattern matcher
+(DESIGN convention 5) rewrites ATen graphs after AOTAutograd, where a forward rewrite no
+longer changes the backward; this rewrite must reach the backward's transposes too, so
+it walks the Dynamo graph, as horizontal_fusion does.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import logging
+
+import torch
+
+from .horizontal_fusion import _LINEARS, _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
+
+log = logging.getLogger("loka.passes")
+
+# Measured on the H100 at d = 160; below 16 a sample's GEMM is narrower than one MMA tile.
+MIN_OUTPUT_WIDTH = 16
+
+_TRANSPOSES = {torch.transpose, torch.swapaxes, torch.swapdims}
+_PASS_THROUGH_METHODS = {"contiguous"}
+
+
+@dataclasses.dataclass
+class TransposedLinears:
+    """What the pass did to one graph."""
+
+    rewritten: int = 0
+    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> linears
+    modules: list = dataclasses.field(default_factory=list)   # the rewritten linears' module paths
+
+
+def _value(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+
+
+def _transposed_source(node) -> "torch.fx.Node | None":
+    """x when `node` is a transpose of x's last two dims (through .contiguous()), else None."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _PASS_THROUGH_METHODS:
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    x = node.args[0]
+    value = _value(x)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return None
+    rank = value.dim()
+    if (node.op == "call_method" and node.target == "t") or (node.op == "call_function" and node.target is torch.t):
+        return x
+    if (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims")) \
+            or (node.op == "call_function" and node.target in _TRANSPOSES):
+        dims = [_arg(node, 1, "dim0"), _arg(node, 2, "dim1")]
+        swapped = sorted(d % rank for d in dims) if all(isinstance(d, int) for d in dims) else None
+        return x if swapped == [rank - 2, rank - 1] else None
+    if (node.op == "call_method" and node.target == "permute") \
+            or (node.op == "call_function" and node.target is torch.permute):
+        dims = list(node.args[1:]) if node.op == "call_method" else list(node.args[1:2] or [node.kwargs.get("dims")])
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = list(dims[0])
+        if not all(isinstance(d, int) for d in dims) or len(dims) != rank:
+            return None
+        return x if [d % rank for d in dims] == [*range(rank - 2), rank - 1, rank - 2] else None
+    return None
+
+
+def _decline_reason(gm, node, x, weight, bias, inputs) -> "str | None":
+    value = _value(x)
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        return "not_3d"
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return "weight_not_2d"
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1):
+        return "weight_not_2d"
+    d = value.shape[2]
+    d = d.node.hint if isinstance(d, torch.SymInt) else d
+    if d is None or int(d) < MIN_OUTPUT_WIDTH:
+        return "narrow_output"
+    if value.dim() == 3 and value.stride(1) == 1 and value.shape[1] > 1:
+        return "transposed_input"  # xt is contiguous already
+    return None
+
+
+def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> TransposedLinears:
+    """Rewrite each linear of a transposed 3-D input of `gm` in place (module docstring);
+    return what was rewritten and declined."""
+    result = TransposedLinears()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = dict(zip(placeholders, example_inputs))
+    todo = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _LINEARS:
+            x_t, w_node, b_node = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+            call_module = ""
+        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
+            x_t, w_node, b_node, call_module = _arg(node, 0, "input"), None, None, node.target
+        else:
+            continue
+        x = _transposed_source(x_t)
+        if x is None:
+            continue
+        module = node.target if call_module else _module_of(node)
+        if _excluded(module, exclude_modules):
+            reason = "excluded_module"
+        else:
+            if call_module:
+                linear = gm.get_submodule(call_module)
+                weight, bias = linear.weight, linear.bias
+            else:
+                weight = _tensor_of(gm, w_node, inputs)[0] if isinstance(w_node, torch.fx.Node) else None
+                if weight is None:
+                    weight = _value(w_node)
+                bias = None
+                if b_node is not None:
+                    bias = _tensor_of(gm, b_node, inputs)[0] if isinstance(b_node, torch.fx.Node) else None
+                    bias = _value(b_node) if bias is None else bias
+            reason = _decline_reason(gm, node, x, weight, bias, inputs)
+        if reason is not None:
+            result.declined[reason] += 1
+            log.debug("transposed_linear: %s (%s) declined: %s", node.name, module or "<root>", reason)
+            continue
+        todo.append((node, x, w_node, b_node, call_module, module))
+    if not todo:
+        return result
+    pristine = copy.deepcopy(gm.graph)
+    try:
+        for node, x, w_node, b_node, call_module, module in todo:
+            _rewrite(gm, node, x, w_node, b_node, call_module)
+            result.rewritten += 1
+            result.modules.append(module)
+            log.debug("transposed_linear: %s (%s) now W @ x", node.name, module or "<root>")
+        gm.graph.lint()
+    except Exception:
+        gm.graph = pristine  # all or nothing
+        gm.recompile()
+        raise
+    gm.recompile()
+    return result
+
+
+def _rewrite(gm, node, x, w_node, b_node, call_module: str) -> None:
+    graph = gm.graph
+    with graph.inserting_before(node):
+        if call_module:
+            w_node = graph.get_attr(f"{call_module}.weight")
+            has_bias = gm.get_submodule(call_module).bias is not None
+            b_node = graph.get_attr(f"{call_module}.bias") if has_bias else None
+        attrs = [n for n in (w_node, b_node) if call_module and n is not None]
+        batch = graph.call_method("size", (x, 0))
+        expanded = graph.call_method("expand", (graph.call_method("unsqueeze", (w_node, 0)), batch, -1, -1))
+        out = graph.call_function(torch.bmm, (expanded, x))
+        new = [*attrs, batch, expanded.args[0], expanded, out]
+        if b_node is not None:
+            column = graph.call_method("unsqueeze", (b_node, -1))
+            out = graph.call_function(torch.add, (out, graph.call_method("type_as", (column, out))))
+            new += [column, out.args[1], out]
+        result = graph.call_method("transpose", (out, 1, 2))
+        new.append(result)
+    kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
+    for new_node in new:
+        new_node.meta.update(kept)
+    _set_example_values(new, _fake_mode([x, node]), gm)
+    x_t = node.args[0] if node.args else node.kwargs.get("input")
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    while isinstance(x_t, torch.fx.Node) and x_t is not x and not x_t.users:  # the transpose copy, now unread
+        source = x_t.args[0]
+        graph.erase_node(x_t)
+        x_t = source
+
