@@ -73,11 +73,12 @@ def test_each_spelling_becomes_a_batched_gemm(spelling):
     assert (result.rewritten, dict(result.declined)) == (1, {})
     assert (linear_count(gm), bmm_count(gm)) == (0, 1)
     # The transposed copy of x is gone: nothing transposes x any more.
-    assert not [n for n in gm.graph.nodes if n.op in ("call_method", "call_function") and n.args
-                and n.args[0] is gm.graph.find_nodes(op="placeholder")[0]
-                and str(n.target) in ("transpose", "permute", "contiguous")]
-    assert rel_error(expected, gm(*example_inputs)[0] if isinstance(gm(*example_inputs), tuple)
-                     else gm(*example_inputs)) < 1e-5
+    (x_node,) = [n for n in gm.graph.find_nodes(op="placeholder")
+                 if tuple(n.meta["example_value"].shape) == tuple(x.shape)]
+    assert not [n for n in x_node.users if n.target in ("transpose", "permute", "contiguous", torch.transpose,
+                                                        torch.permute)]
+    out = gm(*example_inputs)
+    assert rel_error(expected, out[0] if isinstance(out, (tuple, list)) else out) < 1e-5
 
 
 def test_functional_linear_with_bias_and_both_layouts():
@@ -205,7 +206,7 @@ def test_sites_and_roles_of_the_batched_gemm():
     amaxes = [n.meta["val"].shape for n in forward.graph.nodes
               if n.op == "call_function" and n.target is torch.ops.aten.amax.default]
     assert (24, 1) in [tuple(s) for s in amaxes]
-    assert "transposed_linear 1" in report.summary() or report.mods["transposed_linear"] == 1
+    assert report.mods["transposed_linear"] == 1 and "transposed_linear 1" in report.summary()
 
 
 def test_dynamic_batch():
@@ -251,3 +252,52 @@ def test_triton_gemm_reads_the_broadcast_weight():
     assert sqnr_db(reference.float(), out.float()) >= CUDA_SQNR_FLOOR_DB
     torch._dynamo.reset()
     loka_compile.reset()
+
+
+class MixerRanker(nn.Module):
+    """Public-style code: sparse EmbeddingBag features stacked [B, F, d], one MLP-Mixer
+    block (token mixing over the feature axis, written with transposes), a head."""
+
+    def __init__(self, tables=16, rows=100, d=32, hidden=64):
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, d, mode="sum", sparse=True) for _ in range(tables))
+        self.norm = nn.LayerNorm(d)
+        self.token_mlp = nn.Sequential(nn.Linear(tables, hidden), nn.GELU(), nn.Linear(hidden, tables))
+        self.head = nn.Linear(tables * d, 1)
+
+    def forward(self, ids, offsets):
+        x = torch.stack([t(i, o) for t, i, o in zip(self.tables, ids, offsets)], 1)   # [B, F, d]
+        x = x + self.token_mlp(self.norm(x).transpose(1, 2)).transpose(1, 2)
+        return self.head(x.flatten(1)).squeeze(-1)
+
+
+# MixerRanker, batch 64, fp32, emulated e4m3, CPU, against eager fp32 with the same start:
+# after 3 steps the logits' SQNR was 53.1-54.1 dB (seeds 0-2); floor with margin:
+MIXER_SQNR_FLOOR_DB = 35.0
+
+
+def test_mixer_ranker_trains(fresh_compile_state):
+    torch.manual_seed(0)
+    model = MixerRanker()
+    ids = [torch.randint(0, 100, (64 * 3,)) for _ in range(16)]
+    offsets = [torch.arange(0, 64 * 3, 3) for _ in range(16)]
+    labels = torch.rand(64)
+    runs = {}
+    for name in ("eager", "loka"):
+        net = copy.deepcopy(model)
+        fn = net if name == "eager" else torch.compile(net, backend="loka", options={"probe_steps": 0})
+        dense = [p for n, p in net.named_parameters() if not n.startswith("tables")]
+        optimizers = [torch.optim.SGD(dense, lr=0.1), torch.optim.SparseAdam(list(net.tables.parameters()))]
+        for _ in range(3):
+            loss = F.binary_cross_entropy_with_logits(fn(ids, offsets), labels)
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        runs[name] = (fn(ids, offsets).detach(), None if name == "eager" else loka_compile.report(fn))
+    logits, report = runs["loka"]
+    assert torch.isfinite(logits).all()
+    assert sqnr_db(runs["eager"][0], logits) >= MIXER_SQNR_FLOOR_DB
+    assert report.mods["transposed_linear"] >= 1
+    mixing = [s for s in report.sites if s.module == "token_mlp.0"]
+    assert {s.role for s in mixing} == {"fwd", "dgrad", "wgrad"} and all(s.batch == 64 for s in mixing)
