@@ -22,7 +22,7 @@ Each output element is the same dot product over n; only the GEMM's summation or
 changes, and the weight gradient is summed over the batch from per-sample bmm products.
 Measured (H100, Inductor bf16, 8 Wukong layers at paper sizes, batch 8192, forward +
 backward, the three feature-axis linears already fused by horizontal_fusion): 30.6 ms as
-written, 26.5 ms as W @ x (`benchmarks/results/2026-11-25_H100_transposed_linear.md`).
+written, 26.5 ms as W @ x (`benchmarks/results/2026-11-24_H100_transposed_linear.md`).
 
 Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
