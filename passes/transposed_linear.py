@@ -33,7 +33,14 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
     narrow_output        d < 16: each sample's GEMM would be too narrow for tensor cores
     weight_not_2d        the weight is not a 2-D tensor of known shape, or the bias not 1-D
 
-Linears that read no transposed input are not counted. Inductor's pattern matcher
+Linears that read no transposed input are not counted.
+
+FP8: the batched sites this makes (fwd, and their dgrad and wgrad) go through Dispatch as any
+bmm does. Their A, the broadcast weight, is cast once (`scaled_gemm.cast_operand`), but the
+speed check still times a batched site on a full [B*M, K] A, so it overcharges these sites
+and keeps them in bf16 where the cast of x (across its rows: x is [B, n, d], K = n) would
+not have paid either. Where the output is read in [B, d, N] layout by a consumer that needs
+it contiguous (another linear), the transposed copy moves there instead of disappearing. Inductor's pattern matcher
 (DESIGN convention 5) rewrites ATen graphs after AOTAutograd, where a forward rewrite no
 longer changes the backward; this rewrite must reach the backward's transposes too, so
 it walks the Dynamo graph, as horizontal_fusion does.

@@ -64,7 +64,7 @@ BAD_OPTIONS = [
     ({"fallback": "no"}, "fallback must be a bool"),
     ({"mode": "turbo"}, "valid modes"),
     ({"mode": None}, "valid modes"),
-    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cached_weights', 'horizontal', 'benchmarked_reductions', 'cat_casts', 'transposed_linear'\]"),
+    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cached_weights', 'horizontal', 'benchmarked_reductions', 'cat_casts', 'transposed_linear', 'aligned_gemms'\]"),
     ({"disabled_mods": "pad"}, r"disabled_mods must be a list or tuple of names from \['fused_casts'"),
     ({"disabled_mods": None}, "disabled_mods must be a list or tuple"),
     ({"arch_mods": ["layernorm"]}, r"valid arch_mods: \['blocknorm', 'no_bias', 'hardswish'\]"),
@@ -104,7 +104,7 @@ def test_good_values_are_normalized():
     assert LokaConfig().disabled_mods == () and LokaConfig().arch_mods == ()
     assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == \
         {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
-         "transposed_linear"}
+         "transposed_linear", "aligned_gemms"}
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
@@ -152,3 +152,14 @@ def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_cuda_gra
         config = LokaConfig(mode=mode)
         assert "triton.multi_kernel" not in _inductor_patches(config, marker)
         assert config.inactive_mods == {"benchmarked_reductions"} and config.disabled_mods == ()
+
+
+def test_aligned_gemms_mod_forces_inductor_shape_padding_for_loka_graphs():
+    from loka_compile.backend import _inductor_patches
+
+    marker = object()  # stands for loka's custom pass
+    for mode in ("default", "reduce-overhead"):
+        assert _inductor_patches(LokaConfig(mode=mode), marker)["force_shape_pad"] is True
+        off = LokaConfig(mode=mode, disabled_mods=["aligned_gemms"])
+        assert "force_shape_pad" not in _inductor_patches(off, marker)
+        assert "force_shape_pad" not in _inductor_patches(LokaConfig(mode=mode), None)  # a fallback is Inductor's own
