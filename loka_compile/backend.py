@@ -942,6 +942,22 @@ def _graph_fingerprint(gm: torch.fx.GraphModule, example_inputs) -> tuple[dict, 
     return param_fingerprint(named), (tensors[0].device.type if tensors else "cpu")
 
 
+def _dynamo_graph_mod(name: str, record: GraphRecord, left_as: str, run):
+    """`run()` (a Mod on the Dynamo graph, which restores the graph when it fails) unless the
+    Mod is off; its failure is raised without `fallback`, else logged, the graph left as
+    written (None)."""
+    if name in record.config.inactive_mods:
+        return None
+    try:
+        return run()
+    except Exception as error:
+        if not record.config.fallback or _is_dynamo_control(error):
+            raise
+        log.warning("loka: the %s Mod failed on %s (%s: %s); %s", name, record.name, type(error).__name__, error,
+                    left_as)
+        return None
+
+
 def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode: Optional[str] = None):
     """`torch.compile(model, backend="loka", options={...} | LokaConfig(...))`."""
     config = LokaConfig.from_options(options)
@@ -960,31 +976,18 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
     if config.arch_mods:
         record.arch_mod_counts = apply_arch_mods(gm, config.arch_mods)
         log.info("%s: architecture Mods %s", record.name, record.arch_mod_counts)
-    if "horizontal" not in config.inactive_mods:
-        try:
-            record.horizontal = fuse_sibling_linears(gm, example_inputs, exclude_modules=config.exclude_modules)
-        except Exception as error:  # the pass restored the graph
-            if not config.fallback or _is_dynamo_control(error):
-                raise
-            log.warning("loka: horizontal fusion failed on %s (%s: %s); its linears stay apart",
-                        record.name, type(error).__name__, error)
-            record.horizontal = None
-        else:
-            log.info("%s: horizontal fusion: %d GEMMs from %d linears, declined %s", record.name,
-                     record.horizontal.groups, record.horizontal.linears, dict(record.horizontal.declined))
-    if "transposed_linear" not in config.inactive_mods:
-        try:
-            record.transposed_linear = rewrite_transposed_linears(gm, example_inputs,
-                                                                  exclude_modules=config.exclude_modules)
-        except Exception as error:  # the pass restored the graph
-            if not config.fallback or _is_dynamo_control(error):
-                raise
-            log.warning("loka: transposed_linear failed on %s (%s: %s); those linears stay as written",
-                        record.name, type(error).__name__, error)
-            record.transposed_linear = None
-        else:
-            log.info("%s: transposed_linear: %d linears as W @ x, declined %s", record.name,
-                     record.transposed_linear.rewritten, dict(record.transposed_linear.declined))
+    record.horizontal = _dynamo_graph_mod(
+        "horizontal", record, "its linears stay apart",
+        lambda: fuse_sibling_linears(gm, example_inputs, exclude_modules=config.exclude_modules))
+    if record.horizontal is not None:
+        log.info("%s: horizontal fusion: %d GEMMs from %d linears, declined %s", record.name,
+                 record.horizontal.groups, record.horizontal.linears, dict(record.horizontal.declined))
+    record.transposed_linear = _dynamo_graph_mod(
+        "transposed_linear", record, "those linears stay as written",
+        lambda: rewrite_transposed_linears(gm, example_inputs, exclude_modules=config.exclude_modules))
+    if record.transposed_linear is not None:
+        log.info("%s: transposed_linear: %d linears as W @ x, declined %s", record.name,
+                 record.transposed_linear.rewritten, dict(record.transposed_linear.declined))
     compiled = LokaCompiledGraph(gm, example_inputs, record)
     GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
     return compiled

@@ -51,13 +51,14 @@ differing middle in braces, "blocks.{0,1,2}.mask.0", or "{a,b}" when nothing is 
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import logging
 import operator
 
 import torch
 import torch.nn.functional as F
+
+from .rewrite import all_or_nothing
 
 log = logging.getLogger("loka.passes")
 
@@ -241,20 +242,13 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
 
     if not groups:
         return result
-    pristine = copy.deepcopy(gm.graph)
-    try:
+    with all_or_nothing(gm):
         for members in groups:
             _fuse(gm, members, inputs)
             result.groups += 1
             result.linears += len(members)
             result.modules.append(joined_module_path([lin.module for lin in members]))
             log.debug("horizontal_fusion: fused %d linears into %s", len(members), result.modules[-1])
-        gm.graph.lint()
-    except Exception:
-        gm.graph = pristine  # all or nothing
-        gm.recompile()
-        raise
-    gm.recompile()
     return result
 
 

@@ -11,6 +11,7 @@ do.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch._inductor.pattern_matcher import fwd_only
@@ -54,3 +55,18 @@ def replace_with_traced(node: torch.fx.Node, fn, args: list) -> list:
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return inserted
+
+
+@contextlib.contextmanager
+def all_or_nothing(gm: torch.fx.GraphModule):
+    """The rewrites of `gm`'s graph made inside either all land (the graph linted, the module
+    recompiled) or, on any error, none: the graph is restored and the error raised."""
+    pristine = copy.deepcopy(gm.graph)
+    try:
+        yield
+        gm.graph.lint()
+    except Exception:
+        gm.graph = pristine
+        gm.recompile()
+        raise
+    gm.recompile()

@@ -49,13 +49,13 @@ it walks the Dynamo graph, as horizontal_fusion does.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import logging
 
 import torch
 
 from .horizontal_fusion import _LINEARS, _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
+from .rewrite import all_or_nothing
 
 log = logging.getLogger("loka.passes")
 
@@ -166,19 +166,12 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
         todo.append((node, x, w_node, b_node, call_module, module))
     if not todo:
         return result
-    pristine = copy.deepcopy(gm.graph)
-    try:
+    with all_or_nothing(gm):
         for node, x, w_node, b_node, call_module, module in todo:
             _rewrite(gm, node, x, w_node, b_node, call_module)
             result.rewritten += 1
             result.modules.append(module)
             log.debug("transposed_linear: %s (%s) now W @ x", node.name, module or "<root>")
-        gm.graph.lint()
-    except Exception:
-        gm.graph = pristine  # all or nothing
-        gm.recompile()
-        raise
-    gm.recompile()
     return result
 
 
