@@ -162,5 +162,6 @@ def padding_for(k: int, n: int, alignment: int = 16) -> tuple[int, int]:
 
 
 def _broadcast_batch(x: torch.Tensor) -> bool:
+    """Whether x's batch dim repeats one matrix (stride 0, more than one of it)."""
     stride, size = x.stride(0), x.shape[0]
     return isinstance(stride, int) and stride == 0 and not (isinstance(size, int) and size == 1)
