@@ -300,3 +300,49 @@ def test_mixer_ranker_trains(fresh_compile_state):
     assert report.mods["transposed_linear"] >= 1
     mixing = [s for s in report.sites if s.module == "token_mlp.0"]
     assert {s.role for s in mixing} == {"fwd", "dgrad", "wgrad"} and all(s.batch == 64 for s in mixing)
+
+
+class TwoMixes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(12, 24)
+
+    def forward(self, x):
+        return self.a(x.transpose(1, 2)).sum(-1) + self.b(x.transpose(1, 2)).sum(-1)
+
+
+def test_a_failure_part_way_leaves_the_graph_as_written(monkeypatch):
+    from loka_compile.passes import transposed_linear
+    gm, example_inputs = dynamo_graph(TwoMixes(), torch.randn(4, 12, 32))
+    before = gm.code
+    real, calls = transposed_linear._rewrite, []
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(transposed_linear, "_rewrite", second_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        rewrite_transposed_linears(gm, example_inputs)
+    assert gm.code == before and linear_count(gm) == 2
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_the_backend_runs_the_model_as_written_when_the_mod_fails(monkeypatch, fresh_compile_state, caplog, fallback):
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(backend, "rewrite_transposed_linears", fails)
+    model, x = FeatureMix(), torch.randn(8, 12, 32)
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "fallback": fallback})
+    if not fallback:
+        with pytest.raises(Exception, match="injected"):
+            compiled(x)
+        return
+    with caplog.at_level("WARNING", logger="loka"):
+        out = compiled(x)
+    assert "the transposed_linear Mod failed" in caplog.text and "stay as written" in caplog.text
+    assert sqnr_db(model(x), out) > OUTPUT_SQNR_FLOOR_DB
+    assert loka_compile.report(compiled).mods["transposed_linear"] == 0
