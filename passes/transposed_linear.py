@@ -21,7 +21,7 @@ cat(FMB, LCB) + residual), in the forward and again in the backward. W @ x needs
 Each output element is the same dot product over n; only the GEMM's summation order
 changes, and the weight gradient is summed over the batch from per-sample bmm products.
 Measured (H100, Inductor bf16, 8 Wukong layers at paper sizes, batch 8192, forward +
-backward, the three feature-axis linears already fused by horizontal_fusion): 30.6 ms as
+backward, fm_proj and lcb already fused by horizontal_fusion): 30.6 ms as
 written, 26.5 ms as W @ x (`benchmarks/results/2026-11-24_H100_transposed_linear.md`).
 
 Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
@@ -37,13 +37,15 @@ Linears that read no transposed input are not counted.
 
 FP8: the batched sites this makes (fwd, and their dgrad and wgrad) go through Dispatch as any
 bmm does. Their A, the broadcast weight, is cast once (`scaled_gemm.cast_operand`), but the
-speed check still times a batched site on a full [B*M, K] A, so it overcharges these sites
-and keeps them in bf16 where the cast of x (across its rows: x is [B, n, d], K = n) would
-not have paid either. Where the output is read in [B, d, N] layout by a consumer that needs
-it contiguous (another linear), the transposed copy moves there instead of disappearing. Inductor's pattern matcher
-(DESIGN convention 5) rewrites ATen graphs after AOTAutograd, where a forward rewrite no
-longer changes the backward; this rewrite must reach the backward's transposes too, so
-it walks the Dynamo graph, as horizontal_fusion does.
+speed check still times a batched site on a full [B*M, K] A, so it overcharges these sites.
+On Wukong they stay bf16 (their B, x with K = n, is cast across its rows: standalone).
+
+Where a consumer needs the output contiguous in [B, d, N] layout (another linear), the
+transposed copy moves there instead of disappearing.
+
+Inductor's pattern matcher (DESIGN convention 5) rewrites ATen graphs after AOTAutograd,
+where a forward rewrite no longer changes the backward; this rewrite must reach the
+backward's transposes too, so it walks the Dynamo graph, as horizontal_fusion does.
 """
 
 from __future__ import annotations
