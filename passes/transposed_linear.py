@@ -33,7 +33,9 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
     narrow_output        d < 16: each sample's GEMM would be too narrow for tensor cores
     weight_not_2d        the weight is not a 2-D tensor of known shape, or the bias not 1-D
 
-Linears that read no transposed input are not counted.
+Linears that read no transposed input are not counted. The bodies of higher-order ops in the
+graph (an activation-checkpointed region is one) are rewritten the same way, each graph all
+or nothing.
 
 FP8: the batched sites this makes (fwd, and their dgrad and wgrad) go through Dispatch as any
 bmm does. Their A, the broadcast weight, is cast once (`scaled_gemm.cast_operand`), but the
@@ -167,6 +169,12 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
             log.debug("transposed_linear: %s (%s) declined: %s", node.name, module or "<root>", reason)
             continue
         todo.append((node, x, w_node, b_node, call_module, module))
+    for name, body in gm.named_children():  # higher-order ops' bodies: checkpointed regions, ...
+        if isinstance(body, torch.fx.GraphModule):
+            inner = rewrite_transposed_linears(body, exclude_modules=exclude_modules)
+            result.rewritten += inner.rewritten
+            result.declined.update(inner.declined)
+            result.modules.extend(inner.modules)
     if not todo:
         return result
     with all_or_nothing(gm):
