@@ -104,7 +104,7 @@ class Declined(nn.Module):
         self.narrow = nn.Linear(12, 16)      # d = 8 < 16
         self.again = nn.Linear(12, 16)       # x is a transposed view: its transpose is contiguous
         self.skipped = nn.Linear(12, 16)     # excluded by the config
-        self.batch_axis = nn.Linear(8, 16)   # transpose(0, 1): not the feature axis, not counted
+        self.batch_axis = nn.Linear(8, 16)   # transpose(0, 2): not the last two dims, not counted
 
     def forward(self, x2, x4, narrow, wide, x):
         t = wide.transpose(1, 2)             # [B, 12, 32] view of a [B, 32, 12] tensor
