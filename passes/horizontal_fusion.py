@@ -310,7 +310,7 @@ def _fake_mode(nodes):
     return None
 
 
-def _set_example_values(nodes, mode, gm=None) -> None:
+def _set_example_values(gm, nodes, mode) -> None:
     """Dynamo's `example_value` metadata for the new nodes, computed on fake tensors (a
     get_attr's from the tensor it names in `gm`)."""
     if mode is None:
@@ -319,8 +319,6 @@ def _set_example_values(nodes, mode, gm=None) -> None:
     with mode:
         for node in nodes:
             if node.op == "get_attr":
-                if gm is None:
-                    return
                 real = _fetch_attr(gm, node.target)
                 node.meta["example_value"] = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype,
                                                                  device=real.device)
@@ -370,7 +368,7 @@ def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
         parts = graph.call_function(torch.unsafe_split_with_sizes, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(members))]
         new += [fused, parts, *outs]
-    _set_example_values(new, _fake_mode([members[0].x, *(lin.weight for lin in members)]))
+    _set_example_values(gm, new, _fake_mode([members[0].x, *(lin.weight for lin in members)]))
     for lin, out in zip(members, outs):
         out.meta.update({k: v for k, v in lin.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
         if "example_value" not in out.meta and "example_value" in lin.node.meta:

@@ -207,7 +207,7 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str) -> None:
     kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
     for new_node in new:
         new_node.meta.update(kept)
-    _set_example_values(new, _fake_mode([x, node]), gm)
+    _set_example_values(gm, new, _fake_mode([x, node]))
     x_t = node.args[0] if node.args else node.kwargs.get("input")
     node.replace_all_uses_with(result)
     graph.erase_node(node)
