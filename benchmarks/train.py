@@ -309,6 +309,7 @@ def loka_site_summary(model: nn.Module) -> dict:
         "casts": dict(collections.Counter(casts)),
         "fallbacks": [g.fallback for g in report.graphs if g.fallback],
         "predicted_saving_ms": predicted_saving_ms(report.sites),
+        "mods": report.mods,
         "sites": [{"name": s.name, "role": s.role, "shape": [str(d) for d in s.shape], "fp8": s.fp8,
                    "provider": s.provider, "reason": s.reason, "casts": s.casts, "detail": s.detail}
                   for s in report.sites],

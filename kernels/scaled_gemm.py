@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .quantize import (Fp8Format, Scaling, cast_with_scale, quantize_along, quantize_blockwise, quantize_tensorwise,
-                       row_scale_of_pieces)
+from .quantize import (Fp8Format, Scaling, cast_with_scale, dequantize, quantize_along, quantize_blockwise,
+                       quantize_tensorwise, row_scale_of_pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +111,14 @@ def cast_operand(x: torch.Tensor, operand: str, spec: GemmSpec):
     if spec.fused_casts:
         return quantize_operand_aten(x, operand, spec.scaling, fmt)
     return torch.ops.loka.quantize_operand(x, operand, spec.scaling.value, fmt.value)
+
+
+def cast_to_save(x: torch.Tensor, operand: str, spec: GemmSpec):
+    """x's cast as `cast_operand` makes it, and its dequantized copy: (dequantized, q, scale).
+    The saved_fp8 Mod computes the cast in the forward and hands the backward GEMM the
+    dequantized copy, which `lower` replaces by q and scale."""
+    q, scale = cast_operand(x, operand, spec)
+    return dequantize(q, scale).to(x.dtype), q, scale
 
 
 def cast_a_pieces(pieces: list, spec: GemmSpec, dtype: torch.dtype, flatten: bool):

@@ -56,6 +56,8 @@ from loka_compile.passes.arch_mods import apply_arch_mods
 from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenance
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.passes.horizontal_fusion import HorizontalFusion, fuse_sibling_linears
+from loka_compile.passes.rewrite import all_or_nothing
+from loka_compile.passes.saved_fp8 import SavedFp8, check_saves, save_fp8_operands
 from loka_compile.passes.transposed_linear import TransposedLinears, rewrite_transposed_linears
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
@@ -90,6 +92,7 @@ class GraphRecord:
     arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
     horizontal: Optional[HorizontalFusion] = None  # what the horizontal Mod did, when it ran
     transposed_linear: Optional[TransposedLinears] = None  # what the transposed_linear Mod did, when it ran
+    saved_fp8: Optional[SavedFp8] = None  # the last training compile: what the saved_fp8 Mod did, what is saved
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     output_budget: Optional[OutputBudget] = None  # what max_output_error measured and kept, when it acted
     warned: bool = False
@@ -127,6 +130,8 @@ class LokaPostGradPass(CustomGraphPass):
                           perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error))
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
+        if kind is passes.GraphKind.FORWARD and record.saved_fp8 is not None:
+            check_saves(graph, record.saved_fp8)  # as partitioned, before lower renames what it rewrites
         run_passes(graph, ctx)
         record.graph_modules[(self.phase, kind)] = graph.owning_module
         if inductor_config.fx_graph_cache and graph_cache.bypass_reason(
@@ -150,6 +155,41 @@ class LokaPostGradPass(CustomGraphPass):
         verdicts = sorted(unsafe), sorted(passing), plan.digest() if plan.source else ""
         name = record.name if self.phase == "probe" else ""
         return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase}|{name}|{verdicts}".encode()).hexdigest()
+
+
+class LokaJointPass(CustomGraphPass):
+    """On the joint graph of each training compile: the saved_fp8 Mod, where it is active
+    and the graph is past its probe window (a failure leaves the joint graph as it was, and
+    is logged, unless fallback is off), and the count of the forward's own outputs, which
+    the forward graph's check of what it saves for the backward needs (`check_saves`)."""
+
+    def __init__(self, post_grad: LokaPostGradPass):
+        self.post_grad = post_grad
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        record, phase = self.post_grad.record, self.post_grad.phase
+        record.saved_fp8 = SavedFp8.of_joint_graph(graph)
+        if phase == "probe" or "saved_fp8" in record.config.inactive_mods:
+            return
+        ctx = PassContext(graph=record.name, kind=passes.GraphKind.BACKWARD, phase=phase,
+                          param_input_indices=self.post_grad.param_input_indices,
+                          decide=functools.partial(_decide, record=record, phase=phase),
+                          inactive_mods=record.config.inactive_mods, joint=True)
+        try:
+            with all_or_nothing(graph.owning_module):
+                save_fp8_operands(graph, ctx, record.saved_fp8)
+        except Exception as error:
+            if not record.config.fallback:
+                raise
+            record.saved_fp8 = SavedFp8.of_joint_graph(graph)
+            log.warning("loka: %s: the saved_fp8 Mod failed on the joint graph (%s); the backward casts its "
+                        "operands itself", record.name, _error_text(error))
+            return
+        log.info("%s: saved_fp8: %d operands, declined %s", record.name, len(record.saved_fp8.operands),
+                 dict(record.saved_fp8.declined))
+
+    def uuid(self) -> str:
+        return hashlib.sha256(f"joint|{self.post_grad.uuid()}".encode()).hexdigest()
 
 
 def _decide(site, record: GraphRecord, phase: str, **kwargs) -> Decision:
@@ -229,6 +269,7 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     if custom_pass is not None:
         patches["post_grad_custom_pre_pass"] = LokaProvenancePass(inductor_config.post_grad_custom_pre_pass)
         patches["post_grad_custom_post_pass"] = custom_pass
+        patches["joint_custom_post_pass"] = LokaJointPass(custom_pass)
         if "aligned_gemms" not in config.inactive_mods and hasattr(inductor_config, "force_shape_pad"):
             patches.update(ALIGNED_GEMMS)
         if "benchmarked_reductions" not in config.inactive_mods:  # CUDA-graph modes only

@@ -11,6 +11,7 @@ from tabulate import tabulate
 
 from loka_compile import backend, probe
 from loka_compile.passes import GraphKind, Reason
+from loka_compile.passes.find_sites import SAVED_IN_FP8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,9 @@ class Report:
             transposed = getattr(r, "transposed_linear", None)
             if transposed is not None:
                 self._graph_mods.update({"transposed_linear": transposed.rewritten})
+            saved = getattr(r, "saved_fp8", None)
+            if saved is not None:
+                self._graph_mods.update({"saved_for_backward_bytes": saved.saved_bytes})
         self.cached_weights = [w for r in records for (phase, kind), ctx in r.contexts.items()
                                 if phase == r.phase and not (r.fallback or r.fallen_back.get(kind))
                                 for w in ctx.cached_weights]
@@ -179,11 +183,18 @@ class Report:
         A operands cast per piece of their concatenation (`cat_casts`),
         the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
         replaced, per Dynamo graph), the linears of a transposed input computed as W @ x
-        (`transposed_linear`, per Dynamo graph) and the opt-in architecture Mods' rewrites."""
+        (`transposed_linear`, per Dynamo graph), the backward GEMM operands whose FP8 copy
+        the forward saved (`saved_fp8`) and what the forward graphs keep for the backward
+        with that Mod on (`saved_for_backward_bytes`, at compile-time sizes: compare it
+        with the Mod off for the memory it saves),
+        and the opt-in architecture Mods' rewrites."""
         casts = [c for s in self.sites for c in s.casts.values()]
         fused = sum(c.startswith("fused") for c in casts)
         cached = sum(c.startswith("cached") for c in casts)
-        counts = {"fused_casts": fused, "standalone_casts": len(casts) - fused - cached, "cached_weights": cached,
+        saved = sum(c == SAVED_IN_FP8 for c in casts)
+        counts = {"fused_casts": fused, "standalone_casts": len(casts) - fused - cached - saved,
+                  "cached_weights": cached, "saved_fp8": saved,
+                  "saved_for_backward_bytes": self._graph_mods["saved_for_backward_bytes"],
                   "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites),
                   "cat_casts": sum("per piece" in s.casts.get("a", "") for s in self.sites),
                   "horizontal": self._graph_mods["horizontal"], "horizontal_linears": self._graph_mods["horizontal_linears"],

@@ -101,7 +101,8 @@ class SiteShape:
     device: torch.device
     a_fused: bool = False
     b_fused: bool = False
-    b_cached: bool = False  # B is a weight whose FP8 copy is cached: no cast per call
+    b_cached: bool = False  # B is a weight whose FP8 copy is cached, or saved by the forward: no cast here
+    a_saved: bool = False   # A's FP8 copy was saved by the forward (the saved_fp8 Mod): no cast here
     a_static: bool = False  # A has a calibrated static scale: a pointwise cast, no amax
     pad_k: int = 0
     pad_n: int = 0
@@ -323,7 +324,7 @@ def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, 
             else:
                 quantized[operand] = torch.ops.loka.quantize_operand(x, operand, scaling, fmt)
                 cast = functools.partial(torch.ops.loka.quantize_operand, x, operand, scaling, fmt)
-            if operand == "b" and shape.b_cached:
+            if (operand == "b" and shape.b_cached) or (operand == "a" and shape.a_saved):
                 continue
             standalone = _time_calls_us(cast, device)
             cast_us += standalone * (_fused_fraction(shape.dtype, shape.k + shape.pad_k, shape.persistent_row_max,
@@ -418,7 +419,7 @@ def m_hint(site) -> Optional[int]:
     if out is None:
         return None
     # [M, N], a packed linear's [..., N], or a batched site's [B, M, N] (M per matrix)
-    rows = [_size_hint(d) for d in (out.shape[-2:-1] if site.batch is not None else out.shape[:-1])]
+    rows = [size_hint(d) for d in (out.shape[-2:-1] if site.batch is not None else out.shape[:-1])]
     return None if None in rows else math.prod(rows)
 
 
@@ -427,10 +428,10 @@ def batch_hint(site) -> Optional[int]:
     if isinstance(site.batch, int):
         return site.batch
     out = site.node.meta.get("val")
-    return None if out is None else _size_hint(out.shape[0])
+    return None if out is None else size_hint(out.shape[0])
 
 
-def _size_hint(dim) -> Optional[int]:
+def size_hint(dim) -> Optional[int]:
     if not isinstance(dim, torch.SymInt):
         return int(dim)
     node = dim.node
@@ -453,7 +454,7 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
     with a calibrated static scale; `cat_casts`: the Mod of that name is on (a long row
     of A concatenated from fused pieces is cast per piece: a fused cast, charged as a
     looped one since the row is over the persistent length)."""
-    from loka_compile.passes.find_sites import operand_casts
+    from loka_compile.passes.find_sites import SAVED_IN_FP8, operand_casts
 
     _, k, n = site.shape
     if not (isinstance(k, int) and isinstance(n, int)):
@@ -470,5 +471,6 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
                           row_max=per_piece_row_max(benchmarked_reductions, cat_casts, pad_k))
     return SiteShape(m, k, n, site.a_major, site.b_major, site.op in ("addmm", "baddbmm"), site.dtype, site.device,
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
-                     b_cached=b_cached, a_static=a_static, pad_k=pad_k, pad_n=pad_n,
+                     b_cached=b_cached or casts["b"] == SAVED_IN_FP8, a_saved=casts["a"] == SAVED_IN_FP8,
+                     a_static=a_static, pad_k=pad_k, pad_n=pad_n,
                      persistent_row_max=persistent_row_max(benchmarked_reductions), batch=batch)

@@ -45,8 +45,12 @@ log = logging.getLogger("loka.passes")
 #   aligned_gemms  every GEMM with an M, K or N off the 16-byte alignment padded by Inductor
 #                (its pad_mm, forced; CUDA only), in high precision too: an unaligned cuBLAS
 #                kernel is several times slower (H100, HSTU training: 45.16 -> 42.97 ms in bf16)
+#   saved_fp8    training graphs: an activation that a backward FP8 GEMM reads (X of an FP8
+#                weight gradient, an activation operand of a batched GEMM's dgrad) is cast
+#                in the forward, so the partitioner saves its FP8 copy and scales for the
+#                backward instead of the activation in high precision (joint graph)
 MODS = ("fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
-        "transposed_linear", "aligned_gemms")
+        "transposed_linear", "aligned_gemms", "saved_fp8")
 
 PIPELINE = (
     ("find_sites", find_sites),

@@ -128,6 +128,9 @@ class PassContext:
     # Probe graphs under an output budget (`LokaConfig.max_output_error`): the probe pass puts
     # a `loka.perturb` after each forward-role GEMM, for the budget's sensitivity runs.
     perturb_outputs: bool = False
+    # A joint forward+backward graph (the saved_fp8 Mod's), seen as a backward one: its
+    # outputs are the forward's followed by the gradients.
+    joint: bool = False
 
     def static_a_scale(self, site: Site) -> Optional[dict]:
         """The calibrated static scale of `site`'s A in this graph (inference graphs only),

@@ -183,6 +183,23 @@ def per_piece_cast(operand: torch.fx.Node, scaling: str, fused_casts: bool, stat
     return found
 
 
+# The saved_fp8 Mod's mark on the dequantized FP8 copy it hands a backward GEMM: the names
+# of its (q, scale) nodes, which the partitioner keeps.
+SAVED_FP8_MARK = "loka_saved_fp8"
+SAVED_IN_FP8 = "saved in FP8 by the forward"
+
+
+def saved_operand(operand: torch.fx.Node) -> Optional[tuple]:
+    """(q, scale) nodes where `operand` is the dequantized FP8 copy the saved_fp8 Mod
+    made in the forward, else None."""
+    names = operand.meta.get(SAVED_FP8_MARK)
+    if names is None:
+        return None
+    nodes = {n.name: n for n in operand.graph.nodes}
+    q, scale = (nodes.get(name) for name in names)
+    return (q, scale) if q is not None and scale is not None else None
+
+
 def _piece_cast(piece: torch.fx.Node, scaling: str) -> str:
     """cast_origin of one piece of a concatenated A, in the piece's own layout."""
     return cast_origin(piece, "a", operand_major(piece.meta["val"]), scaling)
@@ -198,7 +215,8 @@ def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fu
     its FP8 copy; else "standalone (<why>)": a graph input (a weight, a saved
     activation), a library kernel's or custom op's output, scales across the producer's
     rows (a transposed operand: the cast re-reads it column by column), or tensorwise
-    scaling (the whole tensor's amax comes first).
+    scaling (the whole tensor's amax comes first); SAVED_IN_FP8 for an activation the
+    saved_fp8 Mod cast in the forward.
 
     `static_scale`: the cast divides by a calibrated constant (`scaled_gemm.quantize_static`,
     ATen ops whatever `fused_casts`), a pointwise op with no amax, so it fuses into such a
@@ -206,6 +224,8 @@ def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fu
 
     `row_max` (the `cat_casts` Mod on): an A that `per_piece_cast` casts piece by piece is
     "fused into <the pieces' ops> (per piece of an n-way cat)"."""
+    if saved_operand(operand) is not None:
+        return SAVED_IN_FP8
     if not fused_casts and not static_scale:
         return "standalone (loka.quantize_operand)"
     if which == "a":
@@ -256,14 +276,19 @@ def gradient_nodes(graph: torch.fx.Graph) -> set:
     return marked
 
 
-def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset, grads: set) -> set:
+def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset, grads: set,
+                          joint: bool = False) -> set:
     """GEMM nodes whose result becomes (part of) a parameter's gradient, and GEMMs that
     compute the gradient of a weight the forward computed (LoRA's `W + A @ B`): they read
     the incoming gradient transposed, contracting over its rows (the batch), and their
-    result feeds only such weight-gradient GEMMs."""
+    result feeds only such weight-gradient GEMMs. A backward graph returns one gradient
+    per forward input; a `joint` graph returns the forward's outputs first."""
     output = next(n for n in graph.nodes if n.op == "output")
     results = output.args[0]
     results = results if isinstance(results, (tuple, list)) else (results,)
+    if joint:
+        primals = sum(1 for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+        results = results[len(results) - primals:]
     stack = [results[i] for i in param_input_indices if i < len(results) and isinstance(results[i], torch.fx.Node)]
     found, seen = set(), set()
     while stack:
@@ -507,7 +532,8 @@ def site_id(kind: GraphKind, base: str, ordinal: int) -> str:
 
 def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
     grads = gradient_nodes(graph) if ctx.kind is GraphKind.BACKWARD else set()
-    wgrads = weight_gradient_gemms(graph, ctx.param_input_indices, grads) if ctx.kind is GraphKind.BACKWARD else set()
+    wgrads = weight_gradient_gemms(graph, ctx.param_input_indices, grads, ctx.joint) \
+        if ctx.kind is GraphKind.BACKWARD else set()
     weights = weight_placeholders(graph, ctx.param_input_indices) if ctx.kind is not GraphKind.BACKWARD else {}
     names_seen: dict = {}
     for node in graph.nodes:

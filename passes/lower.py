@@ -20,6 +20,10 @@ column-major per matrix, scales per `scaled_gemm`'s docstring) and baddbmm's bia
 broadcasts; Dispatch gives such sites only providers that declare them (`batched`,
 `batched_scalings`) and never pads them.
 
+In training backward graphs, an operand the `saved_fp8` Mod cast in the forward (an
+activation the partitioner saves as its FP8 copy and scales) is not cast again: the GEMM
+reads that copy.
+
 In inference graphs with the `cached_weights` Mod on, a B operand that is a weight is
 not cast in the graph: the GEMM reads its FP8 copy and scales as constants, made once
 and refreshed when the weight changes (`weight_cache.py`).
@@ -41,6 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+from typing import Optional
 
 import torch
 
@@ -49,11 +55,13 @@ from loka_compile.kernels.scaled_gemm import GemmSpec, cast_a_pieces, cast_opera
 from loka_compile.speed import per_piece_row_max
 
 from .context import GraphKind, PassContext
-from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast
+from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, saved_operand
 from .rewrite import replace_with_traced
 from .weight_cache import cached_operand
 
 CACHED_WEIGHT = "cached weight (FP8 copy made once per weight version)"
+
+log = logging.getLogger("loka")
 
 
 def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
@@ -78,14 +86,21 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
                                    row_max=row_max)
         if spec.a_static_scale is not None:
             site.casts["a"] = f"static scale (calibrated {static['policy']})"
-        pieces = per_piece_cast(a, decision.scaling, fused_casts, spec.a_static_scale is not None, row_max)
-        a_args = [a] if pieces is None else list(pieces[0])
-        a_cast = functools.partial(_cast_a, spec=spec, pieces=None if pieces is None else
-                                   (len(pieces[0]), a.meta["val"].dtype, pieces[1]))
+        saved_a, saved_b = (_saved(x, which, spec, site) for which, x in (("a", a), ("b", b)))
+        pieces = None if saved_a else per_piece_cast(a, decision.scaling, fused_casts,
+                                                     spec.a_static_scale is not None, row_max)
+        if saved_a:
+            a_args, a_cast = list(saved_a), _cast_a_saved
+        else:
+            a_args = [a] if pieces is None else list(pieces[0])
+            a_cast = functools.partial(_cast_a, spec=spec, pieces=None if pieces is None else
+                                       (len(pieces[0]), a.meta["val"].dtype, pieces[1]))
         cached = cached_operand(node, b, spec, ctx) if cache_weights else None
         if cached is not None:
             site.casts["b"] = CACHED_WEIGHT
-            args, fn = [*a_args, *cached], functools.partial(_gemm_on_cached_b, a_cast=a_cast, spec=spec)
+        quantized_b = cached or saved_b
+        if quantized_b:
+            args, fn = [*a_args, *quantized_b], functools.partial(_gemm_on_cast_b, a_cast=a_cast, spec=spec)
         else:
             args, fn = [*a_args, b], functools.partial(_gemm, a_cast=a_cast, spec=spec)
         args += [] if bias is None else [bias]
@@ -119,7 +134,31 @@ def _gemm(*args, a_cast, spec: GemmSpec):
     return gemm_quantized(a_q, a_s, *cast_operand(b, "b", spec), bias[0] if bias else None, spec)
 
 
-def _gemm_on_cached_b(*args, a_cast, spec: GemmSpec):
+def _cast_a_saved(args: tuple):
+    return (args[0], args[1]), args[2:]
+
+
+def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional[tuple]:
+    """(q, scale) of an operand the saved_fp8 Mod cast in the forward, when that cast is
+    the one `spec` asks for; else None (the operand is cast here, from its dequantized
+    copy, which a warning reports)."""
+    found = saved_operand(operand)
+    if found is None:
+        return None
+    q, scale = found
+    fmt = spec.a_format if which == "a" else spec.b_format
+    tensorwise = spec.scaling is Scaling.TENSORWISE
+    if q.meta["val"].dtype == fmt.dtype and spec.scaling in (Scaling.TENSORWISE, Scaling.ROWWISE) \
+            and (scale.meta["val"].dim() == 0) == tensorwise and not (spec.pad_k or spec.pad_n) \
+            and spec.a_static_scale is None:
+        return found
+    log.warning("loka: %s: operand %s was saved in FP8 by the forward as another cast than this GEMM's (%s %s); "
+                "cast again from its dequantized copy", site.name, which, spec.scaling.value, fmt.value)
+    site.casts[which] = "standalone (cast again from the forward's FP8 copy: another cast than this GEMM's)"
+    return None
+
+
+def _gemm_on_cast_b(*args, a_cast, spec: GemmSpec):
     (a_q, a_s), (b_q, b_scale, *bias) = a_cast(args)
     if spec.scaling is Scaling.TENSORWISE:
         b_scale = b_scale.reshape(())  # cached as [1, 1]

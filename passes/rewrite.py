@@ -1,4 +1,5 @@
-"""Graph surgery the passes share: replace one node with the traced graph of a function.
+"""Graph surgery the passes share: insert the traced graph of a function, or replace one
+node with it.
 
 `replace_with_traced(node, fn, args)` traces `fn(*args)` with the fake values of the
 argument nodes (Inductor's `fwd_only`, the tracer its pattern matcher uses for
@@ -24,10 +25,11 @@ def _fake_value(arg):
     return arg
 
 
-def replace_with_traced(node: torch.fx.Node, fn, args: list) -> list:
-    """Replace `node` with the nodes of `fn(*args)` (args: nodes carrying a fake "val").
-    Returns the inserted nodes."""
-    graph = node.graph
+def insert_traced(before: torch.fx.Node, fn, args: list, meta_from: torch.fx.Node):
+    """Insert the nodes of `fn(*args)` (args: nodes carrying a fake "val") before `before`,
+    their provenance metadata copied from `meta_from`. Returns (the inserted nodes, the
+    node or tuple of nodes `fn` returned)."""
+    graph = before.graph
     values = [_fake_value(a) for a in args]
     fake_mode = next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
@@ -37,7 +39,7 @@ def replace_with_traced(node: torch.fx.Node, fn, args: list) -> list:
     env.update(zip(placeholders, args))
     inserted = []
     result = None
-    with graph.inserting_before(node):
+    with graph.inserting_before(before):
         for n in traced.graph.nodes:
             if n.op == "placeholder":
                 continue
@@ -46,14 +48,21 @@ def replace_with_traced(node: torch.fx.Node, fn, args: list) -> list:
                 continue
             new = graph.node_copy(n, lambda x: env[x])
             for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr", "original_aten"):
-                if key in node.meta and key not in new.meta:
-                    new.meta[key] = node.meta[key]
+                if key in meta_from.meta and key not in new.meta:
+                    new.meta[key] = meta_from.meta[key]
             env[n] = new
             inserted.append(new)
+    return inserted, result
+
+
+def replace_with_traced(node: torch.fx.Node, fn, args: list) -> list:
+    """Replace `node` with the nodes of `fn(*args)` (args: nodes carrying a fake "val").
+    Returns the inserted nodes."""
+    inserted, result = insert_traced(node, fn, args, meta_from=node)
     if not isinstance(result, torch.fx.Node):
         raise ValueError(f"replacement for {node.name} must return one tensor, got {result!r}")
     node.replace_all_uses_with(result)
-    graph.erase_node(node)
+    node.graph.erase_node(node)
     return inserted
 
 

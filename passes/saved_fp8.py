@@ -1,0 +1,191 @@
+"""saved_fp8: the Mod that saves FP8 copies of activations for the backward's FP8 GEMMs.
+
+A backward GEMM that Dispatch sends to FP8 casts both its operands in the backward. One of
+them may be an activation the forward computed: X of a weight gradient (dW = dY^T X, FP8
+under the `rowwise` and `tensorwise` recipes), or the activation operand of a batched
+GEMM's dgrad (attention: dQ = dS K). As written, the partitioner saves that activation in
+high precision and the backward casts it. This Mod moves the cast into the forward, in the
+joint graph (Inductor's `joint_custom_post_pass`, before the partitioner decides what is
+saved), so that the partitioner saves the FP8 copy and its scales instead: 1 byte per
+element where bf16 took 2, and the backward reads FP8. It is the backward's own cast
+(scaling, format, layout), so the GEMM computes the same values as without the Mod.
+
+Runs on loka's training compiles past the probe window (the Probe measures each backward
+GEMM on its high-precision operands), on the sites `find_sites` finds in the joint graph
+and the decisions Dispatch gives them there, which are those of the backward graph's
+sites (the same ids, from the same nodes).
+
+Matches, per backward GEMM site (dgrad, wgrad) decided FP8, each operand that:
+  - carries no incoming gradient, and is computed by the forward (not a graph input: a
+    weight or the model's input is kept by the caller anyway);
+  - is read in the backward by this GEMM only; otherwise the activation stays saved and
+    the FP8 copy would add memory (declined: `needed_in_backward`);
+  - is cast tensorwise or rowwise and unpadded (declined: `scaling`, `padded`).
+Becomes:
+    X' = dequantize(q, s), with q, s = cast(X) as the backward GEMM casts it -> the GEMM reads X'
+`lower` then hands q and s to the FP8 GEMM (`find_sites.saved_operand`), and the site reports the
+operand as "saved in FP8 by the forward". Whether the partitioner then saves q and s
+instead of X is checked in the forward graph it made (`check_saves`); the report counts
+the bytes no longer saved only where it did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from loka_compile.kernels.quantize import Fp8Format, Scaling
+from loka_compile.kernels.scaled_gemm import GemmSpec, cast_to_save
+from loka_compile.speed import size_hint
+
+from .context import PassContext, Role
+from .find_sites import GEMM_OPS, SAVED_FP8_MARK, VIEW_LIKE, find_sites, operands, skip_views_up
+from .rewrite import insert_traced
+
+aten = torch.ops.aten
+_VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.view.default, aten._unsafe_view.default,
+          aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default}
+
+
+
+@dataclasses.dataclass
+class SavedOperand:
+    site: str             # the backward site's id
+    operand: str          # "a" or "b"
+    activation: str       # the activation's node (in the joint graph and the forward graph)
+    q: str                # its FP8 copy's node (under the views that lay it out for the GEMM)
+    scale: str            # its scales' node (likewise)
+    # what the partitioner made of it (`check_saves`): "fp8" (the forward returns the FP8
+    # copy and scales, not the activation), "recomputed" (neither: the backward recomputes
+    # the activation and casts it), "both" (the activation too: read by another op of the
+    # backward after all), "activation" (the FP8 copy is made in the backward)
+    outcome: str = ""
+
+
+@dataclasses.dataclass
+class SavedFp8:
+    """What the saved_fp8 Mod did to one training graph."""
+
+    forward_outputs: int = 0  # the joint graph's outputs that are the forward's own
+    operands: list = dataclasses.field(default_factory=list)  # SavedOperand
+    declined: Counter = dataclasses.field(default_factory=Counter)
+    saved_bytes: int = 0      # activations the forward graph returns for the backward, at compile-time sizes
+
+    @classmethod
+    def of_joint_graph(cls, graph: torch.fx.Graph) -> "SavedFp8":
+        output = next(n for n in graph.nodes if n.op == "output")
+        primals = sum(1 for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+        return cls(forward_outputs=len(output.args[0]) - primals)
+
+    def summary(self) -> dict:
+        return {"operands": len(self.operands), "outcomes": dict(Counter(o.outcome for o in self.operands)),
+                "saved_for_backward_bytes": self.saved_bytes, "declined": dict(self.declined)}
+
+
+def _bytes(node: torch.fx.Node) -> int:
+    val = node.meta["val"]
+    return (size_hint(val.numel()) or 0) * val.element_size()
+
+
+def _read_by_gemms_only(node: torch.fx.Node) -> bool:
+    """Every op that reads `node`, looking through views, is a GEMM."""
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "call_function" and user.target in VIEW_LIKE:
+                stack.append(user)
+            elif user.op != "call_function" or user.target not in GEMM_OPS:
+                return False
+    return True
+
+
+def save_fp8_operands(graph: torch.fx.Graph, ctx: PassContext, result: SavedFp8) -> SavedFp8:
+    """Rewrite the joint graph as the module docstring says, recording into `result`;
+    `ctx` is a backward-kind context whose `decide` is Dispatch's."""
+    find_sites(graph, ctx)
+    for site in ctx.sites:
+        if site.role not in (Role.DGRAD, Role.WGRAD):
+            continue
+        decision = ctx.decide(site)
+        if not decision.fp8:
+            continue
+        a, b, _, _ = operands(site.node)
+        for which, operand, is_grad in (("a", a, site.a_is_grad), ("b", b, site.b_is_grad)):
+            if is_grad:
+                continue
+            why = _decline(operand, decision)
+            if why:
+                result.declined[why] += 1
+                continue
+            result.operands.append(_save(site, which, operand, decision, "fused_casts" not in ctx.inactive_mods))
+    return result
+
+
+def _decline(operand: torch.fx.Node, decision) -> str:
+    if decision.scaling not in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value):
+        return "scaling"
+    if decision.pad_k or decision.pad_n:
+        return "padded"
+    producer = skip_views_up(operand)
+    if producer.op != "call_function":
+        return "graph_input"
+    if not _read_by_gemms_only(producer):
+        return "read_by_other_ops"
+    return ""
+
+
+def _save(site, which: str, operand: torch.fx.Node, decision, fused_casts: bool) -> SavedOperand:
+    spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
+                    decision.provider, site.dtype, fused_casts=fused_casts)
+    producer = skip_views_up(operand)
+    inserted, (dequantized, q, scale) = insert_traced(
+        site.node, functools.partial(cast_to_save, operand=which, spec=spec), [operand], meta_from=producer)
+    dequantized.meta[SAVED_FP8_MARK] = (q.name, scale.name)
+    site.node.replace_input_with(operand, dequantized)
+    # The partitioner's own choice was measured to keep the dequantized bf16 copy: pin the
+    # FP8 copy and scales (the nodes under their views) as saved, the dequantization as
+    # recomputed in the backward.
+    kept = {_under_views(q), _under_views(scale)}
+    cast = _ancestors_within(kept, set(inserted))
+    for node in inserted:
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if node in kept or node in cast \
+            else CheckpointPolicy.MUST_RECOMPUTE
+    return SavedOperand(site.id, which, producer.name, _under_views(q).name, _under_views(scale).name)
+
+
+def _under_views(node: torch.fx.Node) -> torch.fx.Node:
+    """The node under `node`'s views (not under a dtype conversion, as skip_views_up goes)."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _ancestors_within(nodes: set, within: set) -> set:
+    found, stack = set(), list(nodes)
+    while stack:
+        for source in stack.pop().all_input_nodes:
+            if source in within and source not in found:
+                found.add(source)
+                stack.append(source)
+    return found
+
+
+def check_saves(forward: torch.fx.Graph, saved: SavedFp8) -> None:
+    """Record what the partitioner's forward graph returns for the backward: per saved
+    operand its outcome, and the bytes of all it returns (at compile-time sizes)."""
+    output = next(n for n in forward.nodes if n.op == "output")
+    for_backward = [n for n in output.args[0][saved.forward_outputs:] if isinstance(n, torch.fx.Node)]
+    returned = {n.name for n in for_backward}
+    # graph inputs (parameters, the model's input) live on whatever the forward returns
+    saved.saved_bytes = sum(_bytes(n) for n in for_backward
+                            if n.op != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
+    for entry in saved.operands:
+        fp8 = entry.q in returned and entry.scale in returned
+        activation = entry.activation in returned
+        entry.outcome = {(True, False): "fp8", (False, False): "recomputed", (True, True): "both",
+                         (False, True): "activation"}[(fp8, activation)]

@@ -1,0 +1,228 @@
+"""The saved_fp8 Mod: activations that backward FP8 GEMMs read are cast in the forward (joint
+graph), so the partitioner saves their FP8 copies. What the backward GEMMs read, what the
+forward keeps for the backward, gradients against the Mod off and fp32, the cases it
+declines, the probe window, dynamic batch, a sparse-embedding ranker, and a failing rewrite."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import loka_compile
+from loka_compile.passes import saved_fp8
+from loka_compile.passes.find_sites import SAVED_IN_FP8
+from numerics import rel_error
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class Tower(nn.Module):
+    """Linear -> LayerNorm -> Linear -> ReLU -> Linear -> Linear: X of each weight gradient is
+    a LayerNorm output (recomputable from its saved statistics), a ReLU output (whose
+    backward reads it) and a GEMM output (saved as it is)."""
+
+    def __init__(self, d=64, h=128):
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.norm = nn.LayerNorm(h)
+        self.mid = nn.Linear(h, h)
+        self.proj = nn.Linear(h, h)
+        self.out = nn.Linear(h, 32)
+
+    def forward(self, x):
+        return self.out(self.proj(self.mid(self.norm(self.inp(x))).relu()))
+
+
+def train_step(model, x, mods=(), recipe="rowwise", **options):
+    loka_compile.reset()
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="loka", dynamic=options.pop("dynamic", None),
+                             options=dict(recipe=recipe, probe_steps=0, speed_check=False, disabled_mods=mods,
+                                          **options))
+    out = compiled(x)
+    out.float().square().mean().backward()
+    return out, [p.grad for p in model.parameters()], loka_compile.report(compiled)
+
+
+def fp32_grads(model, x):
+    model = copy.deepcopy(model).float()
+    model(x.float()).square().mean().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def backward_inputs(report):
+    gm = report.graph_modules["g0/backward"]
+    return {n.name: n.meta["val"].dtype for n in gm.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def record():
+    return loka_compile.backend.GRAPHS[-1].saved_fp8
+
+
+@pytest.fixture
+def tower():
+    return Tower().to(torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
+
+
+def test_wgrads_read_the_forwards_fp8_copies(tower):
+    model, x = tower
+    _, _, report = train_step(model, x)
+    wgrads = {s.module: s for s in report.sites if s.role == "wgrad"}
+    assert all(s.fp8 for s in wgrads.values())
+    # X of mid and out is read by GEMMs only; proj's (a ReLU output) also by the ReLU's
+    # backward, so it stays saved whatever; inp's is the model's input
+    assert {m for m, s in wgrads.items() if s.casts["b"] == SAVED_IN_FP8} == {"mid", "out"}
+    assert wgrads["inp"].casts["b"].startswith("standalone (graph input")
+    assert wgrads["proj"].casts["b"] == "standalone (graph input relu)"
+    assert report.mods["saved_fp8"] == 2
+    assert dict(record().declined) == {"graph_input": 4, "read_by_other_ops": 1}
+    # proj's output (a GEMM's) is saved as its FP8 copy; the LayerNorm output is recomputed
+    # in the backward from the statistics its own backward keeps, and cast there
+    outcomes = {o.site.split("/")[1].split(":")[0]: o.outcome for o in record().operands}
+    assert outcomes == {"out": "fp8", "mid": "recomputed"}
+    fp8_inputs = [name for name, dtype in backward_inputs(report).items() if dtype in FP8_DTYPES]
+    assert len(fp8_inputs) >= 1
+
+
+def test_the_forward_keeps_less_for_the_backward(tower):
+    model, x = tower
+    _, _, on = train_step(model, x)
+    _, _, off = train_step(model, x, mods=("saved_fp8",))
+    assert off.mods["saved_fp8"] == 0
+    assert 0 < on.mods["saved_for_backward_bytes"] < off.mods["saved_for_backward_bytes"]
+
+
+def test_gradients_match_the_mod_off_and_fp32(tower):
+    model, x = tower
+    ref = fp32_grads(model, x)
+    out_on, on, _ = train_step(model, x)
+    out_off, off, _ = train_step(model, x, mods=("saved_fp8",))
+    assert torch.equal(out_on, out_off)
+    for g_on, g_off, g_ref in zip(on, off, ref):
+        assert torch.isfinite(g_on).all()
+        # the same casts feed the same GEMMs; the partitioner may keep the LayerNorm's
+        # statistics in another precision, which moves the rounding of its backward
+        assert rel_error(g_on.float(), g_ref) <= 1.25 * rel_error(g_off.float(), g_ref) + 1e-3
+
+
+def test_a_gemm_output_operand_gives_identical_gradients():
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64)).to(torch.bfloat16)
+    x = torch.randn(128, 64, dtype=torch.bfloat16)
+    _, on, report = train_step(model, x)
+    _, off, _ = train_step(model, x, mods=("saved_fp8",))
+    assert report.mods["saved_fp8"] == 1
+    for g_on, g_off in zip(on, off):
+        assert torch.equal(g_on, g_off)
+
+
+def test_default_recipe_keeps_wgrad_bf16_so_nothing_is_saved(tower):
+    model, x = tower
+    _, _, report = train_step(model, x, recipe="default")
+    assert report.mods["saved_fp8"] == 0
+    assert not record().operands
+
+
+class Reused(nn.Module):
+    """h feeds a linear and is read again by the backward of h * h."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) + h * h
+
+
+def test_an_activation_the_backward_reads_anyway_is_declined():
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    _, _, report = train_step(Reused().to(torch.bfloat16), x)
+    assert record().declined["read_by_other_ops"] == 1
+    assert report.mods["saved_fp8"] == 0
+
+
+def test_padded_operands_are_declined():
+    model = nn.Sequential(nn.Linear(64, 72), nn.Linear(72, 32)).to(torch.bfloat16)
+    _, _, report = train_step(model, torch.randn(64, 64, dtype=torch.bfloat16))
+    assert record().declined["padded"] >= 1
+    assert report.mods["saved_fp8"] == 0
+
+
+def test_nothing_is_rewritten_in_the_probe_window(tower):
+    model, x = tower
+    loka_compile.reset()
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="loka", options=dict(recipe="rowwise", probe_steps=2, speed_check=False))
+    for step in range(3):
+        compiled(x).float().square().mean().backward()
+        if step == 0:
+            assert loka_compile.report(compiled).mods["saved_fp8"] == 0  # the probe variant
+    report = loka_compile.report(compiled)
+    assert report.graphs[0].phase == "fp8"
+    assert report.mods["saved_fp8"] == 2
+
+
+def test_dynamic_batch(tower):
+    model, x = tower
+    ref = fp32_grads(model, x)
+    _, on, report = train_step(model, x, dynamic=True)
+    _, off, _ = train_step(model, x, mods=("saved_fp8",), dynamic=True)
+    assert report.mods["saved_fp8"] == 2
+    assert all(rel_error(g_on.float(), r) <= 1.25 * rel_error(g_off.float(), r) + 1e-3
+               for g_on, g_off, r in zip(on, off, ref))
+
+
+class SparseRanker(nn.Module):
+    """Public-style ranker: sparse EmbeddingBags, a shared tower over user and item, a
+    dot interaction."""
+
+    def __init__(self, rows=1000, d=64):
+        super().__init__()
+        self.user = nn.EmbeddingBag(rows, d, mode="sum", sparse=True)
+        self.item = nn.EmbeddingBag(rows, d, mode="sum", sparse=True)
+        self.tower = nn.Sequential(nn.Linear(d, 128), nn.ReLU(), nn.Linear(128, 64), nn.LayerNorm(64))
+        self.head = nn.Linear(64, 16)
+
+    def forward(self, users, items, offsets):
+        u = self.tower(self.user(users, offsets))
+        v = self.tower(self.item(items, offsets))
+        return self.head(u * v)
+
+
+def test_sparse_ranker_with_a_shared_tower():
+    torch.manual_seed(0)
+    model = SparseRanker().to(torch.bfloat16)
+    users, items = torch.randint(0, 1000, (512,)), torch.randint(0, 1000, (512,))
+    offsets = torch.arange(0, 512, 4)
+    loka_compile.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="loka", options=dict(recipe="rowwise", probe_steps=0, speed_check=False))
+    compiled(users, items, offsets).float().square().mean().backward()
+    report = loka_compile.report(compiled)
+    assert not [g.fallback for g in report.graphs if g.fallback]
+    assert report.mods["saved_fp8"] >= 1
+    assert all(torch.isfinite(p.grad.to_dense() if p.grad.is_sparse else p.grad).all() for p in model.parameters())
+
+
+def test_a_failing_rewrite_leaves_the_joint_graph_as_written(tower, monkeypatch, caplog):
+    model, x = tower
+    real = saved_fp8.save_fp8_operands
+
+    def fail_after_rewriting(graph, ctx, result):
+        real(graph, ctx, result)
+        raise RuntimeError("injected")
+
+    _, off, _ = train_step(model, x, mods=("saved_fp8",))
+    monkeypatch.setattr(loka_compile.backend, "save_fp8_operands", fail_after_rewriting)
+    _, grads, report = train_step(model, x)
+    assert "saved_fp8 Mod failed on the joint graph" in caplog.text
+    assert report.mods["saved_fp8"] == 0
+    assert all(s.casts.get("b") != SAVED_IN_FP8 for s in report.sites)
+    assert all(torch.equal(g, g_off) for g, g_off in zip(grads, off))
+    with pytest.raises(Exception, match="injected"):
+        train_step(model, x, fallback=False)
