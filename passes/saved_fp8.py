@@ -24,9 +24,13 @@ Matches, per backward GEMM site (dgrad, wgrad) decided FP8, each operand that:
 Becomes:
     X' = dequantize(q, s), with q, s = cast(X) as the backward GEMM casts it -> the GEMM reads X'
 `lower` then hands q and s to the FP8 GEMM (`find_sites.saved_operand`), and the site reports the
-operand as "saved in FP8 by the forward". Whether the partitioner then saves q and s
-instead of X is checked in the forward graph it made (`check_saves`); the report counts
-the bytes no longer saved only where it did.
+operand as "saved in FP8 by the forward". The FP8 copy and scales are tagged must-save and
+the dequantization must-recompute (the partitioner's own choice kept the dequantized bf16
+copy). What the partitioner then does is checked in the forward graph it made
+(`check_saves`, `SavedOperand.outcome`), and `saved_bytes` is what that graph keeps for the
+backward. Measured on CPU (tests/test_saved_fp8.py): a LayerNorm output is no longer saved
+(the backward recomputes it from the norm's statistics and casts it); a GEMM output
+stays saved in bf16 and is cast in the backward despite the tags: not yet understood.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from typing import Optional
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -50,7 +53,6 @@ from .rewrite import insert_traced
 aten = torch.ops.aten
 _VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.view.default, aten._unsafe_view.default,
           aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default}
-
 
 
 @dataclasses.dataclass
