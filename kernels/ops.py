@@ -37,7 +37,7 @@ from . import metrics
 
 from . import providers
 from .gemm_operands import quantize_gemm_operand
-from .quantize import Fp8Format, Scaling, amax_along, cast_with_scale, scale_from_amax
+from .quantize import Fp8Format, Scaling, amax_along, cast_with_scale, dequantize, scale_from_amax
 from .scaled_gemm import GemmSpec, gemm_quantized, padding_for, quantize_operand_aten, scaled_gemm
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -132,6 +132,20 @@ def _(x, operand, scaling, fmt):
 
     scaling_e, fmt_e, _ = _parse(scaling, fmt, fmt)
     return quantize_operand_aten(x, operand, scaling_e, fmt_e)
+
+
+@torch.library.custom_op("loka::dequantize_saved", mutates_args=())
+def dequantize_saved(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale in `dtype` (tensorwise or rowwise scales): the operand the saved_fp8 Mod
+    hands a backward GEMM in the joint graph, which `lower` replaces by q and scale. An
+    opaque op, not ATen pointwise ones: the partitioner doubles the cost of saving a value
+    that only fusible ops read, which made it keep the bf16 activation over its FP8 copy."""
+    return dequantize(q, scale).to(dtype)
+
+
+@dequantize_saved.register_fake
+def _(q, scale, dtype):
+    return torch.empty_like(q, dtype=dtype)
 
 
 # ---- Probe observer --------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .quantize import (Fp8Format, Scaling, cast_with_scale, dequantize, quantize_along, quantize_blockwise,
+from .quantize import (Fp8Format, Scaling, cast_with_scale, quantize_along, quantize_blockwise,
                        quantize_tensorwise, row_scale_of_pieces)
 
 
@@ -114,11 +114,11 @@ def cast_operand(x: torch.Tensor, operand: str, spec: GemmSpec):
 
 
 def cast_to_save(x: torch.Tensor, operand: str, spec: GemmSpec):
-    """x's cast as `cast_operand` makes it, and its dequantized copy: (dequantized, q, scale).
-    The saved_fp8 Mod computes the cast in the forward and hands the backward GEMM the
-    dequantized copy, which `lower` replaces by q and scale."""
+    """x's cast as `cast_operand` makes it, and its dequantized copy (`loka::dequantize_saved`):
+    (dequantized, q, scale). The saved_fp8 Mod computes the cast in the forward and hands
+    the backward GEMM the dequantized copy, which `lower` replaces by q and scale."""
     q, scale = cast_operand(x, operand, spec)
-    return dequantize(q, scale).to(x.dtype), q, scale
+    return torch.ops.loka.dequantize_saved(q, scale, x.dtype), q, scale
 
 
 def cast_a_pieces(pieces: list, spec: GemmSpec, dtype: torch.dtype, flatten: bool):

@@ -183,21 +183,15 @@ def per_piece_cast(operand: torch.fx.Node, scaling: str, fused_casts: bool, stat
     return found
 
 
-# The saved_fp8 Mod's mark on the dequantized FP8 copy it hands a backward GEMM: the names
-# of its (q, scale) nodes, which the partitioner keeps.
-SAVED_FP8_MARK = "loka_saved_fp8"
 SAVED_IN_FP8 = "saved in FP8 by the forward"
 
 
 def saved_operand(operand: torch.fx.Node) -> Optional[tuple]:
-    """(q, scale) nodes where `operand` is the dequantized FP8 copy the saved_fp8 Mod
-    made in the forward, else None."""
-    names = operand.meta.get(SAVED_FP8_MARK)
-    if names is None:
-        return None
-    nodes = {n.name: n for n in operand.graph.nodes}
-    q, scale = (nodes.get(name) for name in names)
-    return (q, scale) if q is not None and scale is not None else None
+    """(q, scale) nodes where `operand` is the dequantized FP8 copy the saved_fp8 Mod made
+    in the forward (`loka::dequantize_saved`), else None."""
+    if operand.op == "call_function" and operand.target is torch.ops.loka.dequantize_saved.default:
+        return operand.args[0], operand.args[1]
+    return None
 
 
 def _piece_cast(piece: torch.fx.Node, scaling: str) -> str:

@@ -24,13 +24,11 @@ Matches, per backward GEMM site (dgrad, wgrad) decided FP8, each operand that:
 Becomes:
     X' = dequantize(q, s), with q, s = cast(X) as the backward GEMM casts it -> the GEMM reads X'
 `lower` then hands q and s to the FP8 GEMM (`find_sites.saved_operand`), and the site reports the
-operand as "saved in FP8 by the forward". The FP8 copy and scales are tagged must-save and
-the dequantization must-recompute (the partitioner's own choice kept the dequantized bf16
-copy). What the partitioner then does is checked in the forward graph it made
-(`check_saves`, `SavedOperand.outcome`), and `saved_bytes` is what that graph keeps for the
-backward. Measured on CPU (tests/test_saved_fp8.py): a LayerNorm output is no longer saved
-(the backward recomputes it from the norm's statistics and casts it); a GEMM output
-stays saved in bf16 and is cast in the backward despite the tags: not yet understood.
+operand as "saved in FP8 by the forward". The dequantization is an opaque op
+(`loka::dequantize_saved`): written as ATen pointwise ops, the partitioner (which doubles
+the cost of saving a value only fusible ops read) kept the bf16 activation instead. What
+the partitioner does is checked in the forward graph it made (`check_saves`,
+`SavedOperand.outcome`), and `saved_bytes` is what that graph keeps for the backward.
 """
 
 from __future__ import annotations
@@ -40,19 +38,18 @@ import functools
 from collections import Counter
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import GemmSpec, cast_to_save
 from loka_compile.speed import size_hint
 
 from .context import PassContext, Role
-from .find_sites import GEMM_OPS, SAVED_FP8_MARK, VIEW_LIKE, find_sites, operands, skip_views_up
+from .find_sites import GEMM_OPS, VIEW_LIKE, find_sites, operands, skip_views_up
 from .rewrite import insert_traced
 
 aten = torch.ops.aten
 _VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default}
+          aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default, aten.clone.default}
 
 
 @dataclasses.dataclass
@@ -60,8 +57,8 @@ class SavedOperand:
     site: str             # the backward site's id
     operand: str          # "a" or "b"
     activation: str       # the activation's node (in the joint graph and the forward graph)
-    q: str                # its FP8 copy's node (under the views that lay it out for the GEMM)
-    scale: str            # its scales' node (likewise)
+    q: tuple              # its FP8 copy's nodes: as the GEMM reads it, and under those views and copies
+    scale: tuple          # its scales' nodes, likewise
     # what the partitioner made of it (`check_saves`): "fp8" (the forward returns the FP8
     # copy and scales, not the activation), "recomputed" (neither: the backward recomputes
     # the activation and casts it), "both" (the activation too: read by another op of the
@@ -145,36 +142,20 @@ def _save(site, which: str, operand: torch.fx.Node, decision, fused_casts: bool)
     spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
                     decision.provider, site.dtype, fused_casts=fused_casts)
     producer = skip_views_up(operand)
-    inserted, (dequantized, q, scale) = insert_traced(
+    _, (dequantized, q, scale) = insert_traced(
         site.node, functools.partial(cast_to_save, operand=which, spec=spec), [operand], meta_from=producer)
-    dequantized.meta[SAVED_FP8_MARK] = (q.name, scale.name)
     site.node.replace_input_with(operand, dequantized)
-    # The partitioner's own choice was measured to keep the dequantized bf16 copy: pin the
-    # FP8 copy and scales (the nodes under their views) as saved, the dequantization as
-    # recomputed in the backward.
-    kept = {_under_views(q), _under_views(scale)}
-    cast = _ancestors_within(kept, set(inserted))
-    for node in inserted:
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if node in kept or node in cast \
-            else CheckpointPolicy.MUST_RECOMPUTE
-    return SavedOperand(site.id, which, producer.name, _under_views(q).name, _under_views(scale).name)
+    return SavedOperand(site.id, which, producer.name, _views_down(q), _views_down(scale))
 
 
-def _under_views(node: torch.fx.Node) -> torch.fx.Node:
-    """The node under `node`'s views (not under a dtype conversion, as skip_views_up goes)."""
+def _views_down(node: torch.fx.Node) -> tuple:
+    """Names of `node` and the nodes under its views and copies (not under a dtype
+    conversion, as skip_views_up goes): any of them is what the partitioner may save."""
+    names = [node.name]
     while node.op == "call_function" and node.target in _VIEWS:
         node = node.args[0]
-    return node
-
-
-def _ancestors_within(nodes: set, within: set) -> set:
-    found, stack = set(), list(nodes)
-    while stack:
-        for source in stack.pop().all_input_nodes:
-            if source in within and source not in found:
-                found.add(source)
-                stack.append(source)
-    return found
+        names.append(node.name)
+    return tuple(names)
 
 
 def check_saves(forward: torch.fx.Graph, saved: SavedFp8) -> None:
@@ -187,7 +168,7 @@ def check_saves(forward: torch.fx.Graph, saved: SavedFp8) -> None:
     saved.saved_bytes = sum(_bytes(n) for n in for_backward
                             if n.op != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
     for entry in saved.operands:
-        fp8 = entry.q in returned and entry.scale in returned
+        fp8 = bool(returned.intersection(entry.q)) and bool(returned.intersection(entry.scale))
         activation = entry.activation in returned
         entry.outcome = {(True, False): "fp8", (False, False): "recomputed", (True, True): "both",
                          (False, True): "activation"}[(fp8, activation)]
