@@ -167,6 +167,8 @@ class LokaJointPass(CustomGraphPass):
         self.post_grad = post_grad
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if graph_kind(graph) is not passes.GraphKind.BACKWARD:
+            return  # Inductor runs its joint-graph passes on inference graphs too
         record, phase = self.post_grad.record, self.post_grad.phase
         record.saved_fp8 = SavedFp8.of_joint_graph(graph)
         if phase == "probe" or "saved_fp8" in record.config.inactive_mods:
@@ -269,7 +271,8 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     if custom_pass is not None:
         patches["post_grad_custom_pre_pass"] = LokaProvenancePass(inductor_config.post_grad_custom_pre_pass)
         patches["post_grad_custom_post_pass"] = custom_pass
-        patches["joint_custom_post_pass"] = LokaJointPass(custom_pass)
+        if isinstance(custom_pass, LokaPostGradPass):  # not an export's (inference) pass
+            patches["joint_custom_post_pass"] = LokaJointPass(custom_pass)
         if "aligned_gemms" not in config.inactive_mods and hasattr(inductor_config, "force_shape_pad"):
             patches.update(ALIGNED_GEMMS)
         if "benchmarked_reductions" not in config.inactive_mods:  # CUDA-graph modes only

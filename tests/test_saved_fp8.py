@@ -132,6 +132,36 @@ def test_default_recipe_keeps_wgrad_bf16_so_nothing_is_saved(tower):
     assert not record().operands
 
 
+class Attention(nn.Module):
+    """Self-attention over a sequence, with the bmm's written out: the dgrads of q @ k^T and
+    p @ v read activations (k, q, v) that only GEMMs read, and p, which softmax's
+    backward reads too."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        p = torch.softmax(q @ k.transpose(1, 2) / 8.0, dim=-1)
+        return self.out(p @ v)
+
+
+def test_default_recipe_saves_the_activation_operands_of_batched_dgrads():
+    model = Attention().to(torch.bfloat16)
+    x = torch.randn(8, 32, 64, dtype=torch.bfloat16)
+    ref = fp32_grads(model, x)
+    _, on, report = train_step(model, x, recipe="default")
+    saved = sorted((s.name, which) for s in report.sites for which, c in s.casts.items() if c == SAVED_IN_FP8)
+    assert len(saved) == 3 and all(name.split(":")[1].startswith("dgrad") for name, _ in saved)
+    assert all(o.outcome == "fp8" for o in record().operands)
+    assert record().declined["read_by_other_ops"] >= 1  # p, which softmax's backward reads
+    _, off, _ = train_step(model, x, recipe="default", mods=("saved_fp8",))
+    for g_on, g_off, g_ref in zip(on, off, ref):
+        assert rel_error(g_on.float(), g_ref) <= 1.25 * rel_error(g_off.float(), g_ref) + 1e-3
+
+
 class Reused(nn.Module):
     """h feeds a linear and is read again by the backward of h * h."""
 
