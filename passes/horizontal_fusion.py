@@ -35,6 +35,10 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
                          reads the fusion saves (M: the input's rows; a symbolic M counts
                          as its hint; byte accounting, not yet timed on a GPU)
 
+The bodies of higher-order ops that call them on the operands that follow (an
+activation-checkpointed region is one) are fused the same way, each graph all or nothing;
+their weights count as parameters where the op's operand is one.
+
 In inference graphs the `cached_weights` Mod keeps the concatenated weight's FP8 copy, made
 once per version of the siblings' weights; a fused site left in bf16 concatenates its
 weights on every call, which the not_worth_it rule bounds.
@@ -240,6 +244,12 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
                 continue
             groups.append(members)
 
+    for body, body_inputs in _bodies(gm, inputs):  # higher-order ops' bodies: checkpointed regions, ...
+        inner = fuse_sibling_linears(body, body_inputs, exclude_modules=exclude_modules)
+        result.groups += inner.groups
+        result.linears += inner.linears
+        result.declined.update(inner.declined)
+        result.modules.extend(inner.modules)
     if not groups:
         return result
     with all_or_nothing(gm):
@@ -250,6 +260,34 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             result.modules.append(joined_module_path([lin.module for lin in members]))
             log.debug("horizontal_fusion: fused %d linears into %s", len(members), result.modules[-1])
     return result
+
+
+def _bodies(gm: torch.fx.GraphModule, inputs: dict) -> list:
+    """(body, its inputs' values in placeholder order) of each higher-order op that calls a
+    graph module of `gm` on the arguments after it (activation checkpointing's
+    `tag_activation_checkpoint(body, *args)`, the `wrap_with_*` ops): the values are the
+    arguments' (a Parameter where the argument is one), so that the body's weights count as
+    parameters. Ops that pass their operands otherwise (cond, map) are left alone."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        for i, arg in enumerate(node.args):
+            body = _fetch_attr(gm, arg.target) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
+            if isinstance(body, torch.fx.GraphModule):
+                break
+        else:
+            continue
+        operands = node.args[i + 1:]
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        if len(operands) != len(placeholders) or not all(isinstance(a, torch.fx.Node) for a in operands):
+            continue
+        values = [_tensor_of(gm, a, inputs)[0] if a.op in ("placeholder", "get_attr")
+                  else a.meta.get("example_value", a.meta.get("val")) for a in operands]
+        if any(isinstance(v, torch.fx.GraphModule) for v in values):
+            continue
+        found.append((body, values))
+    return found
 
 
 def _params(gm, lin: _Linear):

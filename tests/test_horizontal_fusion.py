@@ -141,6 +141,40 @@ def test_outputs_modified_in_place_keep_forward_and_gradients():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+class CheckpointedMaskNet(ParallelMaskNet):
+    """ParallelMaskNet whose blocks run under activation checkpointing, as deep rankers
+    train to save memory."""
+
+    def forward(self, emb):
+        def blocks(emb):
+            normed = self.emb_norm(emb)
+            return torch.cat([blk(emb, normed) for blk in self.blocks], 1)
+
+        return self.head(torch.utils.checkpoint.checkpoint(blocks, emb, use_reentrant=False)).squeeze(-1)
+
+
+def test_siblings_inside_a_checkpointed_region_fuse(fresh_compile_state):
+    torch.manual_seed(0)
+    model, emb = CheckpointedMaskNet(), torch.randn(64, 64)
+    gm, example_inputs = dynamo_graph(model, emb)
+    assert len(linear_nodes(gm)) == 1  # the head; the blocks are in the region's body
+
+    result = fuse_sibling_linears(gm, example_inputs)
+
+    assert (result.groups, result.linears) == (1, 4)
+    assert result.modules == ["blocks.{0,1,2,3}.mask.0"]
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*example_inputs)[0], model(emb), rtol=1e-5, atol=1e-6)
+
+    eager = copy.deepcopy(model)
+    eager(emb).sum().backward()
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "min_gemm_dim": 10 ** 6})
+    compiled(emb).sum().backward()
+    assert loka_compile.report(compiled).mods["horizontal_linears"] == 4
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert rel_error(q.grad, p.grad) <= 1e-4, name
+
+
 def test_joined_module_path():
     assert joined_module_path(["blocks.0.mask.0", "blocks.1.mask.0"]) == "blocks.{0,1}.mask.0"
     assert joined_module_path(["tower.a", "tower.b", "tower.c"]) == "tower.{a,b,c}"
