@@ -15,3 +15,18 @@ def dynamo_graph(model, *inputs):
     torch.compile(model, backend=record)(*inputs)
     assert len(graphs) == 1
     return graphs[0]
+
+
+def loka_and_eager_grads(model, x, options):
+    """One backward of sum(model(x)) compiled with loka (`options`) and of an eager copy:
+    (loka's report, [(parameter name, loka's gradient, eager's gradient)])."""
+    import copy
+
+    import loka_compile
+
+    eager = copy.deepcopy(model)
+    eager(x).sum().backward()
+    compiled = torch.compile(model, backend="loka", options=options)
+    compiled(x).sum().backward()
+    grads = [(name, p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), eager.parameters())]
+    return loka_compile.report(compiled), grads

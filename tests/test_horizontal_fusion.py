@@ -15,7 +15,7 @@ from loka_compile import backend
 from loka_compile.passes import MODS
 from loka_compile.passes.horizontal_fusion import fuse_sibling_linears, joined_module_path
 from numerics import rel_error, sqnr_db
-from graphs import dynamo_graph
+from graphs import dynamo_graph, loka_and_eager_grads
 
 LINEARS = (torch._C._nn.linear, F.linear)
 
@@ -166,13 +166,10 @@ def test_siblings_inside_a_checkpointed_region_fuse(fresh_compile_state):
     with torch.no_grad():
         torch.testing.assert_close(gm(*example_inputs)[0], model(emb), rtol=1e-5, atol=1e-6)
 
-    eager = copy.deepcopy(model)
-    eager(emb).sum().backward()
-    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "min_gemm_dim": 10 ** 6})
-    compiled(emb).sum().backward()
-    assert loka_compile.report(compiled).mods["horizontal_linears"] == 4
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        assert rel_error(q.grad, p.grad) <= 1e-4, name
+    report, grads = loka_and_eager_grads(model, emb, {"probe_steps": 0, "min_gemm_dim": 10 ** 6})
+    assert report.mods["horizontal_linears"] == 4
+    for name, got, expected in grads:
+        assert rel_error(expected, got) <= 1e-4, name
 
 
 def test_joined_module_path():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import loka_compile
 from loka_compile import backend
 from loka_compile.passes.transposed_linear import rewrite_transposed_linears
-from graphs import dynamo_graph
+from graphs import dynamo_graph, loka_and_eager_grads
 from numerics import rel_error, sqnr_db
 
 LINEARS = (torch._C._nn.linear, F.linear)
@@ -365,12 +365,9 @@ CHECKPOINT_REL_ERROR = 1e-4
 def test_checkpointed_feature_mixing(fresh_compile_state):
     torch.manual_seed(0)
     model, x = CheckpointedMixer(), torch.randn(16, 12, 32)
-    eager = copy.deepcopy(model)
-    eager(x).sum().backward()
-    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "min_gemm_dim": 10 ** 6})
-    compiled(x).sum().backward()
-    assert loka_compile.report(compiled).mods["transposed_linear"] == 1
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        assert rel_error(q.grad, p.grad) <= CHECKPOINT_REL_ERROR, name
-    recomputed = [s for s in loka_compile.report(compiled).sites if s.name.endswith(":fwd:recomputed")]
+    report, grads = loka_and_eager_grads(model, x, {"probe_steps": 0, "min_gemm_dim": 10 ** 6})
+    assert report.mods["transposed_linear"] == 1
+    for name, got, expected in grads:
+        assert rel_error(expected, got) <= CHECKPOINT_REL_ERROR, name
+    recomputed = [s for s in report.sites if s.name.endswith(":fwd:recomputed")]
     assert any(s.module == "mix.mix" and s.batch == 16 for s in recomputed)
