@@ -38,7 +38,9 @@ class SiteRecord:
     bf16_us: Optional[float] = None   # speed check: high-precision GEMM time at this shape
     fp8_us: Optional[float] = None    # speed check: the FP8 form's time, casts included
     detail: str = ""                  # the reason's particulars ("K=100", the timings, ...)
-    casts: dict = dataclasses.field(default_factory=dict)  # FP8 sites: "a"/"b" -> how it is cast
+    # FP8 sites: "a"/"b" -> how it is cast; a high-precision site: only an operand it reads as
+    # the dequantized FP8 copy the forward saved (the saved_fp8 Mod)
+    casts: dict = dataclasses.field(default_factory=dict)
     fast_accum: bool = False          # FP8 sites: the GEMM accumulates in the fast mode
     padding: tuple = (0, 0)           # FP8 sites: zeros appended to K and N (the pad Mod)
     id: str = ""                      # stable site id, "<kind>/<module>:<role>#<n>": the plan's key
@@ -127,7 +129,7 @@ def _site_records(record) -> list:
                 history=tuple(record.plan.history.get(site.id, ())),
                 verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
-                casts=dict(site.casts) if fp8 else {}, fast_accum=fp8 and decision.fast_accum,
+                casts=dict(site.casts) if fp8 or not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
                 padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id,
                 m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id)))
     return rows
@@ -188,7 +190,7 @@ class Report:
         with that Mod on (`saved_for_backward_bytes`, at compile-time sizes: compare it
         with the Mod off for the memory it saves),
         and the opt-in architecture Mods' rewrites."""
-        casts = [c for s in self.sites for c in s.casts.values()]
+        casts = [c for s in self.sites if s.fp8 for c in s.casts.values()]
         fused = sum(c.startswith("fused") for c in casts)
         cached = sum(c.startswith("cached") for c in casts)
         saved = sum(c == SAVED_IN_FP8 for c in casts)

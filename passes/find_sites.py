@@ -270,6 +270,14 @@ def gradient_nodes(graph: torch.fx.Graph) -> set:
     return marked
 
 
+def forward_output_count(joint_graph: torch.fx.Graph) -> int:
+    """How many of a joint graph's outputs are the forward's: it returns them, then one
+    gradient per forward input (`primals_*`)."""
+    output = next(n for n in joint_graph.nodes if n.op == "output")
+    primals = sum(1 for n in joint_graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+    return len(output.args[0]) - primals
+
+
 def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset, grads: set,
                           joint: bool = False) -> set:
     """GEMM nodes whose result becomes (part of) a parameter's gradient, and GEMMs that
@@ -281,8 +289,7 @@ def weight_gradient_gemms(graph: torch.fx.Graph, param_input_indices: frozenset,
     results = output.args[0]
     results = results if isinstance(results, (tuple, list)) else (results,)
     if joint:
-        primals = sum(1 for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
-        results = results[len(results) - primals:]
+        results = results[forward_output_count(graph):]
     stack = [results[i] for i in param_input_indices if i < len(results) and isinstance(results[i], torch.fx.Node)]
     found, seen = set(), set()
     while stack:

@@ -71,6 +71,7 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
         if not decision.fp8:
+            _report_saved_operands_of_high_precision(site)
             continue
         node = site.node
         a, b, bias, _ = operands(node)
@@ -156,6 +157,18 @@ def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional
                 "cast again from its dequantized copy", site.name, which, spec.scaling.value, fmt.value)
     site.casts[which] = "standalone (cast again from the forward's FP8 copy: another cast than this GEMM's)"
     return None
+
+
+def _report_saved_operands_of_high_precision(site) -> None:
+    """A site kept in high precision here that the saved_fp8 Mod, deciding in the joint
+    graph, took for FP8 reads the dequantized FP8 copy: say so (rare: the two decisions
+    differ only where the speed check's timings do)."""
+    a, b, _, _ = operands(site.node)
+    for which, operand in (("a", a), ("b", b)):
+        if saved_operand(operand) is not None:
+            site.casts[which] = "dequantized FP8 copy saved by the forward (the GEMM runs in high precision)"
+            log.warning("loka: %s runs in high precision on the FP8 copy of operand %s that the forward saved "
+                        "(%s)", site.name, which, site.id)
 
 
 def _gemm_on_cast_b(*args, a_cast, spec: GemmSpec):

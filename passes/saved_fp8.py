@@ -16,10 +16,11 @@ and the decisions Dispatch gives them there, which are those of the backward gra
 sites (the same ids, from the same nodes).
 
 Matches, per backward GEMM site (dgrad, wgrad) decided FP8, each operand that:
-  - carries no incoming gradient, and is computed by the forward (not a graph input: a
-    weight or the model's input is kept by the caller anyway);
-  - is read in the backward by this GEMM only; otherwise the activation stays saved and
-    the FP8 copy would add memory (declined: `needed_in_backward`);
+  - carries no incoming gradient;
+  - is computed by the forward (declined: `graph_input`; a weight or the model's input is
+    kept by the caller anyway);
+  - is read by GEMMs only, through views (declined: `read_by_other_ops`; a ReLU output,
+    which the ReLU's backward reads, stays saved, and its FP8 copy would add memory);
   - is cast tensorwise or rowwise and unpadded (declined: `scaling`, `padded`).
 Becomes:
     X' = dequantize(q, s), with q, s = cast(X) as the backward GEMM casts it -> the GEMM reads X'
@@ -44,12 +45,14 @@ from loka_compile.kernels.scaled_gemm import GemmSpec, cast_to_save
 from loka_compile.speed import size_hint
 
 from .context import PassContext, Role
-from .find_sites import GEMM_OPS, VIEW_LIKE, find_sites, operands, skip_views_up
+from .find_sites import GEMM_OPS, VIEW_LIKE, find_sites, forward_output_count, operands, skip_views_up
 from .rewrite import insert_traced
 
 aten = torch.ops.aten
+# What lays the FP8 copy out for the GEMM without converting it (`_views_down`)
 _VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default, aten.clone.default}
+          aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default,
+          aten.clone.default}
 
 
 @dataclasses.dataclass
@@ -77,9 +80,7 @@ class SavedFp8:
 
     @classmethod
     def of_joint_graph(cls, graph: torch.fx.Graph) -> "SavedFp8":
-        output = next(n for n in graph.nodes if n.op == "output")
-        primals = sum(1 for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
-        return cls(forward_outputs=len(output.args[0]) - primals)
+        return cls(forward_outputs=forward_output_count(graph))
 
     def summary(self) -> dict:
         return {"operands": len(self.operands), "outcomes": dict(Counter(o.outcome for o in self.operands)),

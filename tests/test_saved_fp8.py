@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import loka_compile
-from loka_compile.passes import saved_fp8
-from loka_compile.passes.find_sites import SAVED_IN_FP8
+from loka_compile.passes import Decision, Reason, saved_fp8
+from loka_compile.passes.find_sites import SAVED_IN_FP8, operands, saved_operand
 from numerics import rel_error
 
 class Tower(nn.Module):
@@ -244,6 +244,29 @@ def test_sparse_ranker_with_a_shared_tower():
     assert not [g.fallback for g in report.graphs if g.fallback]
     assert report.mods["saved_fp8"] >= 1
     assert all(torch.isfinite(p.grad.to_dense() if p.grad.is_sparse else p.grad).all() for p in model.parameters())
+
+
+def test_a_site_then_kept_in_high_precision_says_what_it_reads(tower, monkeypatch, caplog):
+    """The joint graph's decision took a site for FP8, the backward graph's kept it in
+    high precision (where the speed check's timings differ): the GEMM reads the FP8 copy,
+    and the report and the log say so."""
+    model, x = tower
+    decide = loka_compile.backend._decide
+
+    def keep_saved_sites_high_precision(site, **kwargs):
+        a, b, _, _ = operands(site.node)
+        if saved_operand(b) is not None:
+            return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, detail="forced by the test")
+        return decide(site, **kwargs)
+
+    monkeypatch.setattr(loka_compile.backend, "_decide", keep_saved_sites_high_precision)
+    ref = fp32_grads(model, x)
+    _, grads, report = train_step(model, x)
+    kept = {s.module: s for s in report.sites if s.role == "wgrad" and not s.fp8}
+    assert {"mid", "out"} <= set(kept)
+    assert kept["out"].casts["b"].startswith("dequantized FP8 copy saved by the forward")
+    assert "runs in high precision on the FP8 copy" in caplog.text
+    assert all(rel_error(g.float(), r) < 0.2 for g, r in zip(grads, ref))
 
 
 class CheckpointedTower(Tower):
