@@ -57,7 +57,7 @@ from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenan
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.passes.horizontal_fusion import HorizontalFusion, fuse_sibling_linears
 from loka_compile.passes.rewrite import all_or_nothing
-from loka_compile.passes.saved_fp8 import SavedFp8, check_saves, save_fp8_operands
+from loka_compile.passes.saved_fp8 import SavedFp8, check_saves, find_operands, save_fp8_operands
 from loka_compile.passes.transposed_linear import TransposedLinears, rewrite_transposed_linears
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
@@ -178,8 +178,10 @@ class LokaJointPass(CustomGraphPass):
                           decide=functools.partial(_decide, record=record, phase=phase),
                           inactive_mods=record.config.inactive_mods, joint=True)
         try:
-            with all_or_nothing(graph.owning_module):
-                save_fp8_operands(graph, ctx, record.saved_fp8)
+            found = find_operands(graph, ctx, record.saved_fp8)
+            if found:  # the copy all_or_nothing keeps costs compile time: only when rewriting
+                with all_or_nothing(graph.owning_module):
+                    save_fp8_operands(found, "fused_casts" not in record.config.inactive_mods, record.saved_fp8)
         except Exception as error:
             if not record.config.fallback:
                 raise

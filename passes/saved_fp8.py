@@ -104,9 +104,11 @@ def _read_by_gemms_only(node: torch.fx.Node) -> bool:
     return True
 
 
-def save_fp8_operands(graph: torch.fx.Graph, ctx: PassContext, result: SavedFp8) -> SavedFp8:
-    """Rewrite the joint graph as the module docstring says, recording into `result`;
-    `ctx` is a backward-kind context whose `decide` is Dispatch's."""
+def find_operands(graph: torch.fx.Graph, ctx: PassContext, result: SavedFp8) -> list:
+    """The operands to save, as (site, "a" or "b", operand node, decision), counting the
+    declined ones into `result`; changes nothing. `ctx` is a backward-kind context whose
+    `decide` is Dispatch's."""
+    found = []
     find_sites(graph, ctx)
     for site in ctx.sites:
         if site.role not in (Role.DGRAD, Role.WGRAD):
@@ -121,9 +123,16 @@ def save_fp8_operands(graph: torch.fx.Graph, ctx: PassContext, result: SavedFp8)
             why = _decline(operand, decision)
             if why:
                 result.declined[why] += 1
-                continue
-            result.operands.append(_save(site, which, operand, decision, "fused_casts" not in ctx.inactive_mods))
-    return result
+            else:
+                found.append((site, which, operand, decision))
+    return found
+
+
+def save_fp8_operands(found: list, fused_casts: bool, result: SavedFp8) -> None:
+    """Rewrite the joint graph for the operands `find_operands` found (module docstring),
+    recording each into `result`."""
+    for site, which, operand, decision in found:
+        result.operands.append(_save(site, which, operand, decision, fused_casts))
 
 
 def _decline(operand: torch.fx.Node, decision) -> str:

@@ -64,9 +64,21 @@ def tower():
     return Tower().to(torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
 
 
-def test_wgrads_read_the_forwards_fp8_copies(tower):
-    model, x = tower
-    _, _, report = train_step(model, x)
+@pytest.fixture(scope="module")
+def tower_runs():
+    """One training step of the Tower with the Mod on and off, and fp32 gradients: shared by
+    the tests that read them (each compile costs seconds)."""
+    torch.manual_seed(0)
+    model, x = Tower().to(torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
+    on = train_step(model, x)
+    saved = record()
+    off = train_step(model, x, mods=("saved_fp8",))
+    return {"model": model, "x": x, "ref": fp32_grads(model, x), "on": on, "saved": saved, "off": off}
+
+
+def test_wgrads_read_the_forwards_fp8_copies(tower_runs):
+    _, _, report = tower_runs["on"]
+    saved = tower_runs["saved"]
     wgrads = {s.module: s for s in report.sites if s.role == "wgrad"}
     assert all(s.fp8 for s in wgrads.values())
     # X of mid and out is read by GEMMs only; proj's (a ReLU output) also by the ReLU's
@@ -75,27 +87,22 @@ def test_wgrads_read_the_forwards_fp8_copies(tower):
     assert wgrads["inp"].casts["b"].startswith("standalone (graph input")
     assert wgrads["proj"].casts["b"] == "standalone (graph input relu)"
     assert report.mods["saved_fp8"] == 2
-    assert dict(record().declined) == {"graph_input": 4, "read_by_other_ops": 1}
+    assert dict(saved.declined) == {"graph_input": 4, "read_by_other_ops": 1}
     # proj's output (a GEMM's) is kept as its FP8 copy; the LayerNorm output is no longer
     # kept: the backward recomputes it from the statistics its own backward keeps, and casts it
-    outcomes = {o.site.split("/")[1].split(":")[0]: o.outcome for o in record().operands}
+    outcomes = {o.site.split("/")[1].split(":")[0]: o.outcome for o in saved.operands}
     assert outcomes == {"out": "fp8", "mid": "recomputed"}
     assert fp8_inputs(report, "backward")
 
 
-def test_the_forward_keeps_less_for_the_backward(tower):
-    model, x = tower
-    _, _, on = train_step(model, x)
-    _, _, off = train_step(model, x, mods=("saved_fp8",))
+def test_the_forward_keeps_less_for_the_backward(tower_runs):
+    on, off = tower_runs["on"][2], tower_runs["off"][2]
     assert off.mods["saved_fp8"] == 0
     assert 0 < on.mods["saved_for_backward_bytes"] < off.mods["saved_for_backward_bytes"]
 
 
-def test_gradients_match_the_mod_off_and_fp32(tower):
-    model, x = tower
-    ref = fp32_grads(model, x)
-    out_on, on, _ = train_step(model, x)
-    out_off, off, _ = train_step(model, x, mods=("saved_fp8",))
+def test_gradients_match_the_mod_off_and_fp32(tower_runs):
+    (out_on, on, _), (out_off, off, _), ref = tower_runs["on"], tower_runs["off"], tower_runs["ref"]
     # Inductor may fuse a GEMM's bias add with the new cast and hand the forward's next cast
     # the fp32 sum instead of its bf16 rounding: a few FP8 values round apart
     assert rel_error(out_on.float(), out_off.float()) < 0.02
@@ -148,6 +155,11 @@ class Attention(nn.Module):
         return self.out(p @ v)
 
 
+# Attention, CPU (emulated FP8), default recipe: gradients' relative errors against fp32
+# measured 0.017-0.038, the same with the Mod off; floor with margin:
+ATTENTION_GRAD_REL_ERROR = 0.06
+
+
 def test_default_recipe_saves_the_activation_operands_of_batched_dgrads():
     model = Attention().to(torch.bfloat16)
     x = torch.randn(8, 32, 64, dtype=torch.bfloat16)
@@ -157,9 +169,8 @@ def test_default_recipe_saves_the_activation_operands_of_batched_dgrads():
     assert len(saved) == 3 and all(name.split(":")[1].startswith("dgrad") for name, _ in saved)
     assert all(o.outcome == "fp8" for o in record().operands)
     assert record().declined["read_by_other_ops"] >= 1  # p, which softmax's backward reads
-    _, off, _ = train_step(model, x, recipe="default", mods=("saved_fp8",))
-    for g_on, g_off, g_ref in zip(on, off, ref):
-        assert rel_error(g_on.float(), g_ref) <= 1.25 * rel_error(g_off.float(), g_ref) + 1e-3
+    for g_on, g_ref in zip(on, ref):
+        assert rel_error(g_on.float(), g_ref) <= ATTENTION_GRAD_REL_ERROR
 
 
 class Reused(nn.Module):
@@ -204,14 +215,12 @@ def test_nothing_is_rewritten_in_the_probe_window(tower):
     assert report.mods["saved_fp8"] == 2
 
 
-def test_dynamic_batch(tower):
-    model, x = tower
-    ref = fp32_grads(model, x)
-    _, on, report = train_step(model, x, dynamic=True)
-    _, off, _ = train_step(model, x, mods=("saved_fp8",), dynamic=True)
+def test_dynamic_batch(tower_runs):
+    model, x, ref = tower_runs["model"], tower_runs["x"], tower_runs["ref"]
+    _, grads, report = train_step(model, x, dynamic=True)
     assert report.mods["saved_fp8"] == 2
-    assert all(rel_error(g_on.float(), r) <= 1.25 * rel_error(g_off.float(), r) + 1e-3
-               for g_on, g_off, r in zip(on, off, ref))
+    for g, g_static, g_ref in zip(grads, tower_runs["on"][1], ref):
+        assert rel_error(g.float(), g_ref) <= 1.25 * rel_error(g_static.float(), g_ref) + 1e-3
 
 
 class SparseRanker(nn.Module):
@@ -278,36 +287,35 @@ class CheckpointedTower(Tower):
         return self.out(h)
 
 
-def test_activation_checkpointing():
+def test_activation_checkpointing(tower_runs):
     model = CheckpointedTower().to(torch.bfloat16)
-    x = torch.randn(256, 64, dtype=torch.bfloat16)
-    ref = fp32_grads(model, x)
-    _, on, report = train_step(model, x)
-    _, off, _ = train_step(model, x, mods=("saved_fp8",))
+    model.load_state_dict(tower_runs["model"].state_dict())
+    _, grads, report = train_step(model, tower_runs["x"])
     assert not [g.fallback for g in report.graphs if g.fallback]
     assert report.mods["saved_fp8"] >= 1
-    for g_on, g_off, g_ref in zip(on, off, ref):
-        assert torch.isfinite(g_on).all()
-        assert rel_error(g_on.float(), g_ref) <= 1.25 * rel_error(g_off.float(), g_ref) + 1e-3
+    # against the same weights without checkpointing, the Mod off
+    for g, g_off, g_ref in zip(grads, tower_runs["off"][1], tower_runs["ref"]):
+        assert torch.isfinite(g).all()
+        assert rel_error(g.float(), g_ref) <= 1.25 * rel_error(g_off.float(), g_ref) + 1e-3
 
 
-def test_a_failing_rewrite_leaves_the_joint_graph_as_written(tower, monkeypatch, caplog):
-    model, x = tower
+def test_a_failing_rewrite_leaves_the_joint_graph_as_written(tower_runs, monkeypatch, caplog):
+    model, x = tower_runs["model"], tower_runs["x"]
     real = saved_fp8.save_fp8_operands
 
-    def fail_after_rewriting(graph, ctx, result):
-        real(graph, ctx, result)
+    def fail_after_rewriting(found, fused_casts, result):
+        real(found, fused_casts, result)
         raise RuntimeError("injected")
 
-    _, off, _ = train_step(model, x, mods=("saved_fp8",))
     monkeypatch.setattr(loka_compile.backend, "save_fp8_operands", fail_after_rewriting)
     _, grads, report = train_step(model, x)
     assert "saved_fp8 Mod failed on the joint graph" in caplog.text
     assert report.mods["saved_fp8"] == 0
     assert all(s.casts.get("b") != SAVED_IN_FP8 for s in report.sites)
-    assert all(torch.equal(g, g_off) for g, g_off in zip(grads, off))
+    assert all(torch.equal(g, g_off) for g, g_off in zip(grads, tower_runs["off"][1]))
     with pytest.raises(Exception, match="injected"):
         train_step(model, x, fallback=False)
+
 
 
 @pytest.mark.cuda
