@@ -19,7 +19,8 @@ candidate provider, on fresh random operands of the site's shape, dtype and layo
              for the cast after the amax pass: the standalone cast's bytes, so its time
              (measured on the H100: MaskNet's K = 3456 casts fused into threshold_backward
              and relu added 0.6-0.9x of a standalone cast, not 1/3). A weight whose
-             FP8 copy is cached (inference, the `cached_weights` Mod) costs nothing.
+             FP8 copy is cached (inference, the `cached_weights` Mod), or an activation
+             whose FP8 copy the forward saved (the `saved_fp8` Mod), costs nothing here.
              An A with a calibrated static scale (an inference site of a plan from
              `loka_compile.calibrate`) is cast clamp(A / s) -> fp8, pointwise with no
              reduction (`scaled_gemm.quantize_static`): fused into its producer it adds

@@ -35,9 +35,9 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
                          reads the fusion saves (M: the input's rows; a symbolic M counts
                          as its hint; byte accounting, not yet timed on a GPU)
 
-The bodies of higher-order ops that call them on the operands that follow (an
+The bodies of higher-order ops that call a graph module on the operands that follow it (an
 activation-checkpointed region is one) are fused the same way, each graph all or nothing;
-their weights count as parameters where the op's operand is one.
+a body's weights count as parameters where the op's operands are.
 
 In inference graphs the `cached_weights` Mod keeps the concatenated weight's FP8 copy, made
 once per version of the siblings' weights; a fused site left in bf16 concatenates its
