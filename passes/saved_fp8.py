@@ -48,11 +48,8 @@ from .context import PassContext, Role
 from .find_sites import GEMM_OPS, VIEW_LIKE, find_sites, forward_output_count, operands, skip_views_up
 from .rewrite import insert_traced
 
-aten = torch.ops.aten
 # What lays the FP8 copy out for the GEMM without converting it (`_views_down`)
-_VIEWS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default,
-          aten.clone.default}
+_VIEWS = VIEW_LIKE - {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 @dataclasses.dataclass
