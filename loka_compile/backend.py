@@ -449,6 +449,38 @@ def weight_input_indices(gm: torch.fx.GraphModule, example_inputs) -> frozenset:
     return frozenset(found)
 
 
+@dataclasses.dataclass
+class _GraphSource:
+    """What compiling a graph again takes: Dynamo's graph, its example inputs (the first
+    call's real tensors), its tracing context and how Dynamo fakified each input.
+
+    Dropped in place (`drop`), not by unsetting the attribute that holds it: Dynamo wraps
+    the compiled graph with `functools.wraps`, which copies the instance's attributes into
+    the wrapper once, so an attribute set to None later still holds the source there, and
+    with it a batch of inputs for the life of the model."""
+
+    gm: Optional[torch.fx.GraphModule]
+    example_inputs: Optional[list]
+    tracing_context: Optional[object]
+    input_contexts: list  # (input tensor, its symbolic context)
+
+    @property
+    def kept(self) -> bool:
+        return self.gm is not None
+
+    def drop(self) -> None:
+        self.gm = self.example_inputs = self.tracing_context = None
+        self.input_contexts = []
+
+    def tracing(self):
+        """Dynamo's tracing context of this graph's compile, with each input's fakification restored."""
+        if self.tracing_context is None:
+            return contextlib.nullcontext()
+        for tensor, symbolic_context in self.input_contexts:
+            self.tracing_context.tensor_to_context[tensor] = symbolic_context
+        return torch._guards.tracing(self.tracing_context)
+
+
 class LokaCompiledGraph:
     """What the backend returns to Dynamo for one graph."""
 
@@ -465,8 +497,8 @@ class LokaCompiledGraph:
         # graph (the FP8 variant after the probe window, a fallback after a failed first
         # run) would fakify the real inputs afresh, every dim a new symbol, and its sites
         # would have symbolic K and N (on FP8 GPUs: symbolic_k_or_n, high precision).
-        self._input_contexts = [(t, tracing_context.tensor_to_context[t]) for t in example_inputs
-                                if isinstance(t, torch.Tensor) and t in tracing_context.tensor_to_context] \
+        input_contexts = [(t, tracing_context.tensor_to_context[t]) for t in example_inputs
+                          if isinstance(t, torch.Tensor) and t in tracing_context.tensor_to_context] \
             if tracing_context is not None else []
         if record.config.probe_steps and not record.plan.source:  # a loaded plan skips the window
             record.phase = "probe"
@@ -480,8 +512,9 @@ class LokaCompiledGraph:
         # closes, its rebuilds with re-checks, and a compile without loka when a variant fails
         # at its first run (where the compile did not: Inductor's multi-kernel times its
         # sub-kernels then, Triton kernels launch). Dropped after the FP8 variant's first run
-        # unless re-checks rebuild it.
-        self._source = (gm, example_inputs, tracing_context)
+        # unless re-checks rebuild it. It holds the first call's inputs (for an LRM's dense
+        # graph, a batch of embeddings), so nothing else may keep them past that.
+        self._source = _GraphSource(gm, example_inputs, tracing_context, input_contexts)
         self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
         self._first_runs = set()  # ids of variants that have run once
 
@@ -517,13 +550,13 @@ class LokaCompiledGraph:
         try:
             out = variant(*args)
         except Exception as error:
-            if not record.config.fallback or _is_dynamo_control(error) or self._source is None:
+            if not record.config.fallback or _is_dynamo_control(error) or not self._source.kept:
                 raise
             why = f"first run failed: {type(error).__name__}: {error}"
         else:
             self._first_runs.add(id(variant))
             if record.phase == "fp8" and not record.config.recheck_every:
-                self._source = None  # nothing compiles this graph again
+                self._source.drop()  # nothing compiles this graph again
             return out
         # Out of the except block: the failed run's frames hold its buffers, which under CUDA
         # graphs live in the graph pool, and the plain compile's first run refuses a pool
@@ -537,9 +570,9 @@ class LokaCompiledGraph:
         graph_fallback. If it fails too, the failure is not loka's: it is raised and nothing
         changes."""
         record = self.record
-        gm, example_inputs, tracing_context = self._source
-        with self._tracing(tracing_context):
-            plain = compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, None))
+        source = self._source
+        with source.tracing():
+            plain = compile_fx(source.gm, source.example_inputs, config_patches=_inductor_patches(record.config, None))
         out = plain(*args)
         _warn_fallback(record, why)
         for ctx in record.contexts.values():
@@ -551,7 +584,7 @@ class LokaCompiledGraph:
                            if phase == record.phase}
         _PROBING.discard(self)
         _RECHECKING.discard(self)
-        self._source = None
+        self._source.drop()
         record.phase = "fp8"
         self.variants = {"fp8": plain}
         self._first_runs.add(id(plain))
@@ -753,17 +786,9 @@ class LokaCompiledGraph:
 
     def _compile_fp8(self):
         """The FP8 variant, with the plan's verdicts as they stand, in Dynamo's tracing context."""
-        gm, example_inputs, tracing_context = self._source
-        with self._tracing(tracing_context):
-            return self._compile(gm, example_inputs, "fp8")
-
-    def _tracing(self, tracing_context):
-        """Dynamo's tracing context of this graph's compile, with each input's fakification restored."""
-        if tracing_context is None:
-            return contextlib.nullcontext()
-        for tensor, symbolic_context in self._input_contexts:
-            tracing_context.tensor_to_context[tensor] = symbolic_context
-        return torch._guards.tracing(tracing_context)
+        source = self._source
+        with source.tracing():
+            return self._compile(source.gm, source.example_inputs, "fp8")
 
     # ---- re-checks (LokaConfig.recheck_every) ------------------------------------------
 
