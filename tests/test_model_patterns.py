@@ -150,6 +150,62 @@ def test_no_grad_evaluation_then_training_with_dynamic_batches():
     assert kinds == {"inference", "forward", "backward"}, kinds
 
 
+class SequenceTransformerRanker(nn.Module):
+    """A behavior-sequence transformer (BST) as public code writes it: item and position
+    embeddings, nn.TransformerEncoder with a padding mask, target attention through
+    nn.MultiheadAttention, an MLP on top."""
+
+    def __init__(self, items=500, d=32, heads=4):
+        super().__init__()
+        self.item = nn.Embedding(items, d, padding_idx=0)
+        self.pos = nn.Embedding(64, d)
+        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+        self.target_attention = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.top = nn.Sequential(nn.Linear(2 * d, 64), nn.LeakyReLU(), nn.Linear(64, 1))
+
+    def forward(self, history, target):
+        padding = history == 0
+        h = self.item(history) + self.pos(torch.arange(history.shape[1], device=history.device))
+        h = self.encoder(h, src_key_padding_mask=padding)
+        t = self.item(target).unsqueeze(1)
+        attended, _ = self.target_attention(t, h, h, key_padding_mask=padding)
+        return self.top(torch.cat([attended.squeeze(1), t.squeeze(1)], -1)).squeeze(-1)
+
+
+@pytest.mark.slow
+def test_sequence_transformer_with_varying_lengths_trains_then_evaluates():
+    """Histories of a new length every few steps under dynamic=True (attention's batched
+    GEMMs over a symbolic length), padding masks, then scoring in eval mode: no fallback,
+    the loss goes down, the attention projections run FP8."""
+    torch.manual_seed(0)
+    model = SequenceTransformerRanker()
+    compiled = torch.compile(model, backend="loka", dynamic=True,
+                             options={"recipe": "rowwise", "probe_steps": 0})
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    targets, labels = torch.randint(1, 500, (16,)), torch.rand(16).round()
+    losses = []
+    for length in (12, 20, 7, 33, 12, 12):
+        history = torch.randint(1, 500, (16, length))
+        history[:, :2] = 0
+        torch.manual_seed(1)  # the same batch's positions at each length: dropout draws alike
+        loss = F.binary_cross_entropy_with_logits(compiled(history, targets), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert torch.isfinite(loss)
+        losses.append(loss.item())
+    assert min(losses[-3:]) < losses[0], losses
+    model.eval()
+    with torch.no_grad():
+        scores = compiled(torch.randint(1, 500, (8, 12)), torch.randint(1, 500, (8,)))
+    assert scores.shape == (8,) and torch.isfinite(scores).all()
+    report = loka_compile.report(compiled)
+    assert report.graphs and not any(g.fallback for g in report.graphs), str(report)
+    assert {s.kind for s in report.sites} == {"forward", "backward", "inference"}
+    assert any(s.fp8 and s.kind == "forward" for s in report.sites), report.table()
+
+
 class DotInteractionRanker(nn.Module):
     """DLRM's shape: a bottom MLP for dense features, EmbeddingBag lookups, pairwise dot
     products of all of them (bmm, lower triangle gathered with tril_indices), a top MLP."""
