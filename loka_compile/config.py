@@ -123,7 +123,9 @@ class LokaConfig:
         drifted over max_probe_error is demoted along the upgrade chain (to a finer
         scaling, else high precision), one whose bound recovered is promoted back, and the
         FP8 variant is rebuilt when a verdict changes. 0: off (the window decides once).
-        Needs probe_steps > 0.
+        Needs probe_steps > 0. A rebuild compiles from the graph's first call, so with
+        re-checks on each compiled graph keeps that call's inputs (off: they are dropped
+        after the FP8 variant's first run).
     max_output_error: a budget on the graph's output discrepancy D, the relative error
         ||y_fp8 - y|| / ||y|| over its floating outputs between the FP8 variant and the
         high-precision one, applied when a probe window closes (on by default; with
