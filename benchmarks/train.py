@@ -8,7 +8,10 @@ batches, in one process:
 - speed: median step time (forward + backward + optimizer step) over `--steps` timed
   steps after `--warmup` steps (CUDA events on GPU, wall clock on CPU); speedup against
   Inductor bf16 in the same mode (eager rows against Inductor default); peak memory
-  allocated during the timed steps (GPU only). Loka rows run loka's default probe window
+  allocated during the timed steps (GPU only; under CUDA graphs, `_ro` rows, a replay
+  allocates nothing, so it is what stays allocated between steps, parameters, optimizer
+  state and the graphs' outputs, not the activations a step holds: compare activation
+  memory on rows without CUDA graphs). Loka rows run loka's default probe window
   (`probe_steps` calls in high precision, then the FP8 variant compiles) inside the
   untimed calls, so they need probe_steps + 2 of them (`loka_untimed_calls`): with the
   error measurement's call below, --warmup >= probe_steps + 1 (the default 5 covers the
