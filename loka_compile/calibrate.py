@@ -85,7 +85,8 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     known = {id(r) for r in backend.GRAPHS}
     # A backend object of its own: Dynamo never serves this run with code compiled for another.
     compiled = torch.compile(model, backend=functools.partial(backend.loka_backend, options=config))
-    with torch.no_grad():  # the FP8 variants compile when the windows close: inference graphs too
+    # The reservoirs' rows are read below, after the windows closed and the FP8 variants ran.
+    with torch.no_grad(), probe.STORE.keeping_samples():  # the FP8 variants compile when the windows close
         for batch in batches:
             _call(compiled, batch)
         # The last batch again closes each window on a call, so the output budget
@@ -100,6 +101,8 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     for record in records:
         row_errors = _static_scales(record, plan, config, policy, float(percentile), label)
         _rebudget(record, plan, config, row_errors)
+        probe.STORE.release_samples([s.key for (phase, _), ctx in record.contexts.items() if phase == "probe"
+                                     for s in ctx.sites])
     # The calibration's graphs are its own: reports of the model's later compiles leave them out.
     backend.GRAPHS[:] = [r for r in backend.GRAPHS if id(r) in known]
     return plan

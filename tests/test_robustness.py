@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
-from loka_compile import LokaConfig, dispatch
+from loka_compile import LokaConfig, dispatch, probe
 from loka_compile.backend import GRAPHS
 from loka_compile.kernels import providers
 from loka_compile.kernels.gemm_operands import quantize_gemm_operand
@@ -429,6 +429,10 @@ def test_a_trained_model_keeps_none_of_its_inputs(monkeypatch, options, first_ru
     assert [ref() is None for ref in alive] == [True] * 5
     report = loka_compile.report(compiled)
     assert all((s.reason == "graph_fallback") == first_run_fails for s in report.sites)
+    # nor the rows its probe window sampled (on the device: up to ~4 MB per site)
+    held = {(key, which): stats["reservoir_rows"] for key in probe.STORE.keys()
+            for which, stats in probe.STORE.summary(key).get("operands", {}).items()}
+    assert len(held) == (0 if "probe_steps" in options else 10) and not any(held.values()), held
 
 
 def test_a_first_run_that_fails_without_loka_too_is_raised_and_changes_nothing(monkeypatch):
