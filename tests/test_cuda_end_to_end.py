@@ -257,3 +257,20 @@ def test_aligned_gemms_pads_bmms_off_the_alignment(disabled):
     inner = sorted({n.args[0].meta["val"].shape[-1] for n in graph.nodes if n.target is torch.ops.aten.bmm.default})
     # silu(...) @ v contracts over the 65 positions: padded to 72 (16 bytes of bf16) with the Mod
     assert inner == ([64, 72] if not disabled else [64, 65])
+
+
+def test_speed_check_timings_leave_nothing_allocated():
+    """Timing sites holds no device memory afterwards (it once kept a cuBLAS workspace per
+    timing, on a new capture stream each time: 32 MB per timed GEMM on the H100)."""
+    import dataclasses
+
+    from loka_compile import speed
+
+    shape = speed.SiteShape(4096, 1024, 1024, "row", "column", False, torch.bfloat16, torch.device("cuda"))
+    speed._measure_site(shape, "rowwise", "e4m3", "e4m3", ("scaled_mm_rowwise",), False)  # the stream's workspace
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for n in (2048, 3072, 4096):
+        speed._measure_site(dataclasses.replace(shape, n=n), "rowwise", "e4m3", "e4m3", ("scaled_mm_rowwise",), False)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 2**20
