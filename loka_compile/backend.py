@@ -449,6 +449,11 @@ def weight_input_indices(gm: torch.fx.GraphModule, example_inputs) -> frozenset:
     return frozenset(found)
 
 
+def probe_site_keys(record: GraphRecord) -> list:
+    """Probe keys of the sites a graph's probe variant observed."""
+    return [s.key for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites]
+
+
 @dataclasses.dataclass
 class _GraphSource:
     """What compiling a graph again takes: Dynamo's graph, its example inputs (the first
@@ -557,16 +562,13 @@ class LokaCompiledGraph:
             self._first_runs.add(id(variant))
             if record.phase == "fp8" and not record.config.recheck_every:
                 self._source.drop()  # nothing compiles this graph again
-                probe.STORE.release_samples(self._probe_keys())  # nor observes it
+                probe.STORE.release_samples(probe_site_keys(record))  # nor observes it
             return out
         # Out of the except block: the failed run's frames hold its buffers, which under CUDA
         # graphs live in the graph pool, and the plain compile's first run refuses a pool
         # with untracked live tensors.
         gc.collect()
         return self._fall_back_at_first_run(why, args)
-
-    def _probe_keys(self) -> list:
-        return [s.key for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for s in ctx.sites]
 
     def _fall_back_at_first_run(self, why: str, args):
         """The running variant failed at its first run: the graph is compiled again without
@@ -583,7 +585,7 @@ class LokaCompiledGraph:
             for site in ctx.sites:
                 ctx.decisions[site.key] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
         record.graph_modules.clear()
-        probe.STORE.release_samples(self._probe_keys())
+        probe.STORE.release_samples(probe_site_keys(record))
         # The report reads the contexts of the phase that runs.
         record.contexts = {("fp8", kind): ctx for (phase, kind), ctx in record.contexts.items()
                            if phase == record.phase}

@@ -101,8 +101,7 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     for record in records:
         row_errors = _static_scales(record, plan, config, policy, float(percentile), label)
         _rebudget(record, plan, config, row_errors)
-        probe.STORE.release_samples([s.key for (phase, _), ctx in record.contexts.items() if phase == "probe"
-                                     for s in ctx.sites])
+        probe.STORE.release_samples(backend.probe_site_keys(record))
     # The calibration's graphs are its own: reports of the model's later compiles leave them out.
     backend.GRAPHS[:] = [r for r in backend.GRAPHS if id(r) in known]
     return plan
