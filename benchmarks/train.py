@@ -11,7 +11,9 @@ batches, in one process:
   allocated during the timed steps (GPU only; under CUDA graphs, `_ro` rows, a replay
   allocates nothing, so it is what stays allocated between steps, parameters, optimizer
   state and the graphs' outputs, not the activations a step holds: compare activation
-  memory on rows without CUDA graphs). Loka rows run loka's default probe window
+  memory on rows without CUDA graphs), and `held_mem_gb`, what is allocated as the timed
+  steps begin (parameters, optimizer state, anything a backend keeps between steps). Loka
+  rows run loka's default probe window
   (`probe_steps` calls in high precision, then the FP8 variant compiles) inside the
   untimed calls, so they need probe_steps + 2 of them (`loka_untimed_calls`): with the
   error measurement's call below, --warmup >= probe_steps + 1 (the default 5 covers the
@@ -574,7 +576,7 @@ def _base_row(setup: ModelSetup, cfg_name: str, args) -> dict:
         "steps": args.steps, "train_steps": None,
         "step_ms": None, "step_ms_min": None, "step_ms_mean": None, "step_ms_max": None,
         "speedup_vs_inductor_bf16": None,
-        "peak_mem_gb": None, "first_step_s": None,
+        "peak_mem_gb": None, "held_mem_gb": None, "first_step_s": None,
         "out_relerr": None, "grad_relerr": None, "grad_relerr_first": None,
         "out_relerr_x_bf16": None,
         "out_relerr_init": None, "grad_relerr_init": None, "grad_relerr_first_init": None,
@@ -627,6 +629,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
             timed = timed_from <= i < timed_to
             if timed and i == timed_from and cuda:
                 torch.cuda.synchronize()
+                row["held_mem_gb"] = round(torch.cuda.memory_allocated() / 2**30, 3)
                 torch.cuda.reset_peak_memory_stats()
             if timed and cuda:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -1046,8 +1049,8 @@ def main(argv=None) -> Path:
 
 _ROW_KEYS = ["model", "preset", "config", "mode", "batch", "compile_scope", "sparse_embeddings", "loka_options",
              "disabled_mods", "steps", "train_steps",
-             "step_ms", "step_ms_min", "speedup_vs_inductor_bf16", "step_saving_ms", "peak_mem_gb", "first_step_s",
-             "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_x_bf16", "out_relerr_init",
+             "step_ms", "step_ms_min", "speedup_vs_inductor_bf16", "step_saving_ms", "peak_mem_gb", "held_mem_gb",
+             "first_step_s", "out_relerr", "grad_relerr", "grad_relerr_first", "out_relerr_x_bf16", "out_relerr_init",
              "grad_relerr_init", "grad_relerr_first_init", "final_logloss",
              "final_ne", "final_auc", "logloss_rel_bf16", "ne_rel_bf16", "auc_rel_bf16", "quality_ref",
              "within_quality_target",
