@@ -260,8 +260,8 @@ def test_aligned_gemms_pads_bmms_off_the_alignment(disabled):
 
 
 def test_speed_check_timings_leave_nothing_allocated():
-    """Timing sites holds no device memory afterwards (it once kept a cuBLAS workspace per
-    timing, on a new capture stream each time: 32 MB per timed GEMM on the H100)."""
+    """Timing a site leaves no device memory allocated (each timing once left a cuBLAS
+    workspace behind, on a new capture stream each time: 32 MB per timed GEMM on the H100)."""
     import dataclasses
 
     from loka_compile import speed

@@ -188,7 +188,7 @@ def test_sequence_transformer_with_varying_lengths_trains_then_evaluates():
     for length in (12, 20, 7, 33, 12, 12):
         history = torch.randint(1, 500, (16, length))
         history[:, :2] = 0
-        torch.manual_seed(1)  # the same batch's positions at each length: dropout draws alike
+        torch.manual_seed(1)  # dropout draws from the same seed at every step
         loss = F.binary_cross_entropy_with_logits(compiled(history, targets), labels)
         loss.backward()
         optimizer.step()
