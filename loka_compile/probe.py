@@ -146,7 +146,7 @@ class Reservoir:
         """The rows held: min(seen, capacity) of them (none once released)."""
         if self.rows is None:
             return torch.empty(0)
-        return self.rows[: min(self.seen, self.capacity)]
+        return self.rows[: self.held]
 
     @property
     def held(self) -> int:
