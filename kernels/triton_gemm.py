@@ -67,7 +67,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .providers import GemmProvider, has_fp8_hardware, names as provider_names, register
-from .quantize import Scaling
+from .quantize import Fp8Format, Scaling, cast_with_scale
+from .triton_quant import _NAN_BYTE, _fp8_bits_software
 
 SCALE_BLOCK = 128  # blockwise scaling tile: 1x128 on A, 128x128 on B (along K and N)
 
@@ -200,6 +201,30 @@ def _epilogue_values(acc, offs_m, offs_n, M, N,
 
 
 @triton.jit
+def _output_values(acc, offs_n, N, out_scale_ptr, stride_os, OUT_DTYPE: tl.constexpr, OUT_FP8: tl.constexpr,
+                   OUT_FP8_MAX: tl.constexpr, SOFTWARE_CAST: tl.constexpr):
+    """The tile in OUT_DTYPE. An FP8 output (OUT_FP8: 1 e4m3, 2 e5m2; 0 not FP8) is the
+    next GEMM's operand: clamp(acc / out_scale) to +-OUT_FP8_MAX, inf and NaN to NaN, as
+    `quantize.cast_with_scale(..., non_finite_to_nan=True)`; out_scale is one value
+    (stride 0) or one per column. SOFTWARE_CAST: the interpreter's own fp8 conversion
+    rounds half up and turns NaN into a number (triton 3.6), so the bits are computed."""
+    if OUT_FP8 == 0:
+        return acc.to(OUT_DTYPE)
+    scale = tl.load(out_scale_ptr + offs_n * stride_os, mask=offs_n < N, other=1.0)
+    y = tl.div_rn(acc, scale[None, :])
+    y = tl.minimum(tl.maximum(y, -OUT_FP8_MAX), OUT_FP8_MAX)
+    finite = tl.abs(acc) < float("inf")  # NaN fails the compare too
+    if SOFTWARE_CAST:
+        y = tl.where(finite, y, 0.0)
+        if OUT_FP8 == 1:
+            bits = _fp8_bits_software(y, 3, 7)
+        else:
+            bits = _fp8_bits_software(y, 2, 15)
+        return tl.where(finite, bits, _NAN_BYTE).to(tl.uint8).to(OUT_DTYPE, bitcast=True)
+    return tl.where(finite, y, float("nan")).to(OUT_DTYPE)
+
+
+@triton.jit
 def _fp8_gemm_tma_kernel(
     a_desc,                    # A [M, K] fp8; tiles [BM, BK] if A_K_MAJOR else A^T [K, M], tiles [BK, BM]
     b_desc,                    # B [K, N] fp8; tiles of B^T [N, K], [BN, BK], if B_K_MAJOR else [BK, BN]
@@ -207,12 +232,14 @@ def _fp8_gemm_tma_kernel(
     a_scale_ptr, b_scale_ptr,  # fp32; shapes per SCALING (module docstring)
     bias_ptr,                  # [N] or unused
     residual_ptr,              # [M, N] or unused
+    out_scale_ptr,             # fp32, one element or [N]; read only for an FP8 output
     M, N, K,
     M_BUCKET,                  # autotune key only: next power of two of M, capped
     stride_asm, stride_ask, stride_bsk, stride_bsn,
-    stride_bias_m, stride_bias, stride_rm, stride_rn,
+    stride_bias_m, stride_bias, stride_rm, stride_rn, stride_os,
     SCALING: tl.constexpr, ACCUM: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    OUT_FP8: tl.constexpr, OUT_FP8_MAX: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, CTAS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
@@ -246,16 +273,20 @@ def _fp8_gemm_tma_kernel(
             acc_lo = _epilogue_values(acc_lo, offs_m, offs_lo, M, N, a_scale_ptr, b_scale_ptr, stride_asm,
                                       stride_bsn, bias_ptr, stride_bias_m, stride_bias, residual_ptr, stride_rm,
                                       stride_rn, SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)
-            out_desc.store([off_m, off_n], acc_lo.to(out_desc.dtype))
+            out_desc.store([off_m, off_n], _output_values(acc_lo, offs_lo, N, out_scale_ptr, stride_os,
+                                                          out_desc.dtype, OUT_FP8, OUT_FP8_MAX, SOFTWARE_CAST))
             acc_hi = _epilogue_values(acc_hi, offs_m, offs_lo + BLOCK_N // 2, M, N, a_scale_ptr, b_scale_ptr,
                                       stride_asm, stride_bsn, bias_ptr, stride_bias_m, stride_bias, residual_ptr,
                                       stride_rm, stride_rn, SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)
-            out_desc.store([off_m, off_n + BLOCK_N // 2], acc_hi.to(out_desc.dtype))
+            out_desc.store([off_m, off_n + BLOCK_N // 2],
+                           _output_values(acc_hi, offs_lo + BLOCK_N // 2, N, out_scale_ptr, stride_os,
+                                          out_desc.dtype, OUT_FP8, OUT_FP8_MAX, SOFTWARE_CAST))
         else:
             acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
                                    bias_ptr, stride_bias_m, stride_bias, residual_ptr, stride_rm, stride_rn,
                                    SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)
-            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+            out_desc.store([off_m, off_n], _output_values(acc, offs_n, N, out_scale_ptr, stride_os, out_desc.dtype,
+                                                          OUT_FP8, OUT_FP8_MAX, SOFTWARE_CAST))
 
 
 @triton.jit
@@ -266,15 +297,17 @@ def _fp8_gemm_ptr_kernel(
     a_scale_ptr, b_scale_ptr,  # fp32; per batch, shapes per SCALING (module docstring)
     bias_ptr,                  # broadcast to [BATCH, M, N] by its strides, or unused
     residual_ptr,              # [BATCH, M, N] or unused
+    out_scale_ptr,             # fp32, one element or [N]; read only for an FP8 output
     M, N, K,
     BATCH,                     # 1 for a 2-D GEMM (every batch stride 0)
     M_BUCKET, BATCH_BUCKET,    # autotune key only: next powers of two of M and BATCH, capped
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
     stride_ob, stride_om, stride_on,
     stride_asb, stride_asm, stride_ask, stride_bsb, stride_bsk, stride_bsn,
-    stride_bias_b, stride_bias_m, stride_bias, stride_rb, stride_rm, stride_rn,
+    stride_bias_b, stride_bias_m, stride_bias, stride_rb, stride_rm, stride_rn, stride_os,
     SCALING: tl.constexpr, ACCUM: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    OUT_FP8: tl.constexpr, OUT_FP8_MAX: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr,
@@ -320,9 +353,11 @@ def _fp8_gemm_ptr_kernel(
     acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
                            bias_ptr, stride_bias_m, stride_bias, residual_ptr, stride_rm, stride_rn,
                            SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)
+    values = _output_values(acc, offs_n, N, out_scale_ptr, stride_os, out_ptr.dtype.element_ty, OUT_FP8,
+                            OUT_FP8_MAX, SOFTWARE_CAST)
     rows = offs_m.to(tl.int64)[:, None]
     cols = offs_n.to(tl.int64)[None, :]
-    tl.store(out_ptr + rows * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows * stride_om + cols * stride_on, values,
              mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
@@ -411,7 +446,7 @@ PTR_CONFIGS = [
 INTERPRETER_CONFIG = GemmConfig(32, 32, 32, num_warps=4, num_stages=1, group_m=2, ctas_per_sm=1)
 INTERPRETER_SM_COUNT = 4
 
-_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "ACCUM", "HAS_BIAS", "HAS_RESIDUAL"]
+_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "SCALING", "ACCUM", "HAS_BIAS", "HAS_RESIDUAL", "OUT_FP8"]
 # Only the TMA kernel takes the operand-major flags, only the pointer kernel a batch;
 # triton >= 3.7 rejects key names that are not arguments of the kernel being tuned.
 _TMA_AUTOTUNE_KEY = _AUTOTUNE_KEY + ["A_K_MAJOR", "B_K_MAJOR"]
@@ -554,15 +589,19 @@ class _Plan:
         return (self.m, self.n) if self.batch is None else (self.batch, self.m, self.n)
 
 
-def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl) -> _Plan:
+def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl,
+                out_scale=None) -> _Plan:
     """Every check that needs no data (shared by the op and its fake)."""
     scaling = parse_scaling(scaling)
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; valid: {sorted(ACTIVATIONS)}")
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid: {list(IMPLS)}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if out_dtype not in OUT_DTYPES + FP8_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES + FP8_DTYPES}, got {out_dtype}")
+    if (out_dtype in FP8_DTYPES) != (out_scale is not None):
+        raise ValueError(f"an FP8 out_dtype needs an out_scale, and out_scale an FP8 out_dtype; got out_dtype "
+                         f"{out_dtype} with out_scale {'set' if out_scale is not None else 'None'}")
     for name, t in (("a", a), ("b", b)):
         if t.dtype not in FP8_DTYPES:
             raise ValueError(f"operand {name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
@@ -580,7 +619,8 @@ def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out
         raise ValueError(f"inner dimensions differ: A {tuple(a.shape)} @ B {tuple(b.shape)}")
     if k == 0:
         raise ValueError("K must be positive")
-    for name, t in (("a_scale", a_scale), ("b_scale", b_scale), ("bias", bias), ("residual", residual)):
+    for name, t in (("a_scale", a_scale), ("b_scale", b_scale), ("bias", bias), ("residual", residual),
+                    ("out_scale", out_scale)):
         if t is not None and t.device != a.device:
             raise ValueError(f"{name} is on {t.device}, operand a on {a.device}")
     if b.device != a.device:
@@ -603,6 +643,10 @@ def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out
         raise ValueError(f"{scaling.value} scaling of A {tuple(a.shape)} @ B {tuple(b.shape)} needs scales "
                          f"{expected[0]} and {expected[1]}, got {tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
     out_shape = (*lead, m, n)
+    if out_scale is not None and (out_scale.dtype != torch.float32 or out_scale.numel() not in (1, n)
+                                  or (out_scale.numel() == n and n > 1 and out_scale.dim() != 1)):
+        raise ValueError(f"out_scale must be float32 with one element, or one per output column ({n},), got "
+                         f"{out_scale.dtype} {tuple(out_scale.shape)}")
     if bias is not None:
         # Broadcast as addmm's and baddbmm's: trailing dims equal to the output's or 1.
         # Equality first: a symbolic dim equal to the output's needs no guard on == 1.
@@ -678,9 +722,12 @@ _tuned_configs: dict = {}
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              scaling=None, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
              activation: str = "none", out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False,
-             impl: str = "auto", config: Optional[GemmConfig] = None, accum_mode: Optional[str] = None) -> torch.Tensor:
+             impl: str = "auto", config: Optional[GemmConfig] = None, accum_mode: Optional[str] = None,
+             out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """act(dequant(a) @ dequant(b) + bias) + residual in out_dtype (module docstring):
     a [M, K] @ b [K, N] -> [M, N], or batched a [B, M, K] @ b [B, K, N] -> [B, M, N].
+    An FP8 out_dtype is the next GEMM's operand: the result cast with `out_scale` (one
+    value, or [N] per column), saturating, inf and NaN to NaN.
 
     impl: "auto" takes the TMA kernel on sm90+ when the operands allow it, else the
     pointer kernel; "tma" / "pointer" force one (ValueError if "tma" cannot run).
@@ -689,14 +736,15 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     accum_mode: overrides `fast_accum` with one of ACCUM_MODES (for measurements)."""
     if scaling is None:
         scaling = infer_scaling(a, a_scale, b, b_scale)
-    plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl)
+    plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl, out_scale)
     if accum_mode is None:
         accum_mode = "fast" if fast_accum else PRECISE_ACCUM
     if accum_mode not in ACCUM_MODES:
         raise ValueError(f"unknown accum_mode {accum_mode!r}; valid: {sorted(ACCUM_MODES)}")
     interpret = interpreting()
     if not interpret and a.device.type != "cuda":
-        return reference_fp8_gemm(a, a_scale, b, b_scale, plan.scaling, bias, residual, activation, out_dtype)
+        return reference_fp8_gemm(a, a_scale, b, b_scale, plan.scaling, bias, residual, activation, out_dtype,
+                                  out_scale=out_scale)
     if a.device.type == "cuda" and not interpret and _capability(_device_index(a.device)) < (8, 9):
         raise ValueError(f"FP8 GEMM needs sm89+, {a.device} is sm{''.join(map(str, _capability(_device_index(a.device))))}")
 
@@ -729,11 +777,16 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         SCALING=_SCALING_CODES[plan.scaling], ACCUM=accum,
         HAS_BIAS=bias is not None, BIAS_ROWS=bias_strides[1] != 0 and m > 1,
         HAS_RESIDUAL=residual is not None, ACTIVATION=plan.activation, SCALE_BLOCK=SCALE_BLOCK,
+        OUT_FP8=FP8_DTYPES.index(out_dtype) + 1 if out_scale is not None else 0,
+        OUT_FP8_MAX=float(torch.finfo(out_dtype).max) if out_scale is not None else 0.0,
+        SOFTWARE_CAST=interpret,
     )
     bucket = m_bucket(m)
     residual_strides = _batched_strides(residual) if residual is not None else (0, 0, 0)
     # Unused pointer arguments get `out` (never read: HAS_BIAS / HAS_RESIDUAL are off).
-    ptrs = (a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out)
+    ptrs = (a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out,
+            out_scale.reshape(-1) if out_scale is not None else a_scale)
+    out_scale_stride = 1 if out_scale is not None and out_scale.numel() > 1 else 0
 
     if use_tma:
         # Descriptors over the K-contiguous (or M/N-contiguous) storage; the block shape
@@ -745,14 +798,14 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
                      out_desc=TensorDescriptor.from_tensor(out, [16, 16]))
         # 2-D only (tma_unsupported_reason): the batch strides are dropped.
         args = (descs["a_desc"], descs["b_desc"], descs["out_desc"], *ptrs, m, n, k, bucket,
-                *scale_strides[1:3], *scale_strides[4:6], *bias_strides[1:], *residual_strides[1:])
+                *scale_strides[1:3], *scale_strides[4:6], *bias_strides[1:], *residual_strides[1:], out_scale_stride)
         flags.update(A_K_MAJOR=plan.a_k_major, B_K_MAJOR=plan.b_k_major)
         sms = INTERPRETER_SM_COUNT if interpret else _sm_count(_device_index(a.device))
         jit_fn, tuner = _fp8_gemm_tma_kernel, _tma_kernel_tuned
     else:
         args = (a, b, out, *ptrs, m, n, k, batch or 1, bucket, m_bucket(batch or 1),
                 *_batched_strides(a), *_batched_strides(b), *_batched_strides(out),
-                *scale_strides, *bias_strides, *residual_strides)
+                *scale_strides, *bias_strides, *residual_strides, out_scale_stride)
         descs, sms = None, 0
         jit_fn, tuner = _ptr_kernel, _ptr_kernel_tuned
 
@@ -821,9 +874,11 @@ def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def reference_fp8_gemm(a, a_scale, b, b_scale, scaling="tensorwise", bias=None, residual=None,
-                       activation="none", out_dtype=torch.bfloat16, compute_dtype=torch.float64) -> torch.Tensor:
+                       activation="none", out_dtype=torch.bfloat16, compute_dtype=torch.float64,
+                       out_scale=None) -> torch.Tensor:
     """Pure-PyTorch meaning of `fp8_gemm`: dequantize with the scales, matmul in
-    compute_dtype, the same epilogue, cast to out_dtype."""
+    compute_dtype, the same epilogue, cast to out_dtype (an FP8 one with `out_scale`, as
+    the kernel: through fp32, saturating, inf and NaN to NaN)."""
     out = dequantize_operand(a, a_scale, scaling, "a", compute_dtype) @ dequantize_operand(
         b, b_scale, scaling, "b", compute_dtype)
     if bias is not None:
@@ -831,6 +886,9 @@ def reference_fp8_gemm(a, a_scale, b, b_scale, scaling="tensorwise", bias=None, 
     out = apply_activation(out, activation)
     if residual is not None:
         out = out + residual.to(compute_dtype)
+    if out_scale is not None:
+        fmt = Fp8Format.E4M3 if out_dtype == torch.float8_e4m3fn else Fp8Format.E5M2
+        return cast_with_scale(out.float(), out_scale.float().reshape(-1), fmt, non_finite_to_nan=True)
     return out.to(out_dtype)
 
 
@@ -845,15 +903,16 @@ _LIB = torch.library.Library("loka", "FRAGMENT")
 _LIB.define(
     "triton_fp8_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, str scaling, Tensor? bias=None, "
     "Tensor? residual=None, str activation=\"none\", ScalarType? out_dtype=None, bool fast_accum=False, "
-    "str impl=\"auto\") -> Tensor")
+    "str impl=\"auto\", Tensor? out_scale=None) -> Tensor")
 
 
 def _triton_fp8_gemm_impl(a, a_scale, b, b_scale, scaling, bias=None, residual=None, activation="none",
-                          out_dtype=None, fast_accum=False, impl="auto"):
+                          out_dtype=None, fast_accum=False, impl="auto", out_scale=None):
     """FP8 GEMM with fused epilogue: act(dequant(a) @ dequant(b) + bias) + residual; out_dtype
-    None means bf16 (a schema default cannot name a dtype)."""
+    None means bf16 (a schema default cannot name a dtype); an FP8 out_dtype takes out_scale."""
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
-    return fp8_gemm(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, fast_accum, impl)
+    return fp8_gemm(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, fast_accum, impl,
+                    out_scale=out_scale)
 
 
 for _key in ("CPU", "CUDA"):
@@ -862,9 +921,9 @@ for _key in ("CPU", "CUDA"):
 
 @torch.library.register_fake("loka::triton_fp8_gemm", lib=_LIB)
 def _triton_fp8_gemm_fake(a, a_scale, b, b_scale, scaling, bias=None, residual=None, activation="none",
-                          out_dtype=None, fast_accum=False, impl="auto"):
+                          out_dtype=None, fast_accum=False, impl="auto", out_scale=None):
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
-    plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl)
+    plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl, out_scale)
     return a.new_empty(plan.out_shape, dtype=out_dtype)
 
 

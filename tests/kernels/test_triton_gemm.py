@@ -74,6 +74,37 @@ def check_against_reference(a_q, a_s, b_q, b_s, scaling, floor=None, **kw):
     return out
 
 
+def check_fp8_output(a_q, a_s, b_q, b_s, scaling, out_scale, fmt=E4M3, **kw):
+    """The GEMM with its output cast to `fmt` (the next GEMM's operand) against the fp64
+    reference cast the same way: the FP8 codes agree except where the fp32 accumulation
+    lands on the other side of a rounding boundary (under 1% of elements, one code apart;
+    a zero's sign is not compared),
+    and the dequantized output keeps e4m3's precision (>= 25 dB against the exact
+    product; e4m3's 3-bit mantissa alone sits near 31 dB)."""
+    out = tg.fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=fmt.dtype, out_scale=out_scale, **kw)
+    epilogue = {key: kw[key] for key in ("bias", "residual", "activation") if key in kw}
+    cast = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=fmt.dtype, out_scale=out_scale, **epilogue)
+    exact = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=torch.float64, **epilogue)
+    assert out.dtype == fmt.dtype and out.shape == exact.shape
+    assert not torch.isnan(out.float()).any(), "NaN from finite operands"
+    codes, ref_codes = (torch.where(t.float() == 0, 0, t.view(torch.uint8).int()) for t in (out, cast))  # -0 is 0
+    differ = codes != ref_codes
+    assert differ.float().mean() < 0.01, f"{differ.float().mean():.2%} of FP8 codes differ from the reference cast"
+    assert not differ.any() or (codes - ref_codes)[differ].abs().max() <= 1
+    dequantized = out.double() * out_scale.double().reshape(-1)
+    db = sqnr_db(exact, dequantized)
+    floor = 25.0 if fmt is E4M3 else 18.0
+    assert db >= floor, f"SQNR {db:.1f} dB under the {floor} dB floor"
+    return out
+
+
+def output_scale(a_q, a_s, b_q, b_s, scaling, fmt=E4M3, per_column=False, **epilogue):
+    """Scales that fit the output's range (one, or one per column), as calibration sets them."""
+    ref = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=torch.float32, **epilogue)
+    amax = ref.abs().amax(dim=0) if per_column else ref.abs().amax()
+    return (amax / fmt.max).clamp_min(1e-12).float().to(a_q.device)
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, under the interpreter
 # ---------------------------------------------------------------------------------------
@@ -200,6 +231,61 @@ def test_nan_scales_propagate(impl):
     assert torch.isnan(out).all()
 
 
+@interpreter
+@pytest.mark.parametrize("per_column", [False, True], ids=["one-scale", "per-column"])
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
+@pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE])
+def test_fp8_output_is_the_next_gemms_operand(scaling, impl, per_column):
+    m, k, n = 67, 272, 144
+    a_q, a_s, b_q, b_s = make_operands(m, k, n, scaling)
+    epilogue = dict(bias=torch.randn(n, dtype=torch.bfloat16), residual=torch.randn(m, n, dtype=torch.bfloat16),
+                    activation="relu")
+    out_scale = output_scale(a_q, a_s, b_q, b_s, scaling, per_column=per_column, **epilogue)
+    check_fp8_output(a_q, a_s, b_q, b_s, scaling, out_scale, impl=impl, **epilogue)
+
+
+@interpreter
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
+def test_fp8_output_e5m2_and_subtiled_epilogue(impl):
+    a_q, a_s, b_q, b_s = make_operands(40, 96, 64, Scaling.ROWWISE)
+    out_scale = output_scale(a_q, a_s, b_q, b_s, Scaling.ROWWISE, fmt=E5M2)
+    config = tg.GemmConfig(32, 32, 32, 4, 1, group_m=2, ctas_per_sm=1, epilogue_subtile=True)
+    check_fp8_output(a_q, a_s, b_q, b_s, Scaling.ROWWISE, out_scale, fmt=E5M2, impl=impl, activation="silu",
+                     config=config if impl == "tma" else None)
+
+
+@interpreter
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
+def test_fp8_output_saturates_and_keeps_nan(impl):
+    m, k, n = 32, 64, 32
+    a_q, a_s, b_q, b_s = make_operands(m, k, n, Scaling.TENSORWISE)
+    residual = torch.zeros(m, n)
+    residual[1, 2], residual[3, 4], residual[5, 6] = float("inf"), float("-inf"), float("nan")
+    # A scale 1/64 of the range: most values saturate at +-448 instead of overflowing to NaN.
+    small = output_scale(a_q, a_s, b_q, b_s, Scaling.TENSORWISE) / 64
+    out = tg.fp8_gemm(a_q, a_s, b_q, b_s, Scaling.TENSORWISE, residual=residual, impl=impl,
+                      out_dtype=torch.float8_e4m3fn, out_scale=small).float()
+    nan = torch.isnan(out)
+    assert nan[1, 2] and nan[3, 4] and nan[5, 6] and nan.sum() == 3
+    exact = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, Scaling.TENSORWISE, out_dtype=torch.float64) / small.double()
+    beyond = (exact.abs() > 448.0) & ~nan
+    assert beyond.any() and torch.equal(out[beyond], 448.0 * exact[beyond].sign().float())
+    assert out[~nan].abs().max() == 448.0
+
+
+def test_fp8_output_needs_its_scale():
+    a_q, a_s, b_q, b_s = make_operands(32, 64, 48, Scaling.ROWWISE)
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="needs an out_scale"):
+        tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="needs an out_scale"):
+        tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", out_scale=one)
+    with pytest.raises(ValueError, match=r"one per output column \(48,\)"):
+        tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", out_dtype=torch.float8_e4m3fn, out_scale=torch.ones(47))
+    with pytest.raises(ValueError, match="float32"):
+        tg.fp8_gemm(a_q, a_s, b_q, b_s, "rowwise", out_dtype=torch.float8_e4m3fn, out_scale=one.double())
+
+
 def _bad_calls():
     a_q, a_s, b_q, b_s = make_operands(32, 64, 48, Scaling.ROWWISE)
     t_q, t_s, u_q, u_s = make_operands(32, 64, 48, Scaling.TENSORWISE)
@@ -265,6 +351,9 @@ def test_opcheck(scaling):
     bias = torch.randn(32, dtype=torch.bfloat16)
     residual = torch.randn(16, 32, dtype=torch.float32)
     run_opcheck((a_q, a_s, b_q, b_s, scaling.value, bias, residual, "silu", torch.float32))
+    out_scale = torch.full((), 0.05)
+    run_opcheck((a_q, a_s, b_q, b_s, scaling.value, bias, residual, "relu", torch.float8_e4m3fn, False, "auto",
+                 out_scale))
 
 
 @interpreter
@@ -379,3 +468,18 @@ def test_cuda_opcheck():
     a_q, a_s, b_q, b_s = make_operands(256, 512, 384, Scaling.ROWWISE, device="cuda")
     bias = torch.randn(384, device="cuda", dtype=torch.bfloat16)
     run_opcheck((a_q, a_s, b_q, b_s, "rowwise", bias, None, "relu", torch.bfloat16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("per_column", [False, True], ids=["one-scale", "per-column"])
+@pytest.mark.parametrize("impl", ["tma", "pointer"])
+@pytest.mark.parametrize("scaling", [Scaling.TENSORWISE, Scaling.ROWWISE])
+def test_cuda_fp8_output(scaling, impl, per_column):
+    m, k, n = 2000, 1024, 1024
+    operands = make_operands(m, k, n, scaling, device="cuda")
+    epilogue = dict(bias=torch.randn(n, dtype=torch.bfloat16, device="cuda"),
+                    residual=torch.randn(m, n, dtype=torch.bfloat16, device="cuda"), activation="gelu_tanh")
+    out_scale = output_scale(*operands, scaling, per_column=per_column, **epilogue)
+    check_fp8_output(*operands, scaling, out_scale, impl=impl, **epilogue)
+    # Autotuned too: every candidate the tuner may pick writes FP8 rows through TMA.
+    check_fp8_output(*operands, scaling, out_scale, **epilogue)
