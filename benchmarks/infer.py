@@ -189,6 +189,12 @@ def resolve_config(name: str) -> Config:
     return resolve_train_config(name, CONFIGS)
 
 
+def calibrated(name: str, cfg: Config) -> bool:
+    """A loka_calibrated row, or an ablation row of one (`loka_calibrated_ro_no_<mod>`)."""
+    suffix = f"_no_{cfg.ablated}" if cfg.ablated is not None else ""
+    return name in CALIBRATED or (bool(suffix) and name.endswith(suffix) and name[: -len(suffix)] in CALIBRATED)
+
+
 def _quantize_torchao(dense: nn.Module, recipe: str) -> None:
     """torchao float8 post-training quantization (dynamic activations, float8 weights) of the
     Linears of `dense` whose both GEMM dims are multiples of 16."""
@@ -472,7 +478,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None, i
         torch._dynamo.reset()
         _restore_inductor_config(inductor_config)
         unit = prepare_unit(setup.master, cfg, args.compile_scope, device)
-        if cfg_name in CALIBRATED:
+        if calibrated(cfg_name, cfg):
             plan_dir = tempfile.TemporaryDirectory(prefix="loka_plan_")  # kept until the row is done
             plan_path = str(Path(plan_dir.name) / "plan.json")
             row["calibration"] = calibrate_plan(setup, unit, cfg, plan_path)

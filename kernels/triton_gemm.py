@@ -211,7 +211,7 @@ def _output_values(acc, offs_n, N, out_scale_ptr, stride_os, OUT_DTYPE: tl.const
     if OUT_FP8 == 0:
         return acc.to(OUT_DTYPE)
     scale = tl.load(out_scale_ptr + offs_n * stride_os, mask=offs_n < N, other=1.0)
-    y = tl.div_rn(acc, scale[None, :])
+    y = acc * tl.div_rn(1.0, scale)[None, :]
     y = tl.minimum(tl.maximum(y, -OUT_FP8_MAX), OUT_FP8_MAX)
     finite = tl.abs(acc) < float("inf")  # NaN fails the compare too
     if SOFTWARE_CAST:

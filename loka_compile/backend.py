@@ -127,7 +127,8 @@ class LokaPostGradPass(CustomGraphPass):
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
                           inactive_mods=record.config.inactive_mods, static_a_scales=static,
-                          perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error))
+                          perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error),
+                          speed_check=record.config.speed_check)
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
         if kind is passes.GraphKind.FORWARD and record.saved_fp8 is not None:

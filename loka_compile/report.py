@@ -12,6 +12,7 @@ from tabulate import tabulate
 from loka_compile import backend, probe
 from loka_compile.passes import GraphKind, Reason
 from loka_compile.passes.find_sites import SAVED_IN_FP8
+from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +183,8 @@ class Report:
     def mods(self) -> dict:
         """What each Mod did across the FP8 sites: operand casts fused into their producer,
         standalone, or replaced by a cached FP8 weight (`cached_weights`), sites padded, GEMMs with fast accumulation,
-        A operands cast per piece of their concatenation (`cat_casts`),
+        A operands cast per piece of their concatenation (`cat_casts`), A operands written
+        in FP8 by the epilogue of the GEMM that produced them (`gemm_epilogue`),
         the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
         replaced, per Dynamo graph), the linears of a transposed input computed as W @ x
         (`transposed_linear`, per Dynamo graph), the backward GEMM operands whose FP8 copy
@@ -199,6 +201,7 @@ class Report:
                   "saved_for_backward_bytes": self._graph_mods["saved_for_backward_bytes"],
                   "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites),
                   "cat_casts": sum("per piece" in s.casts.get("a", "") for s in self.sites),
+                  "gemm_epilogue": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in self.sites if s.fp8),
                   "horizontal": self._graph_mods["horizontal"], "horizontal_linears": self._graph_mods["horizontal_linears"],
                   "transposed_linear": self._graph_mods["transposed_linear"]}
         counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})

@@ -361,6 +361,66 @@ def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, 
                       failed=failed)
 
 
+@dataclasses.dataclass(frozen=True)
+class EpilogueTiming:
+    """A GEMM that feeds the next FP8 GEMM's A (the `gemm_epilogue` Mod): its time with
+    the activation, residual and the next cast in loka's Triton epilogue, against the
+    site's chosen provider GEMM followed by the one pointwise kernel Inductor makes of
+    the activation, residual and static cast."""
+
+    fused_us: float
+    unfused_us: float
+
+    @property
+    def pays(self) -> bool:
+        return self.fused_us < self.unfused_us
+
+
+_epilogue_cache: dict = {}
+
+
+def epilogue_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, provider: str,
+                    fast_accum: bool, activation: str, residual: bool, out_format: str) -> EpilogueTiming:
+    """Time both forms on fresh operands of the producing site's shape (cached per
+    process). The unfused pointwise kernel is timed as the converting copy of the GEMM's
+    output into an FP8 buffer, the bytes it moves at full bandwidth (`_static_cast`:
+    Inductor's compiled static cast took up to 1.6x that, so the charge is the low end),
+    scaled with a residual by the bytes it adds (it also reads the residual: 2 + 2 + 1
+    bytes per element instead of 2 + 1 in bf16, 5/3). Both forms read the operands already in FP8:
+    their casts are the same either way."""
+    key = (shape, scaling, a_format, b_format, provider, fast_accum, activation, residual, out_format)
+    if key in _epilogue_cache:
+        return _epilogue_cache[key]
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from loka_compile.kernels.quantize import Fp8Format, Scaling
+    from loka_compile.kernels.scaled_gemm import GemmSpec, gemm_quantized, gemm_to_next_operand
+
+    device = shape.device
+    with unset_fake_temporarily(), torch.no_grad():
+        _, _, bias, a, b = _site_operands(shape)
+        a_q, a_s = torch.ops.loka.quantize_operand(a, "a", scaling, a_format)
+        b_q, b_s = torch.ops.loka.quantize_operand(b, "b", scaling, b_format)
+        spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), provider, shape.dtype,
+                        fast_accum=fast_accum)
+        out = gemm_quantized(a_q, a_s, b_q, b_s, bias, spec)
+        res = torch.randn_like(out) if residual else None
+        out_scale = out.abs().amax().float().reshape(1) / Fp8Format(out_format).max  # a constant in the graph
+        fused = functools.partial(gemm_to_next_operand, a_q, a_s, b_q, b_s, bias, res, activation,
+                                  dataclasses.replace(spec, provider="triton"), Fp8Format(out_format), out_scale)
+        fused_us = _time_calls_us(fused, device)
+        gemm_us = _time_calls_us(lambda: gemm_quantized(a_q, a_s, b_q, b_s, bias, spec), device)
+        out_q = torch.empty(out.shape, dtype=Fp8Format(out_format).dtype, device=device)
+        size = out.element_size()
+        pointwise_us = _time_calls_us(lambda: out_q.copy_(out), device) * (
+            (2 * size + 1) / (size + 1) if residual else 1.0)
+    timing = EpilogueTiming(fused_us=fused_us, unfused_us=gemm_us + pointwise_us)
+    _epilogue_cache[key] = timing
+    log.debug("loka speed: %s GEMM into the next FP8 operand (%s%s): fused %.1f us, %s + pointwise %.1f us",
+              shape, activation, " + residual" if residual else "", fused_us, provider, timing.unfused_us)
+    return timing
+
+
 class NoProviderRuns(RuntimeError):
     """Every candidate provider raised at the site's shape."""
 
@@ -413,6 +473,7 @@ def clear_cache() -> None:
     """Forget this process's timings (the performance database keeps its entries)."""
     _cache.clear()
     _runnable.clear()
+    _epilogue_cache.clear()
 
 
 def cached_timings() -> dict:

@@ -131,6 +131,8 @@ class PassContext:
     # A joint forward+backward graph (the saved_fp8 Mod's), seen as a backward one: its
     # outputs are the forward's followed by the gradients.
     joint: bool = False
+    # Dispatch times sites (`LokaConfig.speed_check`): Mods that change a site's form time it too.
+    speed_check: bool = False
 
     def static_a_scale(self, site: Site) -> Optional[dict]:
         """The calibrated static scale of `site`'s A in this graph (inference graphs only),

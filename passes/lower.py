@@ -30,7 +30,9 @@ and refreshed when the weight changes (`weight_cache.py`).
 
 In inference graphs compiled with a calibrated plan (`loka_compile.calibrate`), A of a
 tensorwise or rowwise site is cast with its constant scale: clamp(A / s) -> fp8, no amax
-(`scaled_gemm.quantize_static`); training graphs ignore static scales.
+(`scaled_gemm.quantize_static`); training graphs ignore static scales. With the
+`gemm_epilogue` Mod, a GEMM whose output reaches such an A through an activation and a
+residual add writes that FP8 operand from its epilogue (`gemm_epilogue.py`).
 
 Records on each lowered site how each operand is cast (`site.casts`, from
 `find_sites.cast_origin`): "fused into <op>" where Inductor computes the cast in the
@@ -51,12 +53,14 @@ from typing import Optional
 import torch
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
-from loka_compile.kernels.scaled_gemm import GemmSpec, cast_a_pieces, cast_operand, gemm_quantized
+from loka_compile.kernels.scaled_gemm import (GemmSpec, cast_a_pieces, cast_operand, gemm_quantized,
+                                              gemm_to_next_operand, static_scale_of)
 from loka_compile.speed import per_piece_row_max
 
 from .context import GraphKind, PassContext
 from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, saved_operand
-from .rewrite import replace_with_traced
+from .gemm_epilogue import Chain, description, erase_links, out_scale_constant, plan_chains, time_chain
+from .rewrite import insert_traced, replace_with_traced
 from .weight_cache import cached_operand
 
 CACHED_WEIGHT = "cached weight (FP8 copy made once per weight version)"
@@ -68,6 +72,10 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     lowered = 0
     fused_casts = "fused_casts" not in ctx.inactive_mods
     cache_weights = ctx.kind is GraphKind.INFERENCE and "cached_weights" not in ctx.inactive_mods
+    chains = plan_chains(ctx, functools.partial(time_chain, ctx=ctx) if ctx.speed_check else None)
+    by_producer = {chain.producer.key: chain for chain in chains}
+    by_consumer = {chain.consumer.key: chain for chain in chains}
+    dangling = []  # views that led cached weights to their GEMMs
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
         if not decision.fp8:
@@ -88,9 +96,14 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         if spec.a_static_scale is not None:
             site.casts["a"] = f"static scale (calibrated {static['policy']})"
         saved_a, saved_b = (_saved(x, which, spec, site) for which, x in (("a", a), ("b", b)))
-        pieces = None if saved_a else per_piece_cast(a, decision.scaling, fused_casts,
-                                                     spec.a_static_scale is not None, row_max)
-        if saved_a:
+        fed = by_consumer.get(site.key)
+        pieces = None if saved_a or fed else per_piece_cast(a, decision.scaling, fused_casts,
+                                                            spec.a_static_scale is not None, row_max)
+        if fed is not None:
+            site.casts["a"] = description(fed)
+            a_args = [fed.output]
+            a_cast = functools.partial(_cast_a_from_epilogue, scale=fed.scale, scaling=spec.scaling)
+        elif saved_a:
             a_args, a_cast = list(saved_a), _cast_a_saved
         else:
             a_args = [a] if pieces is None else list(pieces[0])
@@ -100,17 +113,36 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         if cached is not None:
             site.casts["b"] = CACHED_WEIGHT
         quantized_b = cached or saved_b
-        if quantized_b:
-            args, fn = [*a_args, *quantized_b], functools.partial(_gemm_on_cast_b, a_cast=a_cast, spec=spec)
-        else:
-            args, fn = [*a_args, b], functools.partial(_gemm, a_cast=a_cast, spec=spec)
+        feeds = by_producer.get(site.key)
+        gemm = functools.partial(_gemm_on_cast_b if quantized_b else _gemm, a_cast=a_cast, spec=spec, feeds=feeds)
+        args = [*a_args, *quantized_b] if quantized_b else [*a_args, b]
         args += [] if bias is None else [bias]
-        inserted = replace_with_traced(node, fn, args)
+        if feeds is None:
+            inserted = replace_with_traced(node, gemm, args)
+            site.node = next(n for n in reversed(inserted) if n.op == "call_function")
+        else:
+            # The consumer's A, written where the consumer reads it; the bf16 links go once it is lowered.
+            args += ([] if feeds.residual is None else [feeds.residual]) + [out_scale_constant(feeds, node)]
+            _, feeds.output = insert_traced(feeds.consumer.node, gemm, args, meta_from=node)
+            site.node = feeds.output
+            ctx.decisions[site.key] = _fed_decision(decision, feeds)
         if cached is not None:
-            _erase_unused_views(b)
-        site.node = next(n for n in reversed(inserted) if n.op == "call_function")
+            dangling.append(b)
         lowered += 1
+    erase_links(chains)
+    for views in dangling:
+        _erase_unused_views(views)
     return lowered
+
+
+def _fed_decision(decision, chain: Chain):
+    """The producer's decision as it now runs: on loka's Triton GEMM, with why."""
+    timing = chain.timing
+    measured = "" if timing is None else f": {timing.fused_us:.1f} us vs {timing.unfused_us:.1f} us unfused"
+    note = f"gemm_epilogue writes {chain.consumer.name}'s FP8 A ({chain.activation}" + (
+        ", residual" if chain.residual is not None else "") + ")" + measured
+    return dataclasses.replace(decision, provider="triton",
+                               detail=f"{decision.detail}; {note}" if decision.detail else note)
 
 
 def _erase_unused_views(node: torch.fx.Node) -> None:
@@ -130,13 +162,30 @@ def _cast_a(args: tuple, *, spec: GemmSpec, pieces):
     return cast_a_pieces(list(args[:count]), spec, dtype, flatten), args[count:]
 
 
-def _gemm(*args, a_cast, spec: GemmSpec):
-    (a_q, a_s), (b, *bias) = a_cast(args)
-    return gemm_quantized(a_q, a_s, *cast_operand(b, "b", spec), bias[0] if bias else None, spec)
+def _gemm(*args, a_cast, spec: GemmSpec, feeds: Optional[Chain] = None):
+    (a_q, a_s), (b, *rest) = a_cast(args)
+    return _gemm_of(a_q, a_s, *cast_operand(b, "b", spec), rest, spec, feeds)
+
+
+def _gemm_of(a_q, a_s, b_q, b_s, rest: list, spec: GemmSpec, feeds: Optional[Chain]):
+    """The GEMM on quantized operands; `rest` is [bias] or [], then, for a GEMM that
+    `feeds` a chain (the gemm_epilogue Mod), the residual if any and the consumer's scale,
+    whose FP8 A it then returns."""
+    if feeds is None:
+        return gemm_quantized(a_q, a_s, b_q, b_s, rest[0] if rest else None, spec)
+    out_scale = rest.pop()
+    residual = rest.pop() if feeds.residual is not None else None
+    return gemm_to_next_operand(a_q, a_s, b_q, b_s, rest[0] if rest else None, residual, feeds.activation, spec,
+                                feeds.out_format, out_scale)
 
 
 def _cast_a_saved(args: tuple):
     return (args[0], args[1]), args[2:]
+
+
+def _cast_a_from_epilogue(args: tuple, *, scale: float, scaling: Scaling):
+    """A written in FP8 by the producing GEMM's epilogue with this site's static scale."""
+    return (args[0], static_scale_of(args[0], scale, scaling)), args[1:]
 
 
 def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional[tuple]:
@@ -171,8 +220,8 @@ def _report_saved_operands_of_high_precision(site) -> None:
                         "(%s)", site.name, which, site.id)
 
 
-def _gemm_on_cast_b(*args, a_cast, spec: GemmSpec):
-    (a_q, a_s), (b_q, b_scale, *bias) = a_cast(args)
+def _gemm_on_cast_b(*args, a_cast, spec: GemmSpec, feeds: Optional[Chain] = None):
+    (a_q, a_s), (b_q, b_scale, *rest) = a_cast(args)
     if spec.scaling is Scaling.TENSORWISE:
         b_scale = b_scale.reshape(())  # cached as [1, 1]
-    return gemm_quantized(a_q, a_s, b_q, b_scale, bias[0] if bias else None, spec)
+    return _gemm_of(a_q, a_s, b_q, b_scale, rest, spec, feeds)

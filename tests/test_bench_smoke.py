@@ -132,6 +132,10 @@ def test_infer_harness_times_each_batch_and_records_errors(tmp_path, one_thread,
     assert infer.config_for_device("torchao_rowwise_ro", cuda=False) == "torchao_rowwise"
     assert infer.config_for_device("loka_calibrated_ro", cuda=False) == "loka_calibrated"
     assert infer.config_for_device("inductor_bf16_ro", cuda=True) == "inductor_bf16_ro"
+    # An ablation of a calibrated row is calibrated too; the named no-cached-weights row is not.
+    for name, calibrated in (("loka_calibrated_ro_no_gemm_epilogue", True), ("loka_calibrated_no_pad", True),
+                             ("loka_ro_no_cached_weights", False), ("loka_ro_no_gemm_epilogue", False)):
+        assert infer.calibrated(name, infer.resolve_config(name)) is calibrated, name
     loka = "loka" in torch._dynamo.list_backends(exclude_tags=())
     path = infer.main([
         *INFER_TINY, "--configs", "inductor_bf16,loka_ro,loka_calibrated_ro", "--batches", "1,16",

@@ -76,23 +76,30 @@ def check_against_reference(a_q, a_s, b_q, b_s, scaling, floor=None, **kw):
 
 def check_fp8_output(a_q, a_s, b_q, b_s, scaling, out_scale, fmt=E4M3, **kw):
     """The GEMM with its output cast to `fmt` (the next GEMM's operand) against the fp64
-    reference cast the same way: the FP8 codes agree except where the fp32 accumulation
-    lands on the other side of a rounding boundary (under 1% of elements, one code apart;
-    a zero's sign is not compared),
-    and the dequantized output keeps e4m3's precision (>= 25 dB against the exact
-    product; e4m3's 3-bit mantissa alone sits near 31 dB)."""
+    reference cast the same way: the FP8 codes agree except where the GEMM's own
+    accumulation lands on the other side of a rounding boundary (under 1% of elements;
+    under the interpreter, which accumulates in fp32, always a neighbour on the FP8 grid;
+    on GPUs the tensor cores' partial sums of a K step may move a result that cancels to
+    near zero by several codes), the dequantized outputs agree to >= 30 dB, and the
+    output keeps the format's precision against the exact product (>= 25 dB for e4m3,
+    whose 3-bit mantissa alone sits near 31 dB; 18 dB for e5m2)."""
     out = tg.fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=fmt.dtype, out_scale=out_scale, **kw)
     epilogue = {key: kw[key] for key in ("bias", "residual", "activation") if key in kw}
     cast = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=fmt.dtype, out_scale=out_scale, **epilogue)
     exact = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=torch.float64, **epilogue)
     assert out.dtype == fmt.dtype and out.shape == exact.shape
     assert not torch.isnan(out.float()).any(), "NaN from finite operands"
-    codes, ref_codes = (torch.where(t.float() == 0, 0, t.view(torch.uint8).int()) for t in (out, cast))  # -0 is 0
+    # Signed position on the FP8 grid: neighbours differ by 1, and +-0 are both 0.
+    codes, ref_codes = (torch.where(t.view(torch.uint8) >= 128, -1, 1) * (t.view(torch.uint8) & 127).int()
+                        for t in (out, cast))
     differ = codes != ref_codes
     assert differ.float().mean() < 0.01, f"{differ.float().mean():.2%} of FP8 codes differ from the reference cast"
-    assert not differ.any() or (codes - ref_codes)[differ].abs().max() <= 1
-    dequantized = out.double() * out_scale.double().reshape(-1)
-    db = sqnr_db(exact, dequantized)
+    if tg.interpreting():
+        assert not differ.any() or (codes - ref_codes)[differ].abs().max() <= 1, \
+            list(zip(codes[differ][:8].tolist(), ref_codes[differ][:8].tolist()))
+    scale = out_scale.double().reshape(-1)
+    assert sqnr_db(cast.double() * scale, out.double() * scale) >= 30.0
+    db = sqnr_db(exact, out.double() * scale)
     floor = 25.0 if fmt is E4M3 else 18.0
     assert db >= floor, f"SQNR {db:.1f} dB under the {floor} dB floor"
     return out

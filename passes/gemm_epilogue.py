@@ -1,0 +1,288 @@
+"""gemm_epilogue: in an inference graph with calibrated activation scales, an FP8 GEMM whose
+output becomes, through an activation and a residual add, the A operand of the next FP8
+GEMM writes that operand in FP8 from its own epilogue. A Mod that is on by default
+(`disabled_mods=["gemm_epilogue"]` switches it off); `lower` runs it.
+
+Matches (inference graph; both GEMMs FP8 sites Dispatch sent to FP8):
+
+    C = mm(A, B) | addmm(bias, A, B)      2-D, K and N unpadded ("producer")
+        [views that keep the last dim]
+    Y = act(C)                            optional: relu, silu, gelu, gelu(tanh), hardswish,
+        [views]                           in the decomposed form the graph holds
+    Y = Y + R                             optional: R of Y's shape and dtype (no broadcast)
+        [views]
+    D = mm(Y, B2) | addmm(bias2, Y, B2)   Y is A of an FP8 site ("consumer") whose A has a
+                                          calibrated static scale s, tensorwise or rowwise,
+                                          K unpadded
+
+each link read by nothing but the next, becomes
+
+    Q = loka.triton_fp8_gemm(A_q, A_s, B_q, B_s, bias, R, act, out_dtype=fp8, out_scale=s)
+    D = the consumer's FP8 GEMM on (Q, s)
+
+so the activation, the residual add and the consumer's cast happen in the producer's
+epilogue: C never goes to memory in bf16, and no pointwise kernel reads it back (3 bytes
+per element of C in bf16, 4 with a residual, against 1). The producer runs on loka's
+Triton GEMM whatever provider Dispatch chose for it. A chain may continue: a consumer can
+be the producer of the next link.
+
+Declines (the site keeps its ordinary lowering):
+    not inference, or no static scale on the consumer's A (a dynamic cast needs the
+        whole row's amax before any element is cast);
+    a producer that is batched, padded, or has addmm scalars other than 1;
+    a consumer that is blockwise or padded;
+    any link with another reader (its bf16 value is needed);
+    loka's Triton GEMM not runnable on the device (it runs on FP8 GPUs, and on CPU as
+        its reference);
+    with the speed check on an FP8 GPU: the fused GEMM measured slower than the
+        producer's chosen GEMM plus the pointwise kernel (`speed.epilogue_timing`).
+
+The activations are recognized with Inductor's pattern matcher (each activation traced
+through the decompositions Inductor applies, and without them, per dtype, and matched
+rooted at its output); the chain itself has optional links and views between them, so
+it is walked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch._inductor import pattern_matcher
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from loka_compile.kernels import providers
+from loka_compile.kernels.quantize import Fp8Format, Scaling
+
+from .context import GraphKind, PassContext, Site
+from .find_sites import operands
+
+aten = torch.ops.aten
+log = logging.getLogger("loka")
+
+MOD = "gemm_epilogue"
+EPILOGUE_CAST = "fused into the epilogue of"  # how a fed A's cast begins in `site.casts` (the report counts them)
+# Views that keep the last dim (the GEMM's N) and the element order.
+_ROW_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
+# gelu_tanh before gelu: the pattern of aten.gelu without its `approximate` argument
+# matches the tanh form too.
+_ACTIVATIONS = {
+    "relu": torch.relu,
+    "silu": F.silu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+    "hardswish": F.hardswish,
+}
+_MAX_ACTIVATION_NODES = 16  # the longest decomposition (gelu tanh in bf16) is 11 nodes
+
+
+@dataclasses.dataclass
+class Chain:
+    """One producer -> consumer link the Mod fuses."""
+
+    producer: Site
+    consumer: Site
+    activation: str                       # "none" or a key of _ACTIVATIONS
+    residual: Optional[torch.fx.Node]     # R of Y + R
+    links: list                           # nodes from the producer's output to the consumer's A, in order
+    producer_node: torch.fx.Node          # the producer's GEMM as found (erased once fused)
+    out_format: Fp8Format                 # the consumer's A format
+    scale: float                          # the consumer's static A scale
+    timing: Optional[object] = None       # speed.EpilogueTiming, where measured
+    output: Optional[torch.fx.Node] = None  # the fused GEMM node, once lowered
+
+
+@functools.lru_cache(maxsize=None)
+def _activation_patterns(dtype: torch.dtype) -> list:
+    """(name, pattern) of act(x) for an x of `dtype`: as Inductor decomposes it (its
+    post-grad graphs), and as the ATen op itself (graphs traced without decompositions)."""
+    def search_fn(fn):
+        def search(x):
+            return fn(x)
+        return search
+
+    example = [torch.empty(8, 16, dtype=dtype)]
+    return [(name, pattern_matcher.gen_pattern(search_fn(fn), example, trace))
+            for trace in (pattern_matcher.fwd_only, _trace_undecomposed) for name, fn in _ACTIVATIONS.items()]
+
+
+def _trace_undecomposed(fn, args, **_):
+    # gen_pattern passes its own decomposition table in torch 2.13 (not in 2.11): ignored here.
+    return pattern_matcher.fwd_only(fn, args, get_decomp_fn=dict)
+
+
+def _activation_of(node: torch.fx.Node, dtype: torch.dtype) -> Optional[tuple]:
+    """(name, output node, the nodes it spans) of an activation whose only input is `node`
+    and whose inner nodes nothing else reads; None if none starts there."""
+    patterns = _activation_patterns(dtype)
+    frontier, seen = [node], []
+    while frontier and len(seen) < _MAX_ACTIVATION_NODES:
+        current = frontier.pop(0)
+        for user in current.users:
+            if user not in seen and user.op == "call_function":
+                seen.append(user)
+                frontier.append(user)
+    for root in reversed(seen):  # the outermost match first
+        for name, pattern in patterns:
+            match = pattern.match(root)
+            if not match or match.kwargs.get("x") is not node:
+                continue
+            inner = set(match.nodes)
+            if all(set(n.users) <= inner for n in match.nodes if n is not root) and set(node.users) <= inner:
+                return name, root, [n for n in root.graph.nodes if n in inner]
+    return None
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
+def _only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _walk(producer: Site, consumers: dict) -> Optional[tuple]:
+    """(consumer site, activation, residual, links) of the chain from `producer`'s output,
+    or None where it is not one (module docstring)."""
+    node, dtype = producer.node, producer.node.meta["val"].dtype
+    activation, residual, links = "none", None, []
+    while True:
+        if activation == "none" and residual is None:
+            # Before the one-reader rule: a decomposed activation may read its input twice.
+            found = _activation_of(node, dtype)
+            if found is not None and found[1].meta["val"].dtype == dtype:
+                activation = found[0]
+                links.extend(found[2])
+                node = found[1]
+                continue
+        user = _only_user(node)
+        if user is None:
+            return None
+        consumer = consumers.get(user)
+        if consumer is not None:
+            a, b, bias, _ = operands(user)
+            if a is node and b is not node and bias is not node:
+                return consumer, activation, residual, links
+            return None
+        if user.op != "call_function":
+            return None
+        if user.target in _ROW_VIEWS:
+            val = user.meta.get("val")
+            if val is None or not statically_known_true(val.shape[-1] == node.meta["val"].shape[-1]):
+                return None
+            links.append(user)
+            node = user
+            continue
+        if user.target == aten.add.Tensor and residual is None and len(user.args) == 2 and not user.kwargs:
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            if not isinstance(other, torch.fx.Node) or other is node:
+                return None
+            out, val = user.meta.get("val"), other.meta.get("val")
+            if out is None or val is None or out.dtype != dtype or val.dtype != dtype \
+                    or not _same_shape(out, node.meta["val"]) or not _same_shape(val, out):
+                return None
+            residual = other
+            links.append(user)
+            node = user
+            continue
+        return None
+
+
+def _producer_declines(site: Site, decision) -> Optional[str]:
+    if site.op not in ("mm", "addmm") or site.batch is not None or not site.unit_scalars:
+        return "not a 2-D mm/addmm with unit scalars"
+    if decision.pad_k or decision.pad_n:
+        return "padded"
+    device = site.device
+    if "triton" not in providers.names():
+        return "loka's Triton GEMM is not installed"
+    if device.type != "cpu" and not providers.get("triton").available(device):
+        return f"loka's Triton GEMM cannot run on {device}"
+    return None
+
+
+def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
+    """The Chains the Mod fuses in this graph, in graph order.
+    `time_epilogue(chain) -> speed.EpilogueTiming`, where given, decides whether it pays."""
+    if ctx.kind is not GraphKind.INFERENCE or MOD in ctx.inactive_mods or not ctx.static_a_scales:
+        return []
+    consumers = {}
+    for site in ctx.sites:
+        decision = ctx.decisions[site.key]
+        static = ctx.static_a_scale(site)
+        if decision.fp8 and static is not None and site.op in ("mm", "addmm") and site.batch is None \
+                and decision.scaling in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value) and not decision.pad_k:
+            consumers[site.node] = site
+    chains = []
+    for site in ctx.sites:
+        decision = ctx.decisions[site.key]
+        if not decision.fp8 or _producer_declines(site, decision) is not None:
+            continue
+        found = _walk(site, consumers)
+        if found is None:
+            continue
+        consumer, activation, residual, links = found
+        chain = Chain(site, consumer, activation, residual, links, site.node,
+                      Fp8Format(ctx.decisions[consumer.key].a_format), float(ctx.static_a_scale(consumer)["scale"]))
+        if time_epilogue is not None:
+            chain.timing = time_epilogue(chain)
+            if chain.timing is not None and not chain.timing.pays:
+                log.info("loka: %s: %s: the fused GEMM epilogue is slower (%.1f us vs %.1f us); not fused",
+                         site.name, MOD, chain.timing.fused_us, chain.timing.unfused_us)
+                continue
+        chains.append(chain)
+    return chains
+
+
+def out_scale_constant(chain: Chain, before: torch.fx.Node) -> torch.fx.Node:
+    """A get_attr node for the consumer's static scale as a [1] fp32 constant of the graph
+    module (not a `full` in the graph, which Inductor compiles to a fill kernel per call)."""
+    graph = before.graph
+    name = f"_loka_epilogue_scale_{chain.producer_node.name}"
+    val = chain.producer_node.meta["val"]
+    with unset_fake_temporarily():
+        graph.owning_module.register_buffer(
+            name, torch.full((1,), chain.scale, dtype=torch.float32, device=val.device), persistent=False)
+    with graph.inserting_before(before):
+        node = graph.get_attr(name)
+    with val.fake_mode:
+        node.meta["val"] = torch.empty((1,), dtype=torch.float32, device=val.device)
+    return node
+
+
+def erase_links(chains: list) -> None:
+    """Drop each fused chain's bf16 links and its producer's original GEMM, now unread;
+    later chains first, so an earlier one's links lose their last reader first."""
+    for chain in reversed(chains):
+        for node in reversed([chain.producer_node, *chain.links]):
+            if not node.users:
+                node.graph.erase_node(node)
+
+
+def time_chain(chain: Chain, ctx: PassContext):
+    """speed.epilogue_timing of the chain's producer on an FP8 GPU; None elsewhere, or
+    where its shape has no concrete size to time at (the chain is then fused)."""
+    from loka_compile import speed
+
+    site = chain.producer
+    decision = ctx.decisions[site.key]
+    if not providers.has_fp8_hardware(site.device):
+        return None
+    shape = speed.site_shape(site, decision.scaling)
+    if shape is None:
+        log.info("loka: %s: %s fused untimed (no concrete size to time at)", site.name, MOD)
+        return None
+    return speed.epilogue_timing(shape, decision.scaling, decision.a_format, decision.b_format, decision.provider,
+                                 decision.fast_accum, chain.activation, chain.residual is not None,
+                                 chain.out_format.value)
+
+
+def description(chain: Chain) -> str:
+    parts = [chain.activation] if chain.activation != "none" else []
+    parts += ["residual add"] if chain.residual is not None else []
+    return f"{EPILOGUE_CAST} {chain.producer.name}'s GEMM" + (f" ({', '.join(parts)})" if parts else "")

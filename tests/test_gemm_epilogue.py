@@ -1,0 +1,297 @@
+"""The `gemm_epilogue` Mod: a GEMM whose output reaches the next FP8 GEMM's A (static
+scale) through an activation and a residual add writes that FP8 operand from its epilogue.
+
+Hand-built inference graphs (positive and negative), the fused path's numerics against the
+unfused path's, and calibrated end-to-end compiles written as recsys code is (an
+EmbeddingBag feeding an MLP tower, a 3-D interaction input, `dynamic=True`).
+"""
+
+import copy
+import functools
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+import loka_compile
+from loka_compile import LokaConfig, dispatch
+from loka_compile.passes import GraphKind, PassContext, graph_kind, run_passes
+from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
+from numerics import sqnr_db
+
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+TRITON_GEMM = torch.ops.loka.triton_fp8_gemm.default
+# Emulated rowwise e4m3 with static scales against fp64, these models: 26-32 dB measured.
+OUTPUT_SQNR_DB = 20.0
+# The fused path casts the fp32 epilogue value, the unfused one (run eagerly) its bf16
+# rounding: the fused output may be no further from fp64 than the unfused one, within
+# this margin. (Compiled by Inductor, which keeps the unfused chain in fp32, the two
+# measured identical on these models.)
+NO_LOSS_MARGIN_DB = 0.5
+
+
+def assert_no_loss(exact, fused, unfused):
+    assert not torch.isnan(fused).any()
+    fused_db, unfused_db = sqnr_db(exact, fused.double()), sqnr_db(exact, unfused.double())
+    assert fused_db >= OUTPUT_SQNR_DB and fused_db >= unfused_db - NO_LOSS_MARGIN_DB, (fused_db, unfused_db)
+
+
+def inference_graph(fn, *args):
+    """The ATen inference graph AOTAutograd hands a compiler for fn (no input needs a grad)."""
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    with torch.no_grad():
+        aot_function(fn, fw_compiler=keep)(*args)
+    (gm,) = graphs
+    assert graph_kind(gm.graph) is GraphKind.INFERENCE
+    return gm
+
+
+def run_lowering(gm, scale=0.01, disabled=(), static_sites=None):
+    """find_sites .. lower on gm's graph, every site's A with a static scale (or those
+    numbered in `static_sites`, 1-based); `scale`: one for all, or a list by site."""
+    config = LokaConfig(recipe="rowwise", disabled_mods=list(disabled))
+    decide = functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={})
+    count = sum(n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+                for n in gm.graph.nodes)
+    numbers = range(1, count + 1) if static_sites is None else static_sites
+    scales = scale if isinstance(scale, list) else [scale] * count
+    static = {f"inference/<root>:fwd#{i}": {"scale": scales[i - 1], "policy": "amax"} for i in numbers}
+    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
+                      decide=decide, inactive_mods=config.inactive_mods, static_a_scales=static)
+    run_passes(gm.graph, ctx)
+    gm.recompile()
+    return ctx
+
+
+def fused_gemms(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is TRITON_GEMM]
+
+
+def mlp(x, w1, b1, w2, b2, w3, activation=torch.relu):
+    h = activation(F.linear(x, w1, b1))
+    return F.linear(F.linear(h, w2, b2), w3)
+
+
+def weights(k=64, n=64, dtype=torch.bfloat16, layers=3):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(layers):
+        out.append((torch.randn(n, k, generator=g) * k ** -0.5).to(dtype))
+        if i < layers - 1:
+            out.append((torch.randn(n, generator=g) * 0.1).to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "gelu_tanh", "hardswish"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_activation_then_next_gemm_is_one_fused_gemm(activation, dtype):
+    act = {"relu": torch.relu, "silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish,
+           "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}[activation]
+    fn = functools.partial(mlp, activation=act)
+    x = torch.randn(32, 64, dtype=dtype)
+    gm = inference_graph(fn, x, *weights(dtype=dtype))
+    ctx = run_lowering(gm)
+    fused = fused_gemms(gm)
+    # fc1 -> act -> fc2 and fc2 -> fc3: two producers, each writing the next A in FP8
+    assert [(n.args[7], n.args[8]) for n in fused] == [(activation, torch.float8_e4m3fn),
+                                                       ("none", torch.float8_e4m3fn)]
+    sites = {s.id: s for s in ctx.sites}
+    assert sites["inference/<root>:fwd#2"].casts["a"] == \
+        f"{EPILOGUE_CAST} <root>:fwd's GEMM ({activation})"
+    assert sites["inference/<root>:fwd#3"].casts["a"].startswith(EPILOGUE_CAST)
+    assert ctx.decisions[sites["inference/<root>:fwd#1"].key].provider == "triton"
+    # no bf16 activation is left between the GEMMs: every pointwise op of the activation is gone
+    assert not any(n.target in (torch.ops.aten.relu.default, torch.ops.aten.exp.default, torch.ops.aten.erf.default,
+                                torch.ops.aten.tanh.default) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_residual_add_joins_the_epilogue():
+    def block(x, w1, b1, w2, b2, w3):
+        h = F.silu(F.linear(x, w1, b1)) + x
+        return F.linear(F.linear(h, w2, b2), w3)
+
+    gm = inference_graph(block, torch.randn(4, 8, 64, dtype=torch.bfloat16), *weights())  # 3-D input: views
+    run_lowering(gm)
+    first = fused_gemms(gm)[0]
+    residual = first.args[6]
+    assert first.args[7] == "silu" and residual is not None and residual.meta["val"].shape[-1] == 64
+
+
+@pytest.mark.parametrize("case", ["output_also_returned", "activation_read_twice", "no_static_scale",
+                                  "mod_disabled", "consumer_reads_it_as_b", "broadcast_add"])
+def test_declines(case):
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    w1, b1, w2, b2, w3 = weights()
+    static_sites, disabled = None, ()
+    if case == "output_also_returned":
+        def fn(x, w1, b1, w2):
+            y = F.linear(x, w1, b1)
+            return F.linear(torch.relu(y), w2), y
+        args = (x, w1, b1, w2)
+    elif case == "activation_read_twice":
+        def fn(x, w1, b1, w2):
+            h = torch.relu(F.linear(x, w1, b1))
+            return F.linear(h, w2) + h
+        args = (x, w1, b1, w2)
+    elif case == "no_static_scale":  # the consumer's cast needs its row's amax first
+        fn, args, static_sites = mlp, (x, w1, b1, w2, b2, w3), [1]
+    elif case == "mod_disabled":
+        fn, args, disabled = mlp, (x, w1, b1, w2, b2, w3), ("gemm_epilogue",)
+    elif case == "consumer_reads_it_as_b":
+        def fn(x, w1, b1, w2):
+            h = torch.relu(F.linear(x, w1, b1))  # [32, 64]
+            return x.t() @ h  # h is B of the next GEMM
+        args = (x, w1, b1, w2)
+    else:
+        def fn(x, w1, b1, w2, b2):
+            h = torch.relu(F.linear(x, w1, b1)) + b2  # a [64] addend broadcast over rows
+            return F.linear(h, w2)
+        args = (x, w1, b1, w2, b2)
+    gm = inference_graph(fn, *args)
+    ctx = run_lowering(gm, static_sites=static_sites, disabled=disabled)
+    assert not fused_gemms(gm)
+    assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
+
+
+def test_fused_numerics_match_the_unfused_path():
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    args = (x, *weights())
+    fused, unfused = inference_graph(mlp, *args), inference_graph(mlp, *args)
+    # calibrated: each GEMM's A range over this batch
+    x, w1, b1, w2, b2, _ = args
+    h = torch.relu(F.linear(x, w1, b1))
+    scales = [float(a.abs().max()) / 448.0 for a in (x, h, F.linear(h, w2, b2))]
+    run_lowering(fused, scale=scales)
+    run_lowering(unfused, scale=scales, disabled=("gemm_epilogue",))
+    assert fused_gemms(fused) and not fused_gemms(unfused)
+    exact = mlp(*(t.double() for t in args))
+    out, ref = fused(*args), unfused(*args)
+    out, ref = (t[0] if isinstance(t, (tuple, list)) else t for t in (out, ref))
+    assert_no_loss(exact, out, ref)
+
+
+# ---------------------------------------------------------------------------------------
+# end to end: calibrate, then compile with the plan
+# ---------------------------------------------------------------------------------------
+
+class SparseTower(nn.Module):
+    """Sparse features pooled by an EmbeddingBag, concatenated with dense ones, through an
+    MLP tower shared by two heads, as recsys models are written."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(1000, 32, mode="sum")
+        self.dense = nn.Linear(32, 32)
+        self.tower = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.SiLU(), nn.Linear(64, 64))
+        self.click, self.like = nn.Linear(64, 16), nn.Linear(64, 16)
+
+    def forward(self, ids, offsets, dense):
+        x = torch.cat([self.bag(ids, offsets), torch.relu(self.dense(dense))], dim=-1)
+        h = self.tower(x)
+        return self.click(h), self.like(h)
+
+
+def sparse_batch(rows=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 5, (rows,), generator=g)
+    ids = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    return ids, offsets, torch.randn(rows, 32, generator=g)
+
+
+def calibrated_plan(model, batches, tmp_path):
+    plan = loka_compile.calibrate(model, batches, options={"max_output_error": None})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return str(path)
+
+
+def compile_with(model, path, *, disabled=(), options=None, **kwargs):
+    return torch.compile(copy.deepcopy(model), backend="loka",
+                         options={"plan": path, "disabled_mods": list(disabled), **(options or {})}, **kwargs)
+
+
+def test_sparse_tower_end_to_end(tmp_path):
+    torch.manual_seed(0)
+    model = SparseTower().eval()
+    path = calibrated_plan(model, [sparse_batch(seed=s) for s in range(3)], tmp_path)
+    batch = sparse_batch(seed=7)
+    with torch.no_grad():
+        exact = [t.double() for t in model(*batch)]
+        fused = compile_with(model, path)(*batch)
+        report = loka_compile.report()
+        torch._dynamo.reset()
+        loka_compile.reset()
+        unfused = compile_with(model, path, disabled=("gemm_epilogue",))(*batch)
+    # dense -> relu -> cat is not a chain (the cat reads it); tower.0 -> relu -> tower.2 -> silu
+    # -> tower.4 -> the two heads (one GEMM, the horizontal Mod's) is
+    fed = {s.module: s.casts["a"] for s in report.sites if s.casts.get("a", "").startswith(EPILOGUE_CAST)}
+    assert sorted(fed) == ["tower.2", "tower.4", "{click,like}"]
+    assert fed["tower.4"] == f"{EPILOGUE_CAST} tower.2:fwd's GEMM (silu)"
+    assert report.mods["gemm_epilogue"] == 3 and "gemm_epilogue 3" in str(report)
+    for got, ref, want in zip(fused, unfused, exact):
+        assert_no_loss(want, got, ref)
+
+
+def test_dynamic_batch_recompile_free(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Hardswish(), nn.Linear(64, 16))
+    model = model.to(torch.bfloat16).eval()
+    batches = [torch.randn(48, 64, dtype=torch.bfloat16) for _ in range(3)]
+    path = calibrated_plan(model, batches, tmp_path)
+    compiled = compile_with(model, path, dynamic=True)
+    with torch.no_grad():
+        for rows in (48, 80, 17):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            out = compiled(x)
+            assert out.shape == (rows, 16) and not torch.isnan(out).any()
+            assert sqnr_db(model(x).double(), out.double()) >= OUTPUT_SQNR_DB
+    assert loka_compile.report().mods["gemm_epilogue"] == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("speed_check", [False, True], ids=["forced", "speed-checked"])
+def test_cuda_tower_writes_fp8_operands_from_gemm_epilogues(tmp_path, speed_check):
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.SiLU(), nn.Linear(1024, 256))
+    model = model.to("cuda", torch.bfloat16).eval()
+    path = calibrated_plan(model, [torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3)],
+                           tmp_path)
+    x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
+    options = {"speed_check": speed_check}
+    with torch.no_grad():
+        exact = model.double()(x.double())
+        model.to(torch.bfloat16)
+        fused, (fused_code,) = run_and_get_code(compile_with(model, path, options=options), x)
+        report = loka_compile.report()
+        torch._dynamo.reset()
+        loka_compile.reset()
+        unfused, (unfused_code,) = run_and_get_code(
+            compile_with(model, path, disabled=("gemm_epilogue",), options=options), x)
+    fed = [s for s in report.sites if s.casts.get("a", "").startswith(EPILOGUE_CAST)]
+    producers = [s for s in report.sites if "gemm_epilogue writes" in s.detail]
+    assert len(producers) == len(fed) == report.mods["gemm_epilogue"]
+    if speed_check:
+        # fused only where measured faster, and the producer's detail says by how much
+        for site in producers:
+            fused_us, unfused_us = map(float, re.search(r"([\d.]+) us vs ([\d.]+) us", site.detail).groups())
+            assert fused_us < unfused_us
+    else:
+        assert [s.module for s in fed] == ["2", "4"] and report.mods["gemm_epilogue"] == 2
+        assert [s.provider for s in report.sites] == ["triton", "triton", report.sites[2].provider]
+    # the relu and silu kernels that cast the next A are gone: one kernel fewer per fused link
+    kernels = [re.findall(r"^def (triton_\w+)\(", code, re.M) for code in (fused_code, unfused_code)]
+    assert len(kernels[1]) - len(kernels[0]) == len(fed), kernels
+    assert fused_code.count("loka.triton_fp8_gemm") >= len(fed)
+    assert_no_loss(exact, fused, unfused)
