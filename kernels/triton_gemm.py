@@ -206,8 +206,12 @@ def _output_values(acc, offs_n, N, out_scale_ptr, stride_os, OUT_DTYPE: tl.const
     """The tile in OUT_DTYPE. An FP8 output (OUT_FP8: 1 e4m3, 2 e5m2; 0 not FP8) is the
     next GEMM's operand: clamp(acc / out_scale) to +-OUT_FP8_MAX, inf and NaN to NaN, as
     `quantize.cast_with_scale(..., non_finite_to_nan=True)`; out_scale is one value
-    (stride 0) or one per column. SOFTWARE_CAST: the interpreter's own fp8 conversion
-    rounds half up and turns NaN into a number (triton 3.6), so the bits are computed."""
+    (stride 0) or one per column. The division is a multiply by each column's reciprocal
+    (within an fp32 ulp of acc / out_scale before the FP8 rounding): a correctly rounded
+    division per element made the GEMM with FP8 output 3x slower than with bf16 output on
+    the H100 (8192 x 1024 x 1024: 67 us against 23; with the reciprocal 27 us).
+    SOFTWARE_CAST: the interpreter's own fp8 conversion rounds half up and turns NaN into
+    a number (triton 3.6), so the bits are computed."""
     if OUT_FP8 == 0:
         return acc.to(OUT_DTYPE)
     scale = tl.load(out_scale_ptr + offs_n * stride_os, mask=offs_n < N, other=1.0)
