@@ -3,7 +3,8 @@ the next GEMM's A with a calibrated static scale.
 
     python -m benchmarks.gemm_epilogue --out benchmarks/results
 
-Per shape (M x K x N of the producing GEMM; rowwise e4m3 operands, bias, relu), device
+Per shape (M x K x N of the producing GEMM; rowwise e4m3 operands, bias, relu) and
+accumulation (precise, and fast as calibrated plans choose it), device
 time under CUDA graphs (`loka_compile.speed._time_calls_us`: median of 5 runs of 10 calls)
 on fresh random operands:
 
@@ -36,7 +37,7 @@ SHAPES = [  # (M, K, N): MLP layers of the zoo's paper presets at serving batche
 ]
 
 
-def measure(m: int, k: int, n: int, device: torch.device) -> dict:
+def measure(m: int, k: int, n: int, device: torch.device, fast_accum: bool) -> dict:
     from loka_compile import speed
     from loka_compile.kernels.quantize import Fp8Format, Scaling
     from loka_compile.kernels.scaled_gemm import GemmSpec, gemm_quantized, gemm_to_next_operand, quantize_static
@@ -47,20 +48,20 @@ def measure(m: int, k: int, n: int, device: torch.device) -> dict:
     bias = torch.randn(n, device=device, dtype=torch.bfloat16)
     a_q, a_s = torch.ops.loka.quantize_operand(a, "a", "rowwise", "e4m3")
     b_q, b_s = torch.ops.loka.quantize_operand(w.t(), "b", "rowwise", "e4m3")
-    spec = GemmSpec(Scaling.ROWWISE, e4m3, e4m3, "scaled_mm_rowwise", torch.bfloat16)
+    spec = GemmSpec(Scaling.ROWWISE, e4m3, e4m3, "scaled_mm_rowwise", torch.bfloat16, fast_accum=fast_accum)
     out = gemm_quantized(a_q, a_s, b_q, b_s, bias, spec)
     scale = float(torch.relu(out).abs().amax().float()) / e4m3.max
 
     bf16 = torch.compile(lambda x: torch.relu(torch.addmm(bias, x, w.t())))
     pointwise = torch.compile(lambda c: quantize_static(torch.relu(c), scale, Scaling.ROWWISE, e4m3)[0])
-    fused_spec = GemmSpec(Scaling.ROWWISE, e4m3, e4m3, "triton", torch.bfloat16)
+    fused_spec = GemmSpec(Scaling.ROWWISE, e4m3, e4m3, "triton", torch.bfloat16, fast_accum=fast_accum)
     # agreement of the two forms' FP8 operands (codes differ only at rounding boundaries)
     scale_constant = torch.full((1,), scale, device=device)  # the Mod's graph constant
     fused_q = gemm_to_next_operand(a_q, a_s, b_q, b_s, bias, None, "relu", fused_spec, e4m3, scale_constant)
     unfused_q = pointwise(out)
     differ = float((fused_q.float() != unfused_q.float()).float().mean())
 
-    row = {"m": m, "k": k, "n": n, "fp8_codes_differ": differ}
+    row = {"m": m, "k": k, "n": n, "fast_accum": fast_accum, "fp8_codes_differ": differ}
     row["bf16_us"] = speed._time_calls_us(lambda: bf16(a), device)
     row["gemm_us"] = speed._time_calls_us(lambda: gemm_quantized(a_q, a_s, b_q, b_s, bias, spec), device)
     row["pointwise_us"] = speed._time_calls_us(lambda: pointwise(out), device)
@@ -69,7 +70,8 @@ def measure(m: int, k: int, n: int, device: torch.device) -> dict:
         lambda: gemm_to_next_operand(a_q, a_s, b_q, b_s, bias, None, "relu", fused_spec, e4m3, scale_constant),
         device)
     shape = speed.SiteShape(m, k, n, "row", "column", True, torch.bfloat16, device)
-    model = speed.epilogue_timing(shape, "rowwise", "e4m3", "e4m3", "scaled_mm_rowwise", False, "relu", False, "e4m3")
+    model = speed.epilogue_timing(shape, "rowwise", "e4m3", "e4m3", "scaled_mm_rowwise", fast_accum, "relu", False,
+                                  "e4m3")
     row.update(model_fused_us=model.fused_us, model_unfused_us=model.unfused_us, model_pays=model.pays,
                measured_pays=row["fused_us"] < row["unfused_us"],
                fused_vs_unfused=row["unfused_us"] / row["fused_us"], fused_vs_bf16=row["bf16_us"] / row["fused_us"])
@@ -86,24 +88,25 @@ def main(argv=None) -> Path:
     import loka_compile  # noqa: F401  (registers the ops and providers)
 
     device = torch.device("cuda")
-    rows = [measure(*shape, device) for shape in SHAPES]
+    rows = [measure(*shape, device, fast_accum) for fast_accum in (False, True) for shape in SHAPES]
     gpu = torch.cuda.get_device_name(device)
     env = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
     stem = args.name or f"{datetime.date.today()}_{gpu.split()[-1] if 'H100' not in gpu else 'H100'}_gemm_epilogue"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    table = tabulate([[f"{r['m']}x{r['k']}x{r['n']}", r["bf16_us"], r["gemm_us"], r["pointwise_us"], r["unfused_us"],
+    table = tabulate([[f"{r['m']}x{r['k']}x{r['n']}", "fast" if r["fast_accum"] else "precise", r["bf16_us"], r["gemm_us"], r["pointwise_us"], r["unfused_us"],
                        r["fused_us"], r["fused_vs_unfused"], r["fused_vs_bf16"], r["model_unfused_us"],
                        "yes" if r["model_pays"] else "no", "yes" if r["measured_pays"] else "no",
                        f"{100 * r['fp8_codes_differ']:.2f}%"] for r in rows],
-                     headers=["M x K x N", "bf16 us", "_scaled_mm us", "relu+cast us", "unfused us", "fused us",
+                     headers=["M x K x N", "accumulation", "bf16 us", "_scaled_mm us", "relu+cast us", "unfused us", "fused us",
                               "fused speedup", "vs bf16", "model unfused us", "model: fuse", "measured: fuse",
                               "codes differ"], floatfmt=".2f")
-    geo = statistics.geometric_mean(r["fused_vs_unfused"] for r in rows)
+    geo = {mode: statistics.geometric_mean(r["fused_vs_unfused"] for r in rows if r["fast_accum"] == (mode == "fast"))
+           for mode in ("precise", "fast")}
     text = (f"# gemm_epilogue: GEMM + bias + relu + the next GEMM's static FP8 cast\n\n{env}\n\n"
             f"Device time per call, CUDA graphs, median of 5 runs of 10 calls.\n\n{table}\n\n"
-            f"Geometric mean fused / unfused speedup: {geo:.3f}x\n")
+            f"Geometric mean fused / unfused speedup: precise {geo['precise']:.3f}x, fast {geo['fast']:.3f}x\n")
     (out / f"{stem}.md").write_text(text)
     print(text)
     return out / f"{stem}.json"

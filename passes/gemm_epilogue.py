@@ -239,20 +239,38 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
     return chains
 
 
-def out_scale_constant(chain: Chain, before: torch.fx.Node) -> torch.fx.Node:
-    """A get_attr node for the consumer's static scale as a [1] fp32 constant of the graph
-    module (not a `full` in the graph, which Inductor compiles to a fill kernel per call)."""
+def _constant(before: torch.fx.Node, name: str, value: torch.Tensor, fake_like: torch.Tensor) -> torch.fx.Node:
+    """A get_attr node before `before` reading `value`, registered on the graph module as
+    a buffer: Inductor reads a constant, where a `full` in the graph is a fill kernel per call."""
     graph = before.graph
-    name = f"_loka_epilogue_scale_{chain.producer_node.name}"
-    val = chain.producer_node.meta["val"]
-    with unset_fake_temporarily():
-        graph.owning_module.register_buffer(
-            name, torch.full((1,), chain.scale, dtype=torch.float32, device=val.device), persistent=False)
+    graph.owning_module.register_buffer(name, value, persistent=False)
     with graph.inserting_before(before):
         node = graph.get_attr(name)
-    with val.fake_mode:
-        node.meta["val"] = torch.empty((1,), dtype=torch.float32, device=val.device)
+    with fake_like.fake_mode:
+        node.meta["val"] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     return node
+
+
+def out_scale_constant(chain: Chain, before: torch.fx.Node) -> torch.fx.Node:
+    """The consumer's static scale as the producer's [1] fp32 out_scale constant."""
+    val = chain.producer_node.meta["val"]
+    with unset_fake_temporarily():
+        value = torch.full((1,), chain.scale, dtype=torch.float32, device=val.device)
+    return _constant(before, f"_loka_epilogue_scale_{chain.producer_node.name}", value, val)
+
+
+def consumer_scale_constant(chain: Chain, scaling: Scaling, before: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The consumer's A scale as a constant: [1, 1] tensorwise (the GEMM reads it as 0-d;
+    Inductor would inline a 0-d constant), [M, 1] rowwise when M is concrete; None for a
+    symbolic M (the scale is then made in the graph)."""
+    val = chain.producer_node.meta["val"]
+    rows = val.shape[0]
+    if scaling is Scaling.ROWWISE and not isinstance(rows, int):
+        return None
+    shape = (1, 1) if scaling is Scaling.TENSORWISE else (rows, 1)
+    with unset_fake_temporarily():
+        value = torch.full(shape, chain.scale, dtype=torch.float32, device=val.device)
+    return _constant(before, f"_loka_epilogue_a_scale_{chain.producer_node.name}", value, val)
 
 
 def erase_links(chains: list) -> None:

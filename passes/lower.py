@@ -59,7 +59,8 @@ from loka_compile.speed import per_piece_row_max
 
 from .context import GraphKind, PassContext
 from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, saved_operand
-from .gemm_epilogue import Chain, description, erase_links, out_scale_constant, plan_chains, time_chain
+from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, out_scale_constant, plan_chains,
+                            time_chain)
 from .rewrite import insert_traced, replace_with_traced
 from .weight_cache import cached_operand
 
@@ -101,8 +102,10 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
                                                             spec.a_static_scale is not None, row_max)
         if fed is not None:
             site.casts["a"] = description(fed)
-            a_args = [fed.output]
-            a_cast = functools.partial(_cast_a_from_epilogue, scale=fed.scale, scaling=spec.scaling)
+            scale = consumer_scale_constant(fed, spec.scaling, node)
+            a_args = [fed.output] if scale is None else [fed.output, scale]
+            a_cast = functools.partial(_cast_a_from_epilogue, scale=None if scale is not None else fed.scale,
+                                       scaling=spec.scaling)
         elif saved_a:
             a_args, a_cast = list(saved_a), _cast_a_saved
         else:
@@ -183,9 +186,14 @@ def _cast_a_saved(args: tuple):
     return (args[0], args[1]), args[2:]
 
 
-def _cast_a_from_epilogue(args: tuple, *, scale: float, scaling: Scaling):
-    """A written in FP8 by the producing GEMM's epilogue with this site's static scale."""
-    return (args[0], static_scale_of(args[0], scale, scaling)), args[1:]
+def _cast_a_from_epilogue(args: tuple, *, scale: Optional[float], scaling: Scaling):
+    """A written in FP8 by the producing GEMM's epilogue with this site's static scale:
+    args[0], then its scale constant (`gemm_epilogue.consumer_scale_constant`), or with
+    `scale` given, the scale made here."""
+    if scale is not None:
+        return (args[0], static_scale_of(args[0], scale, scaling)), args[1:]
+    constant = args[1].reshape(()) if scaling is Scaling.TENSORWISE else args[1]
+    return (args[0], constant), args[2:]
 
 
 def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional[tuple]:

@@ -55,10 +55,10 @@ def inference_graph(fn, *args):
     return gm
 
 
-def run_lowering(gm, scale=0.01, disabled=(), static_sites=None):
+def run_lowering(gm, scale=0.01, disabled=(), static_sites=None, recipe="rowwise"):
     """find_sites .. lower on gm's graph, every site's A with a static scale (or those
     numbered in `static_sites`, 1-based); `scale`: one for all, or a list by site."""
-    config = LokaConfig(recipe="rowwise", disabled_mods=list(disabled))
+    config = LokaConfig(recipe=recipe, disabled_mods=list(disabled))
     decide = functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={})
     count = sum(n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
                 for n in gm.graph.nodes)
@@ -162,7 +162,8 @@ def test_declines(case):
     assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
 
 
-def test_fused_numerics_match_the_unfused_path():
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fused_numerics_match_the_unfused_path(recipe):
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     args = (x, *weights())
     fused, unfused = inference_graph(mlp, *args), inference_graph(mlp, *args)
@@ -170,9 +171,11 @@ def test_fused_numerics_match_the_unfused_path():
     x, w1, b1, w2, b2, _ = args
     h = torch.relu(F.linear(x, w1, b1))
     scales = [float(a.abs().max()) / 448.0 for a in (x, h, F.linear(h, w2, b2))]
-    run_lowering(fused, scale=scales)
-    run_lowering(unfused, scale=scales, disabled=("gemm_epilogue",))
-    assert fused_gemms(fused) and not fused_gemms(unfused)
+    run_lowering(fused, scale=scales, recipe=recipe)
+    run_lowering(unfused, scale=scales, disabled=("gemm_epilogue",), recipe=recipe)
+    assert [n.args[4] for n in fused_gemms(fused)] == [recipe, recipe] and not fused_gemms(unfused)
+    # the consumers' scales are constants of the graph module, not fills in the graph
+    assert sum(n.op == "get_attr" and "_loka_epilogue" in n.target for n in fused.graph.nodes) == 4
     exact = mlp(*(t.double() for t in args))
     out, ref = fused(*args), unfused(*args)
     out, ref = (t[0] if isinstance(t, (tuple, list)) else t for t in (out, ref))
