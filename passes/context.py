@@ -133,6 +133,9 @@ class PassContext:
     joint: bool = False
     # Dispatch times sites (`LokaConfig.speed_check`): Mods that change a site's form time it too.
     speed_check: bool = False
+    # The providers the config allows (`LokaConfig.providers`); empty: every registered one.
+    # A Mod that moves a site onto a provider asks here first (an export allows ATen ones only).
+    providers: tuple = ()
 
     def static_a_scale(self, site: Site) -> Optional[dict]:
         """The calibrated static scale of `site`'s A in this graph (inference graphs only),

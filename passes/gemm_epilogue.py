@@ -33,7 +33,8 @@ Declines (the site keeps its ordinary lowering):
     a consumer that is blockwise or padded;
     any link with another reader (its bf16 value is needed);
     loka's Triton GEMM not runnable on the device (it runs on FP8 GPUs, and on CPU as
-        its reference);
+        its reference), or not among the config's `providers` (an AOTInductor export
+        allows ATen ops only, so its packages never hold this Mod's `loka::` op);
     with the speed check on an FP8 GPU: the fused GEMM measured slower than the
         producer's chosen GEMM plus the pointwise kernel (`speed.epilogue_timing`).
 
@@ -193,7 +194,7 @@ def _walk(producer: Site, consumers: dict) -> Optional[tuple]:
         return None
 
 
-def _producer_declines(site: Site, decision) -> Optional[str]:
+def _producer_declines(site: Site, decision, allowed: tuple) -> Optional[str]:
     if site.op not in ("mm", "addmm") or site.batch is not None or not site.unit_scalars:
         return "not a 2-D mm/addmm with unit scalars"
     if decision.pad_k or decision.pad_n:
@@ -201,6 +202,8 @@ def _producer_declines(site: Site, decision) -> Optional[str]:
     device = site.device
     if "triton" not in providers.names():
         return "loka's Triton GEMM is not installed"
+    if allowed and "triton" not in allowed:
+        return "loka's Triton GEMM is not among the configured providers"
     if device.type != "cpu" and not providers.get("triton").available(device):
         return f"loka's Triton GEMM cannot run on {device}"
     return None
@@ -221,7 +224,7 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
     chains = []
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
-        if not decision.fp8 or _producer_declines(site, decision) is not None:
+        if not decision.fp8 or _producer_declines(site, decision, ctx.providers) is not None:
             continue
         found = _walk(site, consumers)
         if found is None:

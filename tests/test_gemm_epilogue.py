@@ -55,10 +55,10 @@ def inference_graph(fn, *args):
     return gm
 
 
-def run_lowering(gm, scale=0.01, disabled=(), static_sites=None, recipe="rowwise"):
+def run_lowering(gm, scale=0.01, disabled=(), static_sites=None, recipe="rowwise", providers=()):
     """find_sites .. lower on gm's graph, every site's A with a static scale (or those
     numbered in `static_sites`, 1-based); `scale`: one for all, or a list by site."""
-    config = LokaConfig(recipe=recipe, disabled_mods=list(disabled))
+    config = LokaConfig(recipe=recipe, disabled_mods=list(disabled), providers=list(providers))
     decide = functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={})
     count = sum(n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
                 for n in gm.graph.nodes)
@@ -66,7 +66,8 @@ def run_lowering(gm, scale=0.01, disabled=(), static_sites=None, recipe="rowwise
     scales = scale if isinstance(scale, list) else [scale] * count
     static = {f"inference/<root>:fwd#{i}": {"scale": scales[i - 1], "policy": "amax"} for i in numbers}
     ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
-                      decide=decide, inactive_mods=config.inactive_mods, static_a_scales=static)
+                      decide=decide, inactive_mods=config.inactive_mods, static_a_scales=static,
+                      providers=config.providers)
     run_passes(gm.graph, ctx)
     gm.recompile()
     return ctx
@@ -127,11 +128,11 @@ def test_residual_add_joins_the_epilogue():
 
 
 @pytest.mark.parametrize("case", ["output_also_returned", "activation_read_twice", "no_static_scale",
-                                  "mod_disabled", "consumer_reads_it_as_b", "broadcast_add"])
+                                  "mod_disabled", "consumer_reads_it_as_b", "broadcast_add", "triton_not_allowed"])
 def test_declines(case):
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     w1, b1, w2, b2, w3 = weights()
-    static_sites, disabled = None, ()
+    static_sites, disabled, allowed = None, (), ()
     if case == "output_also_returned":
         def fn(x, w1, b1, w2):
             y = F.linear(x, w1, b1)
@@ -146,6 +147,8 @@ def test_declines(case):
         fn, args, static_sites = mlp, (x, w1, b1, w2, b2, w3), [1]
     elif case == "mod_disabled":
         fn, args, disabled = mlp, (x, w1, b1, w2, b2, w3), ("gemm_epilogue",)
+    elif case == "triton_not_allowed":  # as an AOTInductor export configures it: ATen providers only
+        fn, args, allowed = mlp, (x, w1, b1, w2, b2, w3), ("emulated",)
     elif case == "consumer_reads_it_as_b":
         def fn(x, w1, b1, w2):
             h = torch.relu(F.linear(x, w1, b1))  # [32, 64]
@@ -157,7 +160,7 @@ def test_declines(case):
             return F.linear(h, w2)
         args = (x, w1, b1, w2, b2)
     gm = inference_graph(fn, *args)
-    ctx = run_lowering(gm, static_sites=static_sites, disabled=disabled)
+    ctx = run_lowering(gm, static_sites=static_sites, disabled=disabled, providers=allowed)
     assert not fused_gemms(gm)
     assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
 
