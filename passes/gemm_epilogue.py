@@ -20,7 +20,17 @@ each link read by nothing but the next, becomes
     Q = loka.triton_fp8_gemm(A_q, A_s, B_q, B_s, bias, R, act, out_dtype=fp8, out_scale=s)
     D = the consumer's FP8 GEMM on (Q, s)
 
-so the activation, the residual add and the consumer's cast happen in the producer's
+A split of C along N right after the GEMM (MaskNet's mask layers once the horizontal Mod
+fused their first linears) hands each piece to its own consumer, through the same
+activation and no residual:
+
+    C = addmm(bias, A, B)                 pieces_i = split(C, [n_1, ..., n_k], -1)
+    D_i = mm(act(pieces_i), B_i)          each D_i an FP8 site with its own static scale s_i
+
+becomes one fused GEMM whose out_scale is per column (s_i over piece i's columns), each
+consumer reading its columns of Q as a strided view (no copy).
+
+So the activation, the residual add and the consumers' casts happen in the producer's
 epilogue: C never goes to memory in bf16, and no pointwise kernel reads it back (3 bytes
 per element of C in bf16, 4 with a residual, against 1). The producer runs on loka's
 Triton GEMM whatever provider Dispatch chose for it. A chain may continue: a consumer can
@@ -31,7 +41,8 @@ Declines (the site keeps its ordinary lowering):
         whole row's amax before any element is cast);
     a producer that is batched, padded, or has addmm scalars other than 1;
     a consumer that is blockwise or padded;
-    any link with another reader (its bf16 value is needed);
+    any link with another reader (its bf16 value is needed), a split piece not read, or
+        pieces with different activations or FP8 formats;
     loka's Triton GEMM not runnable on the device (it runs on FP8 GPUs, and on CPU as
         its reference), or not among the config's `providers` (an AOTInductor export
         allows ATen ops only, so its packages never hold this Mod's `loka::` op);
@@ -49,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 from typing import Optional
 
 import torch
@@ -83,19 +95,32 @@ _MAX_ACTIVATION_NODES = 16  # the longest decomposition (gelu tanh in bf16) is 1
 
 
 @dataclasses.dataclass
+class Piece:
+    """One consumer of a chain: it reads columns [start, start + width) of the output."""
+
+    consumer: Site
+    start: int
+    width: int
+    scale: float                          # the consumer's static A scale
+
+
+@dataclasses.dataclass
 class Chain:
-    """One producer -> consumer link the Mod fuses."""
+    """One producer and the consumer(s) it feeds: one, or one per piece of a split."""
 
     producer: Site
-    consumer: Site
+    pieces: list                          # Piece per consumer, by column
     activation: str                       # "none" or a key of _ACTIVATIONS
     residual: Optional[torch.fx.Node]     # R of Y + R
-    links: list                           # nodes from the producer's output to the consumer's A, in order
+    links: list                           # nodes from the producer's output to the consumers' A, in order
     producer_node: torch.fx.Node          # the producer's GEMM as found (erased once fused)
-    out_format: Fp8Format                 # the consumer's A format
-    scale: float                          # the consumer's static A scale
+    out_format: Fp8Format                 # the consumers' A format
     timing: Optional[object] = None       # speed.EpilogueTiming, where measured
     output: Optional[torch.fx.Node] = None  # the fused GEMM node, once lowered
+
+    @property
+    def consumer_names(self) -> str:
+        return ", ".join(piece.consumer.name for piece in self.pieces)
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,10 +172,46 @@ def _only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
+_SPLITS = {aten.split_with_sizes.default, aten.unsafe_split_with_sizes.default, aten.split.Tensor}
+
+
+def _split_pieces(split: torch.fx.Node, node: torch.fx.Node) -> Optional[list]:
+    """[(getitem node, start, width)] of a split of `node` along its last dim whose every
+    piece is read (by one getitem each), or None."""
+    val = node.meta["val"]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    width = val.shape[-1]
+    if split.args[0] is not node or dim not in (-1, val.dim() - 1) or not isinstance(width, int):
+        return None
+    sizes = split.args[1]
+    if isinstance(sizes, int):
+        sizes = [sizes] * (width // sizes) + ([width % sizes] if width % sizes else [])
+    if not all(isinstance(size, int) for size in sizes) or sum(sizes) != width:
+        return None
+    getitems = {user.args[1]: user for user in split.users
+                if user.op == "call_function" and user.target is operator.getitem}
+    if len(getitems) != len(split.users) or sorted(getitems) != list(range(len(sizes))):
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(getitems[i], starts[i], sizes[i]) for i in range(len(sizes))]
+
+
 def _walk(producer: Site, consumers: dict) -> Optional[tuple]:
-    """(consumer site, activation, residual, links) of the chain from `producer`'s output,
-    or None where it is not one (module docstring)."""
-    node, dtype = producer.node, producer.node.meta["val"].dtype
+    """(pieces [(consumer site, start, width)], activation, residual, links) of the chain
+    from `producer`'s output, or None where it is not one (module docstring). A split of
+    the output along N, right after the GEMM (its views aside), hands each piece to a
+    chain of its own; the pieces must share their activation and have no residual."""
+    node = producer.node
+    found = _walk_from(node, node.meta["val"].dtype, consumers, split_ok=True)
+    if found is None:
+        return None
+    consumer, activation, residual, links = found
+    if isinstance(consumer, list):  # the split's pieces
+        return consumer, activation, residual, links
+    return [(consumer, 0, node.meta["val"].shape[-1])], activation, residual, links
+
+
+def _walk_from(node: torch.fx.Node, dtype: torch.dtype, consumers: dict, split_ok: bool) -> Optional[tuple]:
     activation, residual, links = "none", None, []
     while True:
         if activation == "none" and residual is None:
@@ -191,7 +252,29 @@ def _walk(producer: Site, consumers: dict) -> Optional[tuple]:
             links.append(user)
             node = user
             continue
+        if user.target in _SPLITS and split_ok and activation == "none" and residual is None:
+            return _walk_split(user, node, dtype, consumers, links)
         return None
+
+
+def _walk_split(split: torch.fx.Node, node: torch.fx.Node, dtype: torch.dtype, consumers: dict,
+                links: list) -> Optional[tuple]:
+    split_pieces = _split_pieces(split, node)
+    if split_pieces is None:
+        return None
+    links = [*links, split]
+    pieces, activations = [], set()
+    for getitem, start, width in split_pieces:
+        found = _walk_from(getitem, dtype, consumers, split_ok=False)
+        if found is None or found[2] is not None:
+            return None
+        consumer, activation, _, piece_links = found
+        activations.add(activation)
+        pieces.append((consumer, start, width))
+        links += [getitem, *piece_links]
+    if len(activations) != 1 or len({id(c) for c, _, _ in pieces}) != len(pieces):
+        return None
+    return pieces, activations.pop(), None, links
 
 
 def _producer_declines(site: Site, decision, allowed: tuple) -> Optional[str]:
@@ -229,9 +312,13 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
         found = _walk(site, consumers)
         if found is None:
             continue
-        consumer, activation, residual, links = found
-        chain = Chain(site, consumer, activation, residual, links, site.node,
-                      Fp8Format(ctx.decisions[consumer.key].a_format), float(ctx.static_a_scale(consumer)["scale"]))
+        pieces, activation, residual, links = found
+        formats = {ctx.decisions[consumer.key].a_format for consumer, _, _ in pieces}
+        if len(formats) != 1:
+            continue
+        chain = Chain(site, [Piece(consumer, start, width, float(ctx.static_a_scale(consumer)["scale"]))
+                             for consumer, start, width in pieces],
+                      activation, residual, links, site.node, Fp8Format(formats.pop()))
         if time_epilogue is not None:
             chain.timing = time_epilogue(chain)
             if chain.timing is not None and not chain.timing.pays:
@@ -255,15 +342,21 @@ def _constant(before: torch.fx.Node, name: str, value: torch.Tensor, fake_like: 
 
 
 def out_scale_constant(chain: Chain, before: torch.fx.Node) -> torch.fx.Node:
-    """The consumer's static scale as the producer's [1] fp32 out_scale constant."""
+    """The consumers' static scales as the producer's fp32 out_scale constant: [1] for one
+    consumer, one per output column ([N]) for the pieces of a split."""
     val = chain.producer_node.meta["val"]
     with unset_fake_temporarily():
-        value = torch.full((1,), chain.scale, dtype=torch.float32, device=val.device)
+        if len(chain.pieces) == 1:
+            value = torch.full((1,), chain.pieces[0].scale, dtype=torch.float32, device=val.device)
+        else:
+            value = torch.cat([torch.full((p.width,), p.scale, dtype=torch.float32, device=val.device)
+                               for p in chain.pieces])
     return _constant(before, f"_loka_epilogue_scale_{chain.producer_node.name}", value, val)
 
 
-def consumer_scale_constant(chain: Chain, scaling: Scaling, before: torch.fx.Node) -> Optional[torch.fx.Node]:
-    """The consumer's A scale as a constant: [1, 1] tensorwise (the GEMM reads it as 0-d;
+def consumer_scale_constant(chain: Chain, piece: Piece, scaling: Scaling,
+                            before: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """A consumer's A scale as a constant: [1, 1] tensorwise (the GEMM reads it as 0-d;
     Inductor would inline a 0-d constant), [M, 1] rowwise when M is concrete; None for a
     symbolic M (the scale is then made in the graph)."""
     val = chain.producer_node.meta["val"]
@@ -272,8 +365,14 @@ def consumer_scale_constant(chain: Chain, scaling: Scaling, before: torch.fx.Nod
         return None
     shape = (1, 1) if scaling is Scaling.TENSORWISE else (rows, 1)
     with unset_fake_temporarily():
-        value = torch.full(shape, chain.scale, dtype=torch.float32, device=val.device)
-    return _constant(before, f"_loka_epilogue_a_scale_{chain.producer_node.name}", value, val)
+        value = torch.full(shape, piece.scale, dtype=torch.float32, device=val.device)
+    return _constant(before, f"_loka_epilogue_a_scale_{piece.consumer.node.name}", value, val)
+
+
+def first_consumer(chain: Chain) -> torch.fx.Node:
+    """The consumer GEMM node that comes first in the graph (the fused GEMM goes before it)."""
+    nodes = {piece.consumer.node for piece in chain.pieces}
+    return next(node for node in chain.producer_node.graph.nodes if node in nodes)
 
 
 def erase_links(chains: list) -> None:

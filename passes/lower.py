@@ -59,8 +59,8 @@ from loka_compile.speed import per_piece_row_max
 
 from .context import GraphKind, PassContext
 from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, saved_operand
-from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, out_scale_constant, plan_chains,
-                            time_chain)
+from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, first_consumer,
+                            out_scale_constant, plan_chains, time_chain)
 from .rewrite import insert_traced, replace_with_traced
 from .weight_cache import cached_operand
 
@@ -75,7 +75,7 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     cache_weights = ctx.kind is GraphKind.INFERENCE and "cached_weights" not in ctx.inactive_mods
     chains = plan_chains(ctx, functools.partial(time_chain, ctx=ctx) if ctx.speed_check else None)
     by_producer = {chain.producer.key: chain for chain in chains}
-    by_consumer = {chain.consumer.key: chain for chain in chains}
+    by_consumer = {piece.consumer.key: (chain, piece) for chain in chains for piece in chain.pieces}
     dangling = []  # views that led cached weights to their GEMMs
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
@@ -97,15 +97,16 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         if spec.a_static_scale is not None:
             site.casts["a"] = f"static scale (calibrated {static['policy']})"
         saved_a, saved_b = (_saved(x, which, spec, site) for which, x in (("a", a), ("b", b)))
-        fed = by_consumer.get(site.key)
+        fed, piece = by_consumer.get(site.key, (None, None))
         pieces = None if saved_a or fed else per_piece_cast(a, decision.scaling, fused_casts,
                                                             spec.a_static_scale is not None, row_max)
         if fed is not None:
             site.casts["a"] = description(fed)
-            scale = consumer_scale_constant(fed, spec.scaling, node)
+            scale = consumer_scale_constant(fed, piece, spec.scaling, node)
             a_args = [fed.output] if scale is None else [fed.output, scale]
-            a_cast = functools.partial(_cast_a_from_epilogue, scale=None if scale is not None else fed.scale,
-                                       scaling=spec.scaling)
+            columns = None if len(fed.pieces) == 1 else (piece.start, piece.width)
+            a_cast = functools.partial(_cast_a_from_epilogue, scale=None if scale is not None else piece.scale,
+                                       scaling=spec.scaling, columns=columns)
         elif saved_a:
             a_args, a_cast = list(saved_a), _cast_a_saved
         else:
@@ -126,7 +127,7 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         else:
             # The consumer's A, written where the consumer reads it; the bf16 links go once it is lowered.
             args += ([] if feeds.residual is None else [feeds.residual]) + [out_scale_constant(feeds, node)]
-            _, feeds.output = insert_traced(feeds.consumer.node, gemm, args, meta_from=node)
+            _, feeds.output = insert_traced(first_consumer(feeds), gemm, args, meta_from=node)
             site.node = feeds.output
             ctx.decisions[site.key] = _fed_decision(decision, feeds)
         if cached is not None:
@@ -142,7 +143,7 @@ def _fed_decision(decision, chain: Chain):
     """The producer's decision as it now runs: on loka's Triton GEMM, with why."""
     timing = chain.timing
     measured = "" if timing is None else f": {timing.fused_us:.1f} us vs {timing.unfused_us:.1f} us unfused"
-    note = f"gemm_epilogue writes {chain.consumer.name}'s FP8 A ({chain.activation}" + (
+    note = f"gemm_epilogue writes the FP8 A of {chain.consumer_names} ({chain.activation}" + (
         ", residual" if chain.residual is not None else "") + ")" + measured
     return dataclasses.replace(decision, provider="triton",
                                detail=f"{decision.detail}; {note}" if decision.detail else note)
@@ -186,14 +187,16 @@ def _cast_a_saved(args: tuple):
     return (args[0], args[1]), args[2:]
 
 
-def _cast_a_from_epilogue(args: tuple, *, scale: Optional[float], scaling: Scaling):
+def _cast_a_from_epilogue(args: tuple, *, scale: Optional[float], scaling: Scaling, columns: Optional[tuple]):
     """A written in FP8 by the producing GEMM's epilogue with this site's static scale:
-    args[0], then its scale constant (`gemm_epilogue.consumer_scale_constant`), or with
+    args[0] (its columns [start, start + width) for a piece of a split: a strided view,
+    no copy), then its scale constant (`gemm_epilogue.consumer_scale_constant`), or with
     `scale` given, the scale made here."""
+    q = args[0] if columns is None else args[0][:, columns[0]:columns[0] + columns[1]]
     if scale is not None:
-        return (args[0], static_scale_of(args[0], scale, scaling)), args[1:]
+        return (q, static_scale_of(q, scale, scaling)), args[1:]
     constant = args[1].reshape(()) if scaling is Scaling.TENSORWISE else args[1]
-    return (args[0], constant), args[2:]
+    return (q, constant), args[2:]
 
 
 def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional[tuple]:

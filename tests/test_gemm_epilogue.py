@@ -185,6 +185,58 @@ def test_fused_numerics_match_the_unfused_path(recipe):
     assert_no_loss(exact, out, ref)
 
 
+def split_blocks(x, w1, b1, w2, w3, w4, activations=("relu", "relu", "relu")):
+    """One wide GEMM split into three pieces, each through an activation into its own GEMM
+    (MaskNet's mask layers after the horizontal Mod fused their first linears)."""
+    acts = {"relu": torch.relu, "silu": F.silu}
+    pieces = torch.split(F.linear(x, w1, b1), [32, 64, 32], dim=-1)
+    return sum(F.linear(acts[a](p), w) for a, p, w in zip(activations, pieces, (w2, w3, w4)))
+
+
+def split_weights(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(5)
+    w1, b1 = torch.randn(128, 64, generator=g) * 0.125, torch.randn(128, generator=g) * 0.1
+    w2, w3, w4 = (torch.randn(16, k, generator=g) * k ** -0.5 for k in (32, 64, 32))
+    return [t.to(dtype) for t in (w1, b1, w2, w3, w4)]
+
+
+def test_split_pieces_each_feed_their_gemm_with_their_own_scale():
+    x = torch.randn(48, 64, dtype=torch.bfloat16)
+    args = (x, *split_weights())
+    fused, unfused = inference_graph(split_blocks, *args), inference_graph(split_blocks, *args)
+    # calibrated: each consumer's A range (the pieces differ), the producer's input
+    x_, w1, b1, *_ = args
+    pieces = torch.split(torch.relu(F.linear(x_, w1, b1)), [32, 64, 32], dim=-1)
+    scales = [float(x_.abs().max()) / 448.0, *(float(p.abs().max()) / 448.0 for p in pieces)]
+    ctx = run_lowering(fused, scale=scales)
+    run_lowering(unfused, scale=scales, disabled=("gemm_epilogue",))
+    (gemm,) = fused_gemms(fused)
+    out_scale = getattr(fused, gemm.args[11].target)
+    assert gemm.args[7] == "relu" and out_scale.shape == (128,)
+    assert torch.equal(out_scale, torch.cat([torch.full((w,), s) for w, s in zip((32, 64, 32), scales[1:])]))
+    fed = [s for s in ctx.sites if s.casts["a"].startswith(EPILOGUE_CAST)]
+    assert len(fed) == 3 and not any(n.target in (torch.ops.aten.split_with_sizes.default, torch.ops.aten.relu.default)
+                                     for n in fused.graph.nodes if n.op == "call_function")
+    exact = split_blocks(*(t.double() for t in args))
+    out, ref = (t[0] if isinstance(t, (tuple, list)) else t for t in (fused(*args), unfused(*args)))
+    assert_no_loss(exact, out, ref)
+
+
+@pytest.mark.parametrize("case", ["different_activations", "piece_also_returned"])
+def test_split_declines(case):
+    x = torch.randn(48, 64, dtype=torch.bfloat16)
+    if case == "different_activations":
+        fn = functools.partial(split_blocks, activations=("relu", "silu", "relu"))
+    else:
+        def fn(x, w1, b1, w2, w3, w4):
+            a, b, c = torch.split(F.linear(x, w1, b1), [32, 64, 32], dim=-1)
+            return F.linear(torch.relu(a), w2) + F.linear(torch.relu(b), w3) + F.linear(torch.relu(c), w4), c
+    gm = inference_graph(fn, x, *split_weights())
+    ctx = run_lowering(gm)
+    assert not fused_gemms(gm)
+    assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
+
+
 # ---------------------------------------------------------------------------------------
 # end to end: calibrate, then compile with the plan
 # ---------------------------------------------------------------------------------------
@@ -246,6 +298,39 @@ def test_sparse_tower_end_to_end(tmp_path):
     assert report.mods["gemm_epilogue"] == 3 and "gemm_epilogue 3" in str(report)
     for got, ref, want in zip(fused, unfused, exact):
         assert_no_loss(want, got, ref)
+
+
+class MaskBlocks(nn.Module):
+    """MaskNet's mask layers: each block's Linear-ReLU-Linear on the same embeddings, whose
+    first linears the horizontal Mod fuses into one GEMM split by block."""
+
+    def __init__(self, width=64, hidden=(32, 64, 48)):
+        super().__init__()
+        self.masks = nn.ModuleList(nn.Sequential(nn.Linear(width, h), nn.ReLU(), nn.Linear(h, width)) for h in hidden)
+
+    def forward(self, emb):
+        return torch.cat([mask(emb) * emb for mask in self.masks], dim=-1)
+
+
+def test_horizontally_fused_siblings_feed_each_block_from_one_epilogue(tmp_path):
+    torch.manual_seed(0)
+    model = MaskBlocks().to(torch.bfloat16).eval()
+    # 256 rows: enough for the horizontal Mod to fuse the siblings (its not_worth_it rule)
+    path = calibrated_plan(model, [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(3)], tmp_path)
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        exact = model.double()(x.double())
+        model.to(torch.bfloat16)
+        fused = compile_with(model, path)(x)
+        report = loka_compile.report()
+        torch._dynamo.reset()
+        loka_compile.reset()
+        unfused = compile_with(model, path, disabled=("gemm_epilogue",))(x)
+    fed = sorted(s.module for s in report.sites if s.casts.get("a", "").startswith(EPILOGUE_CAST))
+    assert fed == ["masks.0.2", "masks.1.2", "masks.2.2"]
+    (producer,) = [s for s in report.sites if "gemm_epilogue writes" in s.detail]
+    assert producer.module == "masks.{0,1,2}.0" and producer.provider == "triton"
+    assert_no_loss(exact, fused, unfused)
 
 
 def test_dynamic_batch_recompile_free(tmp_path):
