@@ -237,6 +237,20 @@ def test_split_declines(case):
     assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
 
 
+def test_epilogue_timing_times_both_forms_once_per_shape():
+    """The speed check's comparison runs anywhere (wall time on CPU) and is cached per shape;
+    the pass only asks for it on FP8 GPUs (`time_chain`)."""
+    from loka_compile import speed
+
+    shape = speed.SiteShape(64, 64, 32, "row", "column", True, torch.bfloat16, torch.device("cpu"))
+    args = ("rowwise", "e4m3", "e4m3", "emulated", False, "relu", True, "e4m3")
+    timing = speed.epilogue_timing(shape, *args)
+    assert timing.fused_us > 0 and timing.unfused_us > 0 and timing.pays == (timing.fused_us < timing.unfused_us)
+    assert speed.epilogue_timing(shape, *args) is timing
+    speed.clear_cache()
+    assert speed.epilogue_timing(shape, *args) is not timing
+
+
 # ---------------------------------------------------------------------------------------
 # end to end: calibrate, then compile with the plan
 # ---------------------------------------------------------------------------------------
