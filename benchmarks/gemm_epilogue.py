@@ -96,11 +96,12 @@ def main(argv=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     table = tabulate([[f"{r['m']}x{r['k']}x{r['n']}", "fast" if r["fast_accum"] else "precise", r["bf16_us"],
-                       r["gemm_us"], r["pointwise_us"], r["unfused_us"], r["fused_us"], r["fused_vs_unfused"], r["fused_vs_bf16"], r["model_unfused_us"],
+                       r["gemm_us"], r["pointwise_us"], r["unfused_us"], r["fused_us"], r["fused_vs_unfused"],
+                       r["fused_vs_bf16"], r["model_unfused_us"],
                        "yes" if r["model_pays"] else "no", "yes" if r["measured_pays"] else "no",
                        f"{100 * r['fp8_codes_differ']:.2f}%"] for r in rows],
-                     headers=["M x K x N", "accumulation", "bf16 us", "_scaled_mm us", "relu+cast us", "unfused us", "fused us",
-                              "fused speedup", "vs bf16", "model unfused us", "model: fuse", "measured: fuse",
+                     headers=["M x K x N", "accumulation", "bf16 us", "_scaled_mm us", "relu+cast us", "unfused us",
+                              "fused us", "fused speedup", "vs bf16", "model unfused us", "model: fuse", "measured: fuse",
                               "codes differ"], floatfmt=".2f")
     geo = {mode: statistics.geometric_mean(r["fused_vs_unfused"] for r in rows if r["fast_accum"] == (mode == "fast"))
            for mode in ("precise", "fast")}

@@ -97,20 +97,20 @@ def static_scale_of(q: torch.Tensor, scale: float, scaling: Scaling) -> torch.Te
 
 
 def gemm_to_next_operand(a_q, a_s, b_q, b_s, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-                         activation: str, spec: GemmSpec, out_format: Fp8Format, out_scale) -> torch.Tensor:
+                         activation: str, spec: GemmSpec, out_format: Fp8Format,
+                         out_scale: torch.Tensor) -> torch.Tensor:
     """act(A @ B + bias) + residual written as the next GEMM's FP8 A, cast in the GEMM's
     epilogue with that GEMM's calibrated constant scale (`loka::triton_fp8_gemm`):
     the `gemm_epilogue` Mod's node. 2-D operands, K and N unpadded; the residual is any
-    shape of [M, N]'s elements with N last, and is read as [M, N]. `out_scale`: a float,
-    or a one-element fp32 tensor (a graph constant)."""
+    shape of [M, N]'s elements with N last, and is read as [M, N]. `out_scale`: fp32, one
+    element or one per column (a graph constant in the Mod's graphs)."""
     if spec.pad_k or spec.pad_n:
         raise ValueError("a GEMM that writes the next one's operand takes unpadded operands")
     if residual is not None:
         residual = residual.reshape(-1, residual.shape[-1])
     return torch.ops.loka.triton_fp8_gemm(
         a_q, a_s, b_q, b_s, spec.scaling.value, bias, residual, activation, out_dtype=out_format.dtype,
-        fast_accum=spec.fast_accum, out_scale=out_scale if isinstance(out_scale, torch.Tensor) else
-        torch.full((), out_scale, dtype=torch.float32, device=a_q.device))
+        fast_accum=spec.fast_accum, out_scale=out_scale)
 
 
 def _pad(x: torch.Tensor, last: int, second_last: int) -> torch.Tensor:
