@@ -218,3 +218,20 @@ def test_infer_profile_runs_on_cpu(tmp_path, one_thread):
     result = json.loads((tmp_path / "profile_infer_dlrm_dcnv2_16.json").read_text())["loka"]
     assert result["total_ms"] > 0 and math.isfinite(result["total_ms"])
     assert "inference/" in result["sites"]
+
+
+def test_dgrad_cast_benchmark_measures_each_variant_on_cpu(one_thread):
+    """The gradient-cast benchmark (a GPU tool) runs its four compiled backwards on CPU at a
+    tiny shape: FP8 variants lose precision against fp64 that bf16 does not, and the delayed
+    variant's next-step amax is the gradient's own."""
+    from benchmarks import dgrad_cast
+    import loka_compile  # noqa: F401  (registers the ops)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = {r["variant"]: r for r in dgrad_cast.measure("tiny", 32, 64, 16, "silu", torch.device("cpu"))}
+    assert list(rows) == list(dgrad_cast.VARIANTS)
+    assert all(r["us"] > 0 and math.isfinite(r["dx_sqnr_db"]) for r in rows.values())
+    assert rows["bf16"]["dx_sqnr_db"] > 45
+    for variant in ("rowwise", "static", "delayed"):
+        assert 20 < rows[variant]["dx_sqnr_db"] < rows["bf16"]["dx_sqnr_db"] - 10, rows[variant]
+    assert rows["delayed"]["next_amax_rel_diff"] < 1e-2
