@@ -86,6 +86,14 @@ def site_key(shape, scaling: str, a_format: str, b_format: str, providers: tuple
                 b_format=b_format, providers=list(providers), fast_accum=fast_accum)
 
 
+def epilogue_key(shape, scaling: str, a_format: str, b_format: str, provider: str, fast_accum: bool,
+                 activation: str, residual: bool, out_format: str, method: int) -> dict:
+    """The key of one `gemm_epilogue` link timing (`speed.epilogue_timing`): the producing
+    site's key with its chosen provider, and what the fused epilogue writes."""
+    return dict(site_key(shape, scaling, a_format, b_format, (provider,), fast_accum, method), kind="epilogue",
+                activation=activation, residual=residual, out_format=out_format)
+
+
 def _key_id(key: dict) -> str:
     return json.dumps(key, sort_keys=True)
 
@@ -201,18 +209,30 @@ def default_db() -> PerfDB:
 
 
 def _table(entries: list) -> str:
+    """Site timings, then `gemm_epilogue` link timings (fused vs the provider GEMM plus
+    Inductor's pointwise kernel) when there are any."""
     from tabulate import tabulate
 
-    rows = []
+    sites, links = [], []
     for entry in entries:
         key, value = entry["key"], entry["value"]
-        rows.append([key["device"], key["torch"], f"{key['m']} x {key['k']} x {key['n']}", key["dtype"],
-                     key["scaling"], f"{key['a_format']}x{key['b_format']}",
-                     value["provider"], round(value["bf16_us"], 1), round(value["fp8_us"], 1),
-                     f"{value['bf16_us'] / value['fp8_us']:.2f}x"])
-    rows.sort(key=lambda row: row[:3])
-    return tabulate(rows, headers=["device", "torch", "M x K x N", "dtype", "scaling", "formats",
-                                   "provider", "bf16 us", "fp8 us", "speedup"])
+        common = [key["device"], key["torch"], f"{key['m']} x {key['k']} x {key['n']}", key["dtype"],
+                  key["scaling"], f"{key['a_format']}x{key['b_format']}"]
+        if key.get("kind") == "epilogue":
+            links.append(common + [key["providers"][0], key["activation"] + (" + residual" if key["residual"] else ""),
+                                   round(value["unfused_us"], 1), round(value["fused_us"], 1),
+                                   f"{value['unfused_us'] / value['fused_us']:.2f}x"])
+        else:
+            sites.append(common + [value["provider"], round(value["bf16_us"], 1), round(value["fp8_us"], 1),
+                                   f"{value['bf16_us'] / value['fp8_us']:.2f}x"])
+    head = ["device", "torch", "M x K x N", "dtype", "scaling", "formats"]
+    tables = [tabulate(sorted(sites, key=lambda row: row[:3]),
+                       headers=head + ["provider", "bf16 us", "fp8 us", "speedup"])] if sites else []
+    if links:
+        tables.append("gemm_epilogue links:\n" + tabulate(
+            sorted(links, key=lambda row: row[:3]),
+            headers=head + ["unfused provider", "epilogue", "unfused us", "fused us", "speedup"]))
+    return "\n\n".join(tables)
 
 
 def main(argv: Optional[list] = None) -> int:

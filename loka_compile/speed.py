@@ -41,7 +41,8 @@ site FP8, default mode: 26.9 ms per step for 16.4 ms of kernels); such models wa
 `reduce-overhead`. On CPU: wall time.
 Timings are cached per (shape, layouts, casts, a static A, dtype, device, recipe, providers)
 for the life of the process, and kept across processes in the performance database
-(`perfdb.py`), keyed also by the GPU and the torch and triton versions.
+(`perfdb.py`), keyed also by the GPU and the torch and triton versions; so are the
+`gemm_epilogue` Mod's link timings (`epilogue_timing`).
 
 A symbolic M (a graph compiled with `dynamic=True`, or Dynamo's automatic dynamic
 recompile, whose batch dim is a symbol such as "s0" or "8*s0") is timed at the bucket of
@@ -381,16 +382,42 @@ _epilogue_cache: dict = {}
 
 def epilogue_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, provider: str,
                     fast_accum: bool, activation: str, residual: bool, out_format: str) -> EpilogueTiming:
-    """Time both forms on fresh operands of the producing site's shape (cached per
-    process). The unfused pointwise kernel is timed as the converting copy of the GEMM's
-    output into an FP8 buffer, the bytes it moves at full bandwidth (`_static_cast`:
-    Inductor's compiled static cast took up to 1.6x that, so the charge is the low end),
-    scaled with a residual by the bytes it adds (it also reads the residual: 2 + 2 + 1
-    bytes per element instead of 2 + 1 in bf16, 5/3). Both forms read the operands already in FP8:
-    their casts are the same either way."""
+    """Both forms' times: from the process's cache, else from the performance database,
+    else measured (`_measure_epilogue`) and stored in both."""
     key = (shape, scaling, a_format, b_format, provider, fast_accum, activation, residual, out_format)
     if key in _epilogue_cache:
         return _epilogue_cache[key]
+    from loka_compile import perfdb
+
+    db = perfdb.default_db()
+    db_key = perfdb.epilogue_key(shape, *key[1:], method=TIMING_METHOD)
+    stored = db.get(db_key)
+    timing = None
+    if stored is not None:
+        try:
+            timing = EpilogueTiming(**stored)
+        except TypeError as error:
+            log.debug("loka speed: stored epilogue timing %s unusable (%s); timing again", stored, error)
+    if timing is None:
+        timing = _measure_epilogue(shape, *key[1:])
+        db.put(db_key, dataclasses.asdict(timing))
+    _epilogue_cache[key] = timing
+    log.debug("loka speed: %s GEMM into the next FP8 operand (%s%s): fused %.1f us, %s + pointwise %.1f us%s",
+              shape, activation, " + residual" if residual else "", timing.fused_us, provider, timing.unfused_us,
+              " (from the performance database)" if stored is not None else "")
+    return timing
+
+
+def _measure_epilogue(shape: SiteShape, scaling: str, a_format: str, b_format: str, provider: str,
+                      fast_accum: bool, activation: str, residual: bool, out_format: str) -> EpilogueTiming:
+    """Time both forms on fresh operands of the producing site's shape. The unfused pointwise
+    kernel is timed as the converting copy of the GEMM's output into an FP8 buffer, the
+    bytes it moves at full bandwidth (`_static_cast`: Inductor's compiled static cast took
+    up to 1.6x that, so the charge is the low end), scaled with a residual by the bytes it
+    adds (it also reads the residual: 2 + 2 + 1 bytes per element instead of 2 + 1 in
+    bf16, 5/3). Both forms read the operands already in FP8: their casts are the same
+    either way. The GEMM is timed here in the form the unfused link runs (bf16 output, its
+    bias), not read from the site's own timing, whose form may differ (padding, casts)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from loka_compile.kernels.quantize import Fp8Format, Scaling
@@ -414,11 +441,7 @@ def epilogue_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str
         size = out.element_size()
         pointwise_us = _time_calls_us(lambda: out_q.copy_(out), device) * (
             (2 * size + 1) / (size + 1) if residual else 1.0)
-    timing = EpilogueTiming(fused_us=fused_us, unfused_us=gemm_us + pointwise_us)
-    _epilogue_cache[key] = timing
-    log.debug("loka speed: %s GEMM into the next FP8 operand (%s%s): fused %.1f us, %s + pointwise %.1f us",
-              shape, activation, " + residual" if residual else "", fused_us, provider, timing.unfused_us)
-    return timing
+    return EpilogueTiming(fused_us=fused_us, unfused_us=gemm_us + pointwise_us)
 
 
 class NoProviderRuns(RuntimeError):

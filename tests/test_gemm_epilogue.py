@@ -237,18 +237,32 @@ def test_split_declines(case):
     assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
 
 
-def test_epilogue_timing_times_both_forms_once_per_shape():
-    """The speed check's comparison runs anywhere (wall time on CPU) and is cached per shape;
-    the pass only asks for it on FP8 GPUs (`time_chain`)."""
-    from loka_compile import speed
+def test_epilogue_timing_times_both_forms_once_per_shape(cache_dir, monkeypatch):
+    """The speed check's comparison runs anywhere (wall time on CPU), once per shape: the
+    process cache, then the performance database (a later process reuses it), which lists
+    it; the pass only asks for it on FP8 GPUs (`time_chain`)."""
+    from loka_compile import perfdb, speed
 
+    measured = []
+    measure = speed._measure_epilogue
+    monkeypatch.setattr(speed, "_measure_epilogue", lambda *a: measured.append(a) or measure(*a))
+    monkeypatch.setattr(perfdb, "_default", None)
+    speed.clear_cache()
     shape = speed.SiteShape(64, 64, 32, "row", "column", True, torch.bfloat16, torch.device("cpu"))
     args = ("rowwise", "e4m3", "e4m3", "emulated", False, "relu", True, "e4m3")
     timing = speed.epilogue_timing(shape, *args)
     assert timing.fused_us > 0 and timing.unfused_us > 0 and timing.pays == (timing.fused_us < timing.unfused_us)
     assert speed.epilogue_timing(shape, *args) is timing
     speed.clear_cache()
-    assert speed.epilogue_timing(shape, *args) is not timing
+    monkeypatch.setattr(perfdb, "_default", None)  # a fresh process: read from disk
+    assert speed.epilogue_timing(shape, *args) == timing and len(measured) == 1
+    speed.epilogue_timing(shape, *args[:5], "silu", *args[6:])  # another epilogue is timed
+    assert len(measured) == 2
+    (entry, _) = sorted(perfdb.default_db().entries(), key=lambda e: e["key"]["activation"])
+    assert entry["key"]["kind"] == "epilogue" and entry["key"]["residual"] and entry["key"]["providers"] == ["emulated"]
+    listed = perfdb._table(perfdb.default_db().entries())
+    assert "gemm_epilogue links:" in listed and "relu + residual" in listed and "silu + residual" in listed
+    speed.clear_cache()
 
 
 # ---------------------------------------------------------------------------------------
