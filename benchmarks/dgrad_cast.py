@@ -98,6 +98,7 @@ def measure(site: str, m: int, n: int, d: int, act: str, device: torch.device) -
     args = (dy, z, x, w, w_q, w_s, s)
     rows = []
     for variant in VARIANTS:
+        torch._dynamo.reset()  # each variant is a new closure of the same code: not a recompile
         compiled = torch.compile(backward_of(variant, act, float(s)), fullgraph=True)
         out = compiled(*args)
         us = speed._time_calls_us(lambda: compiled(*args), device)
