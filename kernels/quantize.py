@@ -96,19 +96,28 @@ def amax_along(x: torch.Tensor, dim=None, finite_only: bool = False) -> torch.Te
     magnitude = xf.abs()
     if finite_only:
         magnitude = torch.where(torch.isfinite(xf), magnitude, torch.zeros_like(magnitude))
-    size = xf.shape[dim]
-    if guard_or_false(size == 0):
-        amax = torch.zeros_like(xf.sum(dim=dim, keepdim=True))
-    elif guard_or_false(size != 0):
-        amax = magnitude.amax(dim=dim, keepdim=True)
-    else:
-        # A data-dependent size may be 0 at run time, where amax has nothing to reduce
-        # (Inductor asserts the size >= 1): reduce with one zero appended instead.
-        pad = [1 if d == dim % xf.dim() else s for d, s in enumerate(xf.shape)]
-        amax = torch.cat([magnitude, magnitude.new_zeros(pad)], dim=dim).amax(dim=dim, keepdim=True)
+    amax = _max_along(magnitude, dim)
     if not finite_only:
-        amax = torch.where(torch.isnan(xf).any(dim=dim, keepdim=True), torch.full_like(amax, float("nan")), amax)
+        # The NaN flag as a max of 0/1 floats compared to 0, not `any`: Inductor's Triton code
+        # keeps an `any` result as int8, and triton 3.6 warns that a `where` on an int8
+        # condition will be an error (H100: compiling this with `any` warned; amax, or any
+        # alone, did not).
+        has_nan = _max_along(torch.isnan(xf).to(torch.float32), dim) > 0
+        amax = torch.where(has_nan, torch.full_like(amax, float("nan")), amax)
     return amax.reshape(()) if whole else amax
+
+
+def _max_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.amax(dim, keepdim) of a non-negative x, 0 for an empty slice."""
+    size = x.shape[dim]
+    if guard_or_false(size == 0):
+        return torch.zeros_like(x.sum(dim=dim, keepdim=True))
+    if guard_or_false(size != 0):
+        return x.amax(dim=dim, keepdim=True)
+    # A data-dependent size may be 0 at run time, where amax has nothing to reduce
+    # (Inductor asserts the size >= 1): reduce with one zero appended instead.
+    pad = [1 if d == dim % x.dim() else s for d, s in enumerate(x.shape)]
+    return torch.cat([x, x.new_zeros(pad)], dim=dim).amax(dim=dim, keepdim=True)
 
 
 def quantize_tensorwise(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False):
@@ -149,7 +158,7 @@ def quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int, fmt: F
     padded = F.pad(xf, (0, n_cb * block_cols - cols, 0, n_rb * block_rows - rows))
     tiles = padded.view(n_rb, block_rows, n_cb, block_cols)
     amax = tiles.abs().amax(dim=(1, 3))
-    has_nan = torch.isnan(tiles).any(dim=3).any(dim=1)
+    has_nan = torch.isnan(tiles).to(torch.float32).amax(dim=(1, 3)) > 0  # not `any`: see amax_along
     amax = torch.where(has_nan, torch.full_like(amax, float("nan")), amax)
     scale = scale_from_amax(amax, fmt, power_of_two)
     full_scale = scale.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[:rows, :cols]
