@@ -30,8 +30,6 @@ Writes <out>/<date>_<device>_dgrad_cast.json and .md (torch and triton versions 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 from pathlib import Path
 
@@ -119,21 +117,15 @@ def main(argv=None) -> Path:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
-    import triton
     from tabulate import tabulate
 
     import loka_compile  # noqa: F401  (registers the ops and providers)
-    from benchmarks.kernels import device_tag
+    from benchmarks.kernels import environment, write_bench
 
     device = torch.device("cuda")
     torch.manual_seed(0)
     rows = [r for shape in SHAPES for r in measure(*shape, device)]
-    gpu = torch.cuda.get_device_name(device)
-    env = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
-    stem = args.name or f"{datetime.date.today()}_{device_tag(gpu)}_dgrad_cast"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    env = environment()
     table = tabulate([[r["site"], f"{r['m']}x{r['n']}x{r['d']}", r["act"], r["variant"], r["us"], r["vs_bf16"],
                        r["dx_sqnr_db"], r["dx_row_rel_error"]] for r in rows],
                      headers=["site", "M x N x D", "producer", "variant", "us", "vs bf16", "dX SQNR dB",
@@ -143,9 +135,8 @@ def main(argv=None) -> Path:
     text = (f"# The backward of one linear: what the gradient cast costs, by how its scale is known\n\n{env}\n\n"
             f"Device time per call, CUDA graphs, median of 5 runs of 10 calls.\n\n{table}\n\n"
             "Geometric mean vs bf16: " + ", ".join(f"{v} {geo[v]:.3f}x" for v in VARIANTS) + "\n")
-    (out / f"{stem}.md").write_text(text)
     print(text)
-    return out / f"{stem}.json"
+    return write_bench(args.out, args.name, "dgrad_cast", env, rows, text)
 
 
 if __name__ == "__main__":

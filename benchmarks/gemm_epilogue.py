@@ -17,14 +17,13 @@ on fresh random operands:
   the GEMM plus a converting copy of its output), to check that its verdict follows the
   measured one.
 
-Writes <out>/<date>_<device>_gemm_epilogue.json and .md (torch and triton versions in both).
+Writes <out>/<date>_<device>_gemm_epilogue.json and .md (`benchmarks.kernels.write_bench`; torch and
+triton versions in both).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 from pathlib import Path
 
@@ -83,18 +82,12 @@ def main(argv=None) -> Path:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
-    import triton
-
     import loka_compile  # noqa: F401  (registers the ops and providers)
+    from benchmarks.kernels import environment, write_bench
 
     device = torch.device("cuda")
     rows = [measure(*shape, device, fast_accum) for fast_accum in (False, True) for shape in SHAPES]
-    gpu = torch.cuda.get_device_name(device)
-    env = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
-    stem = args.name or f"{datetime.date.today()}_{gpu.split()[-1] if 'H100' not in gpu else 'H100'}_gemm_epilogue"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    env = environment()
     table = tabulate([[f"{r['m']}x{r['k']}x{r['n']}", "fast" if r["fast_accum"] else "precise", r["bf16_us"],
                        r["gemm_us"], r["pointwise_us"], r["unfused_us"], r["fused_us"], r["fused_vs_unfused"],
                        r["fused_vs_bf16"], r["model_unfused_us"],
@@ -108,9 +101,8 @@ def main(argv=None) -> Path:
     text = (f"# gemm_epilogue: GEMM + bias + relu + the next GEMM's static FP8 cast\n\n{env}\n\n"
             f"Device time per call, CUDA graphs, median of 5 runs of 10 calls.\n\n{table}\n\n"
             f"Geometric mean fused / unfused speedup: precise {geo['precise']:.3f}x, fast {geo['fast']:.3f}x\n")
-    (out / f"{stem}.md").write_text(text)
     print(text)
-    return out / f"{stem}.json"
+    return write_bench(args.out, args.name, "gemm_epilogue", env, rows, text)
 
 
 if __name__ == "__main__":

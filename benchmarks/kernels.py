@@ -28,7 +28,8 @@ import os
 import re
 import sys
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -564,6 +565,17 @@ def gemm_summary(rows: list) -> str:
 
 TABLES = {"gemm": gemm_table, "gemm_explore": explore_table, "site": site_table}
 SUMMARIES = {"gemm": gemm_summary}
+
+
+def write_bench(out_dir, name: Optional[str], kind: str, env: dict, rows: list, text: str) -> Path:
+    """A benchmark's <out_dir>/<stem>.json (env and rows) and .md (text), stem `name` or
+    <date>_<device>_<kind>; returns the JSON's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = name or f"{env['date']}_{device_tag(env['device'])}_{kind}"
+    (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text(text)
+    return out / f"{stem}.json"
 
 
 def write_results(out_dir: str, sections: list, env: dict, rows: list) -> str:
