@@ -47,7 +47,8 @@ Declines (the site keeps its ordinary lowering):
         its reference), or not among the config's `providers` (an AOTInductor export
         allows ATen ops only, so its packages never hold this Mod's `loka::` op);
     with the speed check on an FP8 GPU: the fused GEMM measured slower than the
-        producer's chosen GEMM plus the pointwise kernel (`speed.epilogue_timing`).
+        producer's chosen GEMM plus the pointwise kernel (`speed.epilogue_timing`), or
+        its timing raised (a kernel that cannot build or run at this shape; logged).
 
 The activations are recognized with Inductor's pattern matcher (each activation traced
 through the decompositions Inductor applies, and without them, per dtype, and matched
@@ -320,7 +321,12 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
                              for consumer, start, width in pieces],
                       activation, residual, links, site.node, Fp8Format(formats.pop()))
         if time_epilogue is not None:
-            chain.timing = time_epilogue(chain)
+            try:
+                chain.timing = time_epilogue(chain)
+            except Exception as error:  # noqa: BLE001 - a kernel that cannot build or run here costs the link only
+                log.warning("loka: %s: %s: timing the fused GEMM failed (%s: %s); not fused", site.name, MOD,
+                            type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+                continue
             if chain.timing is not None and not chain.timing.pays:
                 log.info("loka: %s: %s: the fused GEMM epilogue is slower (%.1f us vs %.1f us); not fused",
                          site.name, MOD, chain.timing.fused_us, chain.timing.unfused_us)

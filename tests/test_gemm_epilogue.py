@@ -18,7 +18,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 import loka_compile
 from loka_compile import LokaConfig, dispatch
-from loka_compile.passes import GraphKind, PassContext, graph_kind, run_passes
+from loka_compile.passes import PIPELINE, GraphKind, PassContext, graph_kind, run_passes
 from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
 from numerics import sqnr_db
 
@@ -163,6 +163,30 @@ def test_declines(case):
     ctx = run_lowering(gm, static_sites=static_sites, disabled=disabled, providers=allowed)
     assert not fused_gemms(gm)
     assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
+
+
+def test_a_link_whose_timing_fails_is_left_unfused(caplog):
+    """The speed check's timing of a fused GEMM raising (a kernel that cannot build at this
+    shape on this GPU) declines that link, with a warning; the graph lowers as usual."""
+    from loka_compile.passes import gemm_epilogue
+
+    gm = inference_graph(mlp, torch.randn(32, 64, dtype=torch.bfloat16), *weights())
+    config = LokaConfig(recipe="rowwise")
+    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
+                      decide=functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={}),
+                      inactive_mods=config.inactive_mods, providers=config.providers,
+                      static_a_scales={f"inference/<root>:fwd#{i}": {"scale": 0.01, "policy": "amax"}
+                                       for i in (1, 2, 3)})
+    for _, run in PIPELINE[:2]:  # find_sites, dispatch_sites
+        run(gm.graph, ctx)
+
+    def failing(chain):
+        raise RuntimeError("out of resources: shared memory\nmore detail")
+
+    assert len(gemm_epilogue.plan_chains(ctx)) == 2  # untimed: fc1 -> fc2 and fc2 -> fc3 fuse
+    with caplog.at_level("WARNING", logger="loka"):
+        assert gemm_epilogue.plan_chains(ctx, failing) == []
+    assert "timing the fused GEMM failed (RuntimeError: out of resources: shared memory); not fused" in caplog.text
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
