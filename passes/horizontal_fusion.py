@@ -30,6 +30,11 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
                          functional_call, which loka tells from a weight only by its path
                          to the linear, and the concatenation would hide that)
     k_or_dtype_differs   no other sibling has its weight's K, dtype and device
+    repeated_call        the same linear (weight and bias, or nn.Linear module) applied
+                         to x again, as DeepCTR's per-field bilinear layer does: its users
+                         read the first call's output, so the product is computed once
+                         (AOTAutograd's CSE keeps both calls' GEMMs, forward and backward:
+                         torch 2.13; fused, each repeat would concatenate the weight again)
     not_worth_it         (n - 1) * M < N_1 + ... + N_n: concatenating the weights copies
                          K * N_total values every step, more than the (n - 1) * M * K input
                          reads the fusion saves (M: the input's rows; a symbolic M counts
@@ -206,8 +211,9 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             result.declined[reason] += 1
             log.debug("horizontal_fusion: %s (%s) declined: %s", lin.node.name, lin.module or "<root>", reason)
 
-    groups = []
+    groups, repeats = [], []
     for x, lins in by_input.items():
+        lins = _first_calls(lins, repeats, decline)
         if len(lins) < 2:
             decline(lins, "single_linear")
             continue
@@ -250,9 +256,12 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
         result.linears += inner.linears
         result.declined.update(inner.declined)
         result.modules.extend(inner.modules)
-    if not groups:
+    if not groups and not repeats:
         return result
     with all_or_nothing(gm):
+        for repeat, first in repeats:
+            repeat.node.replace_all_uses_with(first.node)
+            gm.graph.erase_node(repeat.node)
         for members in groups:
             _fuse(gm, members, inputs)
             result.groups += 1
@@ -260,6 +269,21 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             result.modules.append(joined_module_path([lin.module for lin in members]))
             log.debug("horizontal_fusion: fused %d linears into %s", len(members), result.modules[-1])
     return result
+
+
+def _first_calls(lins: list, repeats: list, decline) -> list:
+    """The linears of one input less the repeats of one linear (the same weight and bias,
+    or the same nn.Linear module) on it, each added to `repeats` with its first call."""
+    first, kept = {}, []
+    for lin in lins:
+        key = ("module", lin.call_module) if lin.call_module else ("function", lin.weight, lin.bias)
+        if key in first:
+            repeats.append((lin, first[key]))
+            decline([lin], "repeated_call")
+        else:
+            first[key] = lin
+            kept.append(lin)
+    return kept
 
 
 def _bodies(gm: torch.fx.GraphModule, inputs: dict) -> list:

@@ -222,6 +222,52 @@ def test_declines_weights_that_are_not_parameters_and_small_batches():
     assert (result.groups, dict(result.declined)) == (0, {"not_worth_it": 3})
 
 
+class RepeatedCalls(nn.Module):
+    """One Linear applied to the same input three times (DeepCTR's per-field bilinear
+    layer), a sibling beside it, and the same Linear on another input."""
+
+    def __init__(self):
+        super().__init__()
+        self.field = nn.Linear(32, 32)
+        self.other = nn.Linear(32, 32)
+
+    def forward(self, x, y):
+        return self.field(x) * x, self.field(x) + self.other(x), self.field(x).relu(), self.field(y)
+
+
+def test_repeated_calls_of_one_linear_are_computed_once():
+    model, x, y = RepeatedCalls(), torch.randn(64, 32), torch.randn(64, 32)
+    gm, example_inputs = dynamo_graph(model, x, y)
+    assert len(linear_nodes(gm)) == 5
+    result = fuse_sibling_linears(gm, example_inputs)
+    # the two repeats read the first call; the first call and its sibling fuse; y's call stays
+    assert (result.groups, result.linears, dict(result.declined)) == (1, 2, {"repeated_call": 2, "single_linear": 1})
+    assert len(linear_nodes(gm)) == 2
+    (fused,) = [n for n in linear_nodes(gm) if n.args[1].op == "call_function"]
+    assert list(fused.meta["nn_module_stack"].values())[-1][0] == "{field,other}"
+    with torch.no_grad():
+        for got, expected in zip(gm(*example_inputs), model(x, y)):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_only_repeats_leave_the_linear_unfused_and_named():
+    """A Linear whose only siblings are its own repeats: nothing is fused, its one call
+    keeps its module path."""
+    class TwiceApplied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(32, 32, bias=False)
+
+        def forward(self, x):
+            return self.inner(x) * self.inner(x)
+
+    gm, example_inputs = dynamo_graph(TwiceApplied(), torch.randn(64, 32))
+    result = fuse_sibling_linears(gm, example_inputs)
+    assert (result.groups, dict(result.declined)) == (0, {"repeated_call": 1, "single_linear": 1})
+    (only,) = linear_nodes(gm)
+    assert list(only.meta["nn_module_stack"].values())[-1][0].endswith("inner")
+
+
 class Dependent(nn.Module):
     """b's weight is computed from a's output: a and b cannot be one GEMM; a and c can."""
 
