@@ -273,17 +273,48 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
 
 def _first_calls(lins: list, repeats: list, decline) -> list:
     """The linears of one input less the repeats of one linear (the same weight and bias,
-    or the same nn.Linear module) on it, each added to `repeats` with its first call."""
+    or the same nn.Linear module) on it. A repeat joins `repeats` with its first call,
+    whose output it will read, unless either output is written in place (then the two
+    are different tensors; the repeat stays a linear of its own, unfused)."""
     first, kept = {}, []
     for lin in lins:
         key = ("module", lin.call_module) if lin.call_module else ("function", lin.weight, lin.bias)
-        if key in first:
-            repeats.append((lin, first[key]))
-            decline([lin], "repeated_call")
-        else:
+        if key not in first:
             first[key] = lin
             kept.append(lin)
+            continue
+        decline([lin], "repeated_call")
+        if not (_written_in_place(lin.node) or _written_in_place(first[key].node)):
+            repeats.append((lin, first[key]))
     return kept
+
+
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _written_in_place(node: torch.fx.Node) -> bool:
+    """Whether an in-place op (a Dynamo graph's `mul_`, `relu_`, `x[i] = v`, ...) writes
+    node's value or a value that may alias it (anything computed from it that is not an
+    ordinary out-of-place op: views, getitem, in-place results)."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+            if user.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")):
+                return True
+            if user.op == "call_method" or user.target is operator.getitem or name in _MAY_ALIAS:
+                stack.append(user)
+    return False
+
+
+# torch functions that may return a view of their input (call_method users are followed anyway)
+_MAY_ALIAS = {"view", "reshape", "flatten", "unflatten", "transpose", "permute", "t", "squeeze", "unsqueeze",
+              "narrow", "select", "split", "chunk", "unbind", "expand", "movedim", "swapaxes", "diagonal",
+              "as_strided", "view_as", "contiguous", "detach", "alias"}
 
 
 def _bodies(gm: torch.fx.GraphModule, inputs: dict) -> list:

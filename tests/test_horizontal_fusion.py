@@ -268,6 +268,30 @@ def test_only_repeats_leave_the_linear_unfused_and_named():
     assert list(only.meta["nn_module_stack"].values())[-1][0].endswith("inner")
 
 
+class RepeatWrittenInPlace(nn.Module):
+    """One Linear applied to x twice, the first output then modified in place: the two
+    calls' outputs are different tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.field = nn.Linear(32, 32)
+
+    def forward(self, x):
+        first = self.field(x)
+        first.view(-1).mul_(2)
+        return first + self.field(x)
+
+
+def test_a_repeat_whose_output_is_written_in_place_is_not_merged():
+    model, x = RepeatWrittenInPlace(), torch.randn(64, 32)
+    gm, example_inputs = dynamo_graph(model, x)
+    result = fuse_sibling_linears(gm, example_inputs)
+    assert (result.groups, dict(result.declined)) == (0, {"repeated_call": 1, "single_linear": 1})
+    assert len(linear_nodes(gm)) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*example_inputs)[0], model(x), rtol=1e-5, atol=1e-6)
+
+
 class Dependent(nn.Module):
     """b's weight is computed from a's output: a and b cannot be one GEMM; a and c can."""
 
