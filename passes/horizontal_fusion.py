@@ -34,7 +34,9 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
                          to x again, as DeepCTR's per-field bilinear layer does: its users
                          read the first call's output, so the product is computed once
                          (AOTAutograd's CSE keeps both calls' GEMMs, forward and backward:
-                         torch 2.13; fused, each repeat would concatenate the weight again)
+                         torch 2.13; fused, each repeat would concatenate the weight again);
+                         where either output may be written in place or is a graph output,
+                         the repeat stays its own linear
     not_worth_it         (n - 1) * M < N_1 + ... + N_n: concatenating the weights copies
                          K * N_total values every step, more than the (n - 1) * M * K input
                          reads the fusion saves (M: the input's rows; a symbolic M counts
@@ -274,8 +276,9 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
 def _first_calls(lins: list, repeats: list, decline) -> list:
     """The linears of one input less the repeats of one linear (the same weight and bias,
     or the same nn.Linear module) on it. A repeat joins `repeats` with its first call,
-    whose output it will read, unless either output is written in place (then the two
-    are different tensors; the repeat stays a linear of its own, unfused)."""
+    whose output it will read, unless either output may be written in place or leaves the
+    graph (then the two must stay different tensors; the repeat stays a linear of its
+    own, unfused)."""
     first, kept = {}, []
     for lin in lins:
         key = ("module", lin.call_module) if lin.call_module else ("function", lin.weight, lin.bias)
@@ -284,7 +287,7 @@ def _first_calls(lins: list, repeats: list, decline) -> list:
             kept.append(lin)
             continue
         decline([lin], "repeated_call")
-        if not (_written_in_place(lin.node) or _written_in_place(first[key].node)):
+        if not (_may_be_written(lin.node) or _may_be_written(first[key].node)):
             repeats.append((lin, first[key]))
     return kept
 
@@ -292,10 +295,10 @@ def _first_calls(lins: list, repeats: list, decline) -> list:
 _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
-def _written_in_place(node: torch.fx.Node) -> bool:
-    """Whether an in-place op (a Dynamo graph's `mul_`, `relu_`, `x[i] = v`, ...) writes
-    node's value or a value that may alias it (anything computed from it that is not an
-    ordinary out-of-place op: views, getitem, in-place results)."""
+def _may_be_written(node: torch.fx.Node) -> bool:
+    """Whether node's value, or a value that may alias it (views, getitem, in-place
+    results), is written in place in the graph (`mul_`, `x[i] = v`, `inplace=True`, `out=`,
+    a module call) or leaves it (a graph output the caller may write)."""
     stack, seen = [node], set()
     while stack:
         current = stack.pop()
@@ -304,7 +307,9 @@ def _written_in_place(node: torch.fx.Node) -> bool:
         seen.add(current)
         for user in current.users:
             name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
-            if user.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")):
+            if user.op in ("output", "call_module") or user.target in _IN_PLACE_OPERATORS \
+                    or (name.endswith("_") and not name.endswith("__")) or user.kwargs.get("inplace") is True \
+                    or user.kwargs.get("out") is current:
                 return True
             if user.op == "call_method" or user.target is operator.getitem or name in _MAY_ALIAS:
                 stack.append(user)
