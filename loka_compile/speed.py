@@ -279,31 +279,34 @@ def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, pr
     # `python -m loka_compile.perfdb` runs it.
     from loka_compile import perfdb
 
-    db = perfdb.default_db()
     db_key = perfdb.site_key(shape, scaling, a_format, b_format, providers, fast_accum,
                              method=TIMING_METHOD)
-    stored = db.get(db_key)
-    timing = _from_record(stored) if stored is not None else None
-    if timing is None:
-        timing = _measure_site(shape, scaling, a_format, b_format, providers, fast_accum)
-        db.put(db_key, dataclasses.asdict(timing))
+    timing, stored = _stored_or_measured(db_key, SiteTiming, lambda: _measure_site(
+        shape, scaling, a_format, b_format, providers, fast_accum))
     _cache[key] = timing
     log.debug("loka speed: %s %s/%s/%s: aten %.1f us, fp8 %.1f us on %s (%.2fx; GEMMs %s, casts %.1f us)%s",
               shape, scaling, a_format, b_format, timing.bf16_us, timing.fp8_us, timing.provider, timing.speedup,
               timing.gemm_us, timing.cast_us,
-              " (from the performance database)" if stored is not None else "")
+              " (from the performance database)" if stored else "")
     return timing
 
 
-def _from_record(value: dict) -> Optional[SiteTiming]:
-    """A stored value as a SiteTiming (JSON keeps the ranges as lists), or None if its
-    fields are not SiteTiming's."""
-    ranges = {name: tuple(value[name]) for name in ("bf16_range_us", "fp8_range_us") if value.get(name)}
-    try:
-        return SiteTiming(**{**value, **ranges})
-    except TypeError as error:
-        log.debug("loka speed: stored timing %s unusable (%s); timing again", value, error)
-        return None
+def _stored_or_measured(db_key: dict, record_type, measure) -> tuple:
+    """(timing, whether it came from the performance database): the stored value where it
+    reads as a `record_type`, else `measure()`'s, stored."""
+    from loka_compile import perfdb
+
+    db = perfdb.default_db()
+    value = db.get(db_key)
+    if value is not None:
+        ranges = {name: tuple(value[name]) for name in ("bf16_range_us", "fp8_range_us") if value.get(name)}
+        try:
+            return record_type(**{**value, **ranges}), True  # JSON keeps the ranges as lists
+        except TypeError as error:
+            log.debug("loka speed: stored timing %s unusable (%s); timing again", value, error)
+    timing = measure()
+    db.put(db_key, dataclasses.asdict(timing))
+    return timing, False
 
 
 def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
@@ -389,22 +392,12 @@ def epilogue_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str
         return _epilogue_cache[key]
     from loka_compile import perfdb
 
-    db = perfdb.default_db()
     db_key = perfdb.epilogue_key(shape, *key[1:], method=TIMING_METHOD)
-    stored = db.get(db_key)
-    timing = None
-    if stored is not None:
-        try:
-            timing = EpilogueTiming(**stored)
-        except TypeError as error:
-            log.debug("loka speed: stored epilogue timing %s unusable (%s); timing again", stored, error)
-    if timing is None:
-        timing = _measure_epilogue(shape, *key[1:])
-        db.put(db_key, dataclasses.asdict(timing))
+    timing, stored = _stored_or_measured(db_key, EpilogueTiming, lambda: _measure_epilogue(shape, *key[1:]))
     _epilogue_cache[key] = timing
     log.debug("loka speed: %s GEMM into the next FP8 operand (%s%s): fused %.1f us, %s + pointwise %.1f us%s",
               shape, activation, " + residual" if residual else "", timing.fused_us, provider, timing.unfused_us,
-              " (from the performance database)" if stored is not None else "")
+              " (from the performance database)" if stored else "")
     return timing
 
 
