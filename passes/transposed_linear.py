@@ -31,6 +31,15 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
                          linear as written reads xt without a copy, and W @ x would move
                          the copy to its output
     narrow_output        d < 16: each sample's GEMM would be too narrow for tensor cores
+    wide_weight_gradient the weight trains (it requires grad, under grad mode) and its
+                         gradient, as a batched GEMM, would write B * N * n per-sample
+                         products before summing them over the batch, more than the
+                         transposed copies and reads W @ x saves, B * d * (n + N) (x's and its
+                         gradient's copies, the output's and its gradient's reads):
+                         N * n > d * (n + N). xDeepFM's compressed interaction network, as
+                         conv1x1 writes it (N = 200, n = 39 * 200, d = 16), would write 25 GB
+                         per layer at batch 8192 in bf16; Wukong (N = 56, n = 64, d = 160) is
+                         far below. Byte accounting, not yet timed on a GPU
     weight_not_2d        the weight is not a 2-D tensor of known shape, or the bias not 1-D
 
 Linears that read no transposed input are not counted. The bodies of higher-order ops in the
@@ -113,6 +122,10 @@ def _transposed_source(node) -> "torch.fx.Node | None":
     return None
 
 
+def _hint(size):
+    return size.node.hint if isinstance(size, torch.SymInt) else size
+
+
 def _decline_reason(x, weight, bias) -> "str | None":
     value = _value(x)
     if not isinstance(value, torch.Tensor) or value.dim() != 3:
@@ -121,12 +134,15 @@ def _decline_reason(x, weight, bias) -> "str | None":
         return "weight_not_2d"
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1):
         return "weight_not_2d"
-    d = value.shape[2]
-    d = d.node.hint if isinstance(d, torch.SymInt) else d
+    d = _hint(value.shape[2])
     if d is None or int(d) < MIN_OUTPUT_WIDTH:
         return "narrow_output"
     if value.stride(1) == 1 and value.shape[1] > 1:
         return "transposed_input"  # xt is contiguous already
+    out_features, in_features = (_hint(s) for s in weight.shape)
+    if weight.requires_grad and torch.is_grad_enabled() and None not in (out_features, in_features) \
+            and out_features * in_features > int(d) * (in_features + out_features):
+        return "wide_weight_gradient"
     return None
 
 

@@ -371,3 +371,29 @@ def test_checkpointed_feature_mixing(fresh_compile_state):
         assert rel_error(expected, got) <= CHECKPOINT_REL_ERROR, name
     recomputed = [s for s in report.sites if s.name.endswith(":fwd:recomputed")]
     assert any(s.module == "mix.mix" and s.batch == 16 for s in recomputed)
+
+
+class WideCompression(nn.Module):
+    """xDeepFM's compression as conv1x1 writes it: n = 64 fields' products into N = 48
+    maps over d = 16: N * n = 3072 > d * (n + N) = 1792."""
+
+    def __init__(self):
+        super().__init__()
+        self.compress = nn.Linear(64, 48)
+
+    def forward(self, z):
+        return self.compress(z.transpose(1, 2)).transpose(1, 2)
+
+
+def test_a_wide_weight_gradient_declines_in_training_only():
+    """Trained, the batched weight gradient would write [B, N, n] per-sample products (64 x
+    48 x 64 here), more than the copies W @ x saves: the linear stays 2-D. Under no_grad
+    there is no weight gradient, and W @ x is kept."""
+    z = torch.randn(4, 64, 16)
+    gm, example_inputs = dynamo_graph(WideCompression(), z)
+    result = rewrite_transposed_linears(gm, example_inputs)
+    assert (result.rewritten, dict(result.declined)) == (0, {"wide_weight_gradient": 1}) and linear_count(gm) == 1
+    with torch.no_grad():
+        gm, example_inputs = dynamo_graph(WideCompression(), z)
+        result = rewrite_transposed_linears(gm, example_inputs)
+    assert (result.rewritten, dict(result.declined)) == (1, {}) and bmm_count(gm) == 1
