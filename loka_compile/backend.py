@@ -53,6 +53,7 @@ from loka_compile.kernels import ops as loka_ops
 from loka_compile.output_budget import OutputBudget
 from loka_compile.passes import Decision, GraphKind, PassContext, Reason, Role, graph_kind, run_passes
 from loka_compile.passes.arch_mods import apply_arch_mods
+from loka_compile.passes.conv1x1 import Conv1x1Linears, rewrite_conv1x1
 from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenance
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.passes.horizontal_fusion import HorizontalFusion, fuse_sibling_linears
@@ -91,6 +92,7 @@ class GraphRecord:
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
     arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
     horizontal: Optional[HorizontalFusion] = None  # what the horizontal Mod did, when it ran
+    conv1x1: Optional[Conv1x1Linears] = None  # what the conv1x1 Mod did, when it ran
     transposed_linear: Optional[TransposedLinears] = None  # what the transposed_linear Mod did, when it ran
     saved_fp8: Optional[SavedFp8] = None  # the last training compile: what the saved_fp8 Mod did, what is saved
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
@@ -1061,6 +1063,12 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
     if record.horizontal is not None:
         log.info("%s: horizontal fusion: %d GEMMs from %d linears, declined %s", record.name,
                  record.horizontal.groups, record.horizontal.linears, dict(record.horizontal.declined))
+    record.conv1x1 = _dynamo_graph_mod(
+        "conv1x1", record, "those convolutions stay as written",
+        lambda: rewrite_conv1x1(gm, example_inputs, exclude_modules=config.exclude_modules))
+    if record.conv1x1 is not None:
+        log.info("%s: conv1x1: %d convolutions as linears, declined %s", record.name,
+                 record.conv1x1.rewritten, dict(record.conv1x1.declined))
     record.transposed_linear = _dynamo_graph_mod(
         "transposed_linear", record, "those linears stay as written",
         lambda: rewrite_transposed_linears(gm, example_inputs, exclude_modules=config.exclude_modules))

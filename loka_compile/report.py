@@ -163,6 +163,9 @@ class Report:
             fusion = getattr(r, "horizontal", None)
             if fusion is not None:
                 self._graph_mods.update({"horizontal": fusion.groups, "horizontal_linears": fusion.linears})
+            conv = getattr(r, "conv1x1", None)
+            if conv is not None:
+                self._graph_mods.update({"conv1x1": conv.rewritten})
             transposed = getattr(r, "transposed_linear", None)
             if transposed is not None:
                 self._graph_mods.update({"transposed_linear": transposed.rewritten})
@@ -186,7 +189,8 @@ class Report:
         A operands cast per piece of their concatenation (`cat_casts`), A operands written
         in FP8 by the epilogue of the GEMM that produced them (`gemm_epilogue`),
         the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
-        replaced, per Dynamo graph), the linears of a transposed input computed as W @ x
+        replaced, per Dynamo graph), the 1x1 convolutions written as linears (`conv1x1`, per
+        Dynamo graph), the linears of a transposed input computed as W @ x
         (`transposed_linear`, per Dynamo graph), the backward GEMM operands whose FP8 copy
         the forward saved (`saved_fp8`) and what the forward graphs keep for the backward
         with that Mod on (`saved_for_backward_bytes`, at compile-time sizes: compare it
@@ -203,7 +207,7 @@ class Report:
                   "cat_casts": sum("per piece" in s.casts.get("a", "") for s in self.sites),
                   "gemm_epilogue": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in self.sites if s.fp8),
                   "horizontal": self._graph_mods["horizontal"], "horizontal_linears": self._graph_mods["horizontal_linears"],
-                  "transposed_linear": self._graph_mods["transposed_linear"]}
+                  "conv1x1": self._graph_mods["conv1x1"], "transposed_linear": self._graph_mods["transposed_linear"]}
         counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})
         return counts
 

@@ -38,6 +38,12 @@ log = logging.getLogger("loka.passes")
 #                each part cast into its slice) instead of by one kernel that computes
 #                every piece, masked, per element (H100, MaskNet inference, 65536 rows:
 #                5.4 ms for the cast of cat(8 LayerNorms), K = 8192)
+#   conv1x1      a 1x1 convolution that is a linear over channels (nn.Conv1d/Conv2d with kernel
+#                size 1, stride 1, no padding, one group: xDeepFM's compressed interaction
+#                network) written as a linear of the transposed input, so its GEMMs become
+#                FP8-eligible sites (fwd, dgrad, wgrad) instead of an aten.convolution that
+#                find_sites does not see; transposed_linear then picks W @ x or a 2-D GEMM
+#                (not yet timed on a GPU: benchmarks/conv1x1.py)
 #   transposed_linear  a linear of x.transpose(1, 2) (3-D x) computed as W @ x, a batched
 #                GEMM that reads x as it is and writes its output in x's layout, so no
 #                transposed copy or transposed read is left around it, forward or backward
@@ -56,7 +62,7 @@ log = logging.getLogger("loka.passes")
 #                loka's fused Triton GEMM 1.0-2.3x faster than _scaled_mm + Inductor's
 #                epilogue kernel at LRM shapes, 2026-11-22_H100_kernels_gemm.md)
 MODS = ("fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
-        "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue")
+        "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue")
 
 PIPELINE = (
     ("find_sites", find_sites),

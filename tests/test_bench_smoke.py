@@ -235,3 +235,27 @@ def test_dgrad_cast_benchmark_measures_each_variant_on_cpu(one_thread):
     for variant in ("rowwise", "static", "delayed"):
         assert 20 < rows[variant]["dx_sqnr_db"] < rows["bf16"]["dx_sqnr_db"] - 10, rows[variant]
     assert rows["delayed"]["next_amax_rel_diff"] < 1e-2
+
+
+def test_conv1x1_benchmark_runs_each_kind_of_variant_on_cpu(tmp_path, one_thread):
+    """The CIN benchmark (a GPU tool) at tiny sizes on CPU: the block as written, a
+    Dynamo-graph rewrite before Inductor (conv1x1 and transposed_linear) and loka, each a
+    row without error whose output and gradients are those of the fp32 block within bf16's
+    error; the JSON and the table written."""
+    from benchmarks import conv1x1
+    torch.set_num_threads(1)
+    variants = ["inductor_conv", "inductor_w_at_x", "loka"]
+    path = conv1x1.main(["--tiny", "--variants", ",".join(variants), "--out", str(tmp_path), "--name", "cin"])
+    assert path == tmp_path / "cin.json" and (tmp_path / "cin.md").read_text().startswith("# conv1x1")
+    result = json.loads(path.read_text())
+    assert {"device", "torch", "triton", "date"} <= set(result["env"])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == variants
+    for name, r in rows.items():
+        assert r["error"] is None, (name, r["error"])
+        assert r["ms"] > 0 and math.isfinite(r["ms"]) and r["vs_inductor_conv"] > 0
+        assert 0 < r["out_err_vs_fp32"] < 0.05 and 0 < r["grad_err_vs_fp32"] < 0.1, r
+    assert rows["inductor_conv"]["vs_inductor_conv"] == pytest.approx(1.0)
+    assert rows["inductor_conv"]["cin_fp8_sites"] is None
+    # loka's CIN GEMMs are sites of every role (the Mod made linears of the convolutions)
+    assert all(v.split("/")[1] == "2" for v in rows["loka"]["cin_fp8_sites"].values()), rows["loka"]
