@@ -113,6 +113,27 @@ def gemm_to_next_operand(a_q, a_s, b_q, b_s, bias: Optional[torch.Tensor], resid
         fast_accum=spec.fast_accum, out_scale=out_scale)
 
 
+def gemm_norm_to_next_operand(a_q, a_s, b_q, b_s, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                              activation: str, norm: str, norm_weight: Optional[torch.Tensor],
+                              norm_bias: Optional[torch.Tensor], eps: float, post_activation: str, spec: GemmSpec,
+                              out_format: Fp8Format, out_scale: torch.Tensor, write_pre: bool):
+    """post_act(norm(act(A @ B + bias) + residual)) written as the next GEMM's FP8 A by
+    one kernel (`loka::triton_fp8_gemm_norm`): the `gemm_norm` Mod's node. Returns that
+    operand, and with `write_pre` also the pre-norm value in the site's dtype, shaped as
+    the residual (or [M, N] without one)."""
+    if spec.pad_k or spec.pad_n:
+        raise ValueError("a GEMM that writes the next one's operand takes unpadded operands")
+    shape = None if residual is None else residual.shape
+    if residual is not None:
+        residual = residual.reshape(-1, residual.shape[-1])
+    q, pre = torch.ops.loka.triton_fp8_gemm_norm(
+        a_q, a_s, b_q, b_s, spec.scaling.value, bias, residual, activation, norm, norm_weight, norm_bias, eps,
+        post_activation, out_format.dtype, out_scale, write_pre, spec.out_dtype, spec.fast_accum)
+    if not write_pre:
+        return q
+    return q, pre if shape is None else pre.view(shape)
+
+
 def _pad(x: torch.Tensor, last: int, second_last: int) -> torch.Tensor:
     return F.pad(x, (0, last, 0, second_last)) if last or second_last else x
 

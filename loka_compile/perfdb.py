@@ -87,11 +87,16 @@ def site_key(shape, scaling: str, a_format: str, b_format: str, providers: tuple
 
 
 def epilogue_key(shape, scaling: str, a_format: str, b_format: str, provider: str, fast_accum: bool,
-                 activation: str, residual: bool, out_format: str, method: int) -> dict:
+                 activation: str, residual: bool, out_format: str, norm: Optional[str] = None,
+                 write_pre: bool = False, *, method: int) -> dict:
     """The key of one `gemm_epilogue` link timing (`speed.epilogue_timing`): the producing
-    site's key with its chosen provider, and what the fused epilogue writes."""
-    return dict(site_key(shape, scaling, a_format, b_format, (provider,), fast_accum, method), kind="epilogue",
-                activation=activation, residual=residual, out_format=out_format)
+    site's key with its chosen provider, and what the fused epilogue writes; a chain
+    through a norm (gemm_norm) adds the norm and whether the pre-norm value is written."""
+    key = dict(site_key(shape, scaling, a_format, b_format, (provider,), fast_accum, method), kind="epilogue",
+               activation=activation, residual=residual, out_format=out_format)
+    if norm is not None:
+        key.update(norm=norm, write_pre=write_pre)
+    return key
 
 
 def _key_id(key: dict) -> str:
@@ -219,7 +224,9 @@ def _table(entries: list) -> str:
         common = [key["device"], key["torch"], f"{key['m']} x {key['k']} x {key['n']}", key["dtype"],
                   key["scaling"], f"{key['a_format']}x{key['b_format']}"]
         if key.get("kind") == "epilogue":
-            links.append(common + [key["providers"][0], key["activation"] + (" + residual" if key["residual"] else ""),
+            norm = f" + {key['norm']} norm" + (" (+ pre-norm)" if key["write_pre"] else "") if "norm" in key else ""
+            links.append(common + [key["providers"][0], key["activation"] + (" + residual" if key["residual"] else "")
+                                   + norm,
                                    round(value["unfused_us"], 1), round(value["fused_us"], 1),
                                    f"{value['unfused_us'] / value['fused_us']:.2f}x"])
         else:

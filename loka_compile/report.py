@@ -13,6 +13,7 @@ from loka_compile import backend, probe
 from loka_compile.passes import GraphKind, Reason
 from loka_compile.passes.find_sites import SAVED_IN_FP8
 from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
+from loka_compile.passes.gemm_norm import NORMALIZED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +188,8 @@ class Report:
         """What each Mod did across the FP8 sites: operand casts fused into their producer,
         standalone, or replaced by a cached FP8 weight (`cached_weights`), sites padded, GEMMs with fast accumulation,
         A operands cast per piece of their concatenation (`cat_casts`), A operands written
-        in FP8 by the epilogue of the GEMM that produced them (`gemm_epilogue`),
+        in FP8 by the epilogue of the GEMM that produced them (`gemm_epilogue`), of those
+        the ones normalized there too (`gemm_norm`),
         the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
         replaced, per Dynamo graph), the 1x1 convolutions written as linears (`conv1x1`, per
         Dynamo graph), the linears of a transposed input computed as W @ x
@@ -206,6 +208,8 @@ class Report:
                   "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites),
                   "cat_casts": sum("per piece" in s.casts.get("a", "") for s in self.sites),
                   "gemm_epilogue": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in self.sites if s.fp8),
+                  "gemm_norm": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) and f"{NORMALIZED} (" in s.casts["a"]
+                                   for s in self.sites if s.fp8),
                   "horizontal": self._graph_mods["horizontal"], "horizontal_linears": self._graph_mods["horizontal_linears"],
                   "conv1x1": self._graph_mods["conv1x1"], "transposed_linear": self._graph_mods["transposed_linear"]}
         counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})

@@ -374,6 +374,7 @@ class EpilogueTiming:
 
     fused_us: float
     unfused_us: float
+    pointwise_us: float   # the unfused form's pointwise (or norm) kernel, part of unfused_us
 
     @property
     def pays(self) -> bool:
@@ -384,10 +385,14 @@ _epilogue_cache: dict = {}
 
 
 def epilogue_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, provider: str,
-                    fast_accum: bool, activation: str, residual: bool, out_format: str) -> EpilogueTiming:
+                    fast_accum: bool, activation: str, residual: bool, out_format: str,
+                    norm: Optional[str] = None, write_pre: bool = False) -> EpilogueTiming:
     """Both forms' times: from the process's cache, else from the performance database,
-    else measured (`_measure_epilogue`) and stored in both."""
-    key = (shape, scaling, a_format, b_format, provider, fast_accum, activation, residual, out_format)
+    else measured (`_measure_epilogue`) and stored in both. `norm` ("layer", "rms"): the
+    gemm_norm Mod's chain, whose fused kernel also normalizes the rows (and with
+    `write_pre` writes the pre-norm value)."""
+    key = (shape, scaling, a_format, b_format, provider, fast_accum, activation, residual, out_format, norm,
+           write_pre)
     if key in _epilogue_cache:
         return _epilogue_cache[key]
     from loka_compile import perfdb
@@ -395,26 +400,32 @@ def epilogue_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str
     db_key = perfdb.epilogue_key(shape, *key[1:], method=TIMING_METHOD)
     timing, stored = _stored_or_measured(db_key, EpilogueTiming, lambda: _measure_epilogue(shape, *key[1:]))
     _epilogue_cache[key] = timing
-    log.debug("loka speed: %s GEMM into the next FP8 operand (%s%s): fused %.1f us, %s + pointwise %.1f us%s",
-              shape, activation, " + residual" if residual else "", timing.fused_us, provider, timing.unfused_us,
+    log.debug("loka speed: %s GEMM into the next FP8 operand (%s%s%s): fused %.1f us, %s + pointwise %.1f us%s",
+              shape, activation, " + residual" if residual else "", f" + {norm} norm" if norm else "",
+              timing.fused_us, provider, timing.unfused_us,
               " (from the performance database)" if stored else "")
     return timing
 
 
 def _measure_epilogue(shape: SiteShape, scaling: str, a_format: str, b_format: str, provider: str,
-                      fast_accum: bool, activation: str, residual: bool, out_format: str) -> EpilogueTiming:
+                      fast_accum: bool, activation: str, residual: bool, out_format: str,
+                      norm: Optional[str] = None, write_pre: bool = False) -> EpilogueTiming:
     """Time both forms on fresh operands of the producing site's shape. The unfused pointwise
     kernel is timed as the converting copy of the GEMM's output into an FP8 buffer, the
     bytes it moves at full bandwidth (`_static_cast`: Inductor's compiled static cast took
     up to 1.6x that, so the charge is the low end), scaled with a residual by the bytes it
     adds (it also reads the residual: 2 + 2 + 1 bytes per element instead of 2 + 1 in
-    bf16, 5/3). Both forms read the operands already in FP8: their casts are the same
-    either way. The GEMM is timed here in the form the unfused link runs (bf16 output, its
-    bias), not read from the site's own timing, whose form may differ (padding, casts)."""
+    bf16, 5/3), and with `write_pre` by the pre-norm value it writes (2 more). A norm
+    (gemm_norm) is charged the same way: Inductor's norm kernel is one pass over rows that
+    fit its registers, bound by the same bytes. Both forms read the operands already in
+    FP8: their casts are the same either way. The GEMM is timed here in the form the
+    unfused link runs (bf16 output, its bias), not read from the site's own timing, whose
+    form may differ (padding, casts)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from loka_compile.kernels.quantize import Fp8Format, Scaling
-    from loka_compile.kernels.scaled_gemm import GemmSpec, gemm_quantized, gemm_to_next_operand
+    from loka_compile.kernels.scaled_gemm import (GemmSpec, gemm_norm_to_next_operand, gemm_quantized,
+                                                  gemm_to_next_operand)
 
     device = shape.device
     with unset_fake_temporarily(), torch.no_grad():
@@ -426,15 +437,25 @@ def _measure_epilogue(shape: SiteShape, scaling: str, a_format: str, b_format: s
         out = gemm_quantized(a_q, a_s, b_q, b_s, bias, spec)
         res = torch.randn_like(out) if residual else None
         out_scale = out.abs().amax().float().reshape(1) / Fp8Format(out_format).max  # a constant in the graph
-        fused = functools.partial(gemm_to_next_operand, a_q, a_s, b_q, b_s, bias, res, activation,
-                                  dataclasses.replace(spec, provider="triton"), Fp8Format(out_format), out_scale)
+        triton_spec = dataclasses.replace(spec, provider="triton")
+        if norm is None:
+            fused = functools.partial(gemm_to_next_operand, a_q, a_s, b_q, b_s, bias, res, activation, triton_spec,
+                                      Fp8Format(out_format), out_scale)
+        else:
+            width = out.shape[-1]
+            weight = torch.randn(width, dtype=shape.dtype, device=device)
+            norm_bias = torch.randn(width, dtype=shape.dtype, device=device) if norm == "layer" else None
+            out_scale = torch.full((1,), 4.0 / Fp8Format(out_format).max, device=device)  # normalized rows: |y| ~ 4
+            fused = functools.partial(gemm_norm_to_next_operand, a_q, a_s, b_q, b_s, bias, res, activation, norm,
+                                      weight, norm_bias, 1e-5, "none", triton_spec, Fp8Format(out_format),
+                                      out_scale, write_pre)
         fused_us = _time_calls_us(fused, device)
         gemm_us = _time_calls_us(lambda: gemm_quantized(a_q, a_s, b_q, b_s, bias, spec), device)
         out_q = torch.empty(out.shape, dtype=Fp8Format(out_format).dtype, device=device)
         size = out.element_size()
-        pointwise_us = _time_calls_us(lambda: out_q.copy_(out), device) * (
-            (2 * size + 1) / (size + 1) if residual else 1.0)
-    return EpilogueTiming(fused_us=fused_us, unfused_us=gemm_us + pointwise_us)
+        moved = size * (1 + residual + write_pre) + 1  # bytes per element: C and R read, S and the operand written
+        pointwise_us = _time_calls_us(lambda: out_q.copy_(out), device) * moved / (size + 1)
+    return EpilogueTiming(fused_us=fused_us, unfused_us=gemm_us + pointwise_us, pointwise_us=pointwise_us)
 
 
 class NoProviderRuns(RuntimeError):

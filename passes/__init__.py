@@ -61,8 +61,14 @@ log = logging.getLogger("loka.passes")
 #                no pointwise kernel reads it back (H100, CUDA graphs, GEMM + bias + relu:
 #                loka's fused Triton GEMM 1.0-2.3x faster than _scaled_mm + Inductor's
 #                epilogue kernel at LRM shapes, 2026-11-22_H100_kernels_gemm.md)
+#   gemm_norm    the same for a chain through a LayerNorm/RMSNorm over the GEMM's N (N <= 256),
+#                after the residual add: the norm runs on the accumulator in the epilogue,
+#                which writes the next FP8 operand (and the pre-norm sum where a residual
+#                stream reads it again), so Inductor's norm kernel and the bf16 output it
+#                reads are gone (timed per chain by the speed check; GPU figures in
+#                benchmarks/results/*_gemm_norm.md)
 MODS = ("fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
-        "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue")
+        "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm")
 
 PIPELINE = (
     ("find_sites", find_sites),

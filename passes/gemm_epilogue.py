@@ -30,6 +30,10 @@ activation and no residual:
 becomes one fused GEMM whose out_scale is per column (s_i over piece i's columns), each
 consumer reading its columns of Q as a strided view (no copy).
 
+A LayerNorm or RMSNorm after the residual add (N <= 256) joins the chain under the
+`gemm_norm` Mod (`gemm_norm.py`): the value it normalizes may then have other readers, and
+the fused kernel writes it for them.
+
 So the activation, the residual add and the consumers' casts happen in the producer's
 epilogue: C never goes to memory in bf16, and no pointwise kernel reads it back (3 bytes
 per element of C in bf16, 4 with a residual, against 1). The producer runs on loka's
@@ -73,8 +77,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 
-from .context import GraphKind, PassContext, Site
+from .context import GraphKind, PassContext, Reason, Site
 from .find_sites import operands
+from .gemm_norm import MOD as NORM_MOD, NormLink, norm_of
 
 aten = torch.ops.aten
 log = logging.getLogger("loka")
@@ -116,6 +121,7 @@ class Chain:
     links: list                           # nodes from the producer's output to the consumers' A, in order
     producer_node: torch.fx.Node          # the producer's GEMM as found (erased once fused)
     out_format: Fp8Format                 # the consumers' A format
+    norm: Optional[NormLink] = None       # the norm after the residual add (the gemm_norm Mod)
     timing: Optional[object] = None       # speed.EpilogueTiming, where measured
     output: Optional[torch.fx.Node] = None  # the fused GEMM node, once lowered
 
@@ -197,29 +203,43 @@ def _split_pieces(split: torch.fx.Node, node: torch.fx.Node) -> Optional[list]:
     return [(getitems[i], starts[i], sizes[i]) for i in range(len(sizes))]
 
 
-def _walk(producer: Site, consumers: dict) -> Optional[tuple]:
-    """(pieces [(consumer site, start, width)], activation, residual, links) of the chain
-    from `producer`'s output, or None where it is not one (module docstring). A split of
-    the output along N, right after the GEMM (its views aside), hands each piece to a
-    chain of its own; the pieces must share their activation and have no residual."""
+def _walk(producer: Site, consumers: dict, norms: bool) -> Optional[tuple]:
+    """(pieces [(consumer site, start, width)], activation, residual, norm, links) of the
+    chain from `producer`'s output, or None where it is not one (module docstring). A split
+    of the output along N, right after the GEMM (its views aside), hands each piece to a
+    chain of its own; the pieces must share their activation and have no residual or norm.
+    `norms`: a LayerNorm/RMSNorm after the residual add may join (the gemm_norm Mod)."""
     node = producer.node
-    found = _walk_from(node, node.meta["val"].dtype, consumers, split_ok=True)
+    found = _walk_from(node, node.meta["val"].dtype, consumers, split_ok=True, norms=norms)
     if found is None:
         return None
-    consumer, activation, residual, links = found
+    consumer, activation, residual, norm, links = found
     if isinstance(consumer, list):  # the split's pieces
-        return consumer, activation, residual, links
-    return [(consumer, 0, node.meta["val"].shape[-1])], activation, residual, links
+        return consumer, activation, residual, norm, links
+    return [(consumer, 0, node.meta["val"].shape[-1])], activation, residual, norm, links
 
 
-def _walk_from(node: torch.fx.Node, dtype: torch.dtype, consumers: dict, split_ok: bool) -> Optional[tuple]:
-    activation, residual, links = "none", None, []
+def _walk_from(node: torch.fx.Node, dtype: torch.dtype, consumers: dict, split_ok: bool,
+               norms: bool = False) -> Optional[tuple]:
+    activation, residual, norm, links = "none", None, None, []
     while True:
-        if activation == "none" and residual is None:
+        if norm is None and norms:
+            # Before the one-reader rule: the value normalized may have other readers.
+            found = norm_of(node, dtype)
+            if found is not None:
+                norm, norm_nodes = found
+                links.extend(norm_nodes)
+                node = norm.output
+                continue
+        if (activation == "none" and residual is None and norm is None) or (
+                norm is not None and norm.post_activation == "none" and node is norm.output):
             # Before the one-reader rule: a decomposed activation may read its input twice.
             found = _activation_of(node, dtype)
             if found is not None and found[1].meta["val"].dtype == dtype:
-                activation = found[0]
+                if norm is None:
+                    activation = found[0]
+                else:
+                    norm.post_activation = found[0]
                 links.extend(found[2])
                 node = found[1]
                 continue
@@ -230,7 +250,7 @@ def _walk_from(node: torch.fx.Node, dtype: torch.dtype, consumers: dict, split_o
         if consumer is not None:
             a, b, bias, _ = operands(user)
             if a is node and b is not node and bias is not node:
-                return consumer, activation, residual, links
+                return consumer, activation, residual, norm, links
             return None
         if user.op != "call_function":
             return None
@@ -241,7 +261,8 @@ def _walk_from(node: torch.fx.Node, dtype: torch.dtype, consumers: dict, split_o
             links.append(user)
             node = user
             continue
-        if user.target == aten.add.Tensor and residual is None and len(user.args) == 2 and not user.kwargs:
+        if user.target == aten.add.Tensor and residual is None and norm is None and len(user.args) == 2 \
+                and not user.kwargs:
             other = user.args[1] if user.args[0] is node else user.args[0]
             if not isinstance(other, torch.fx.Node) or other is node:
                 return None
@@ -253,7 +274,7 @@ def _walk_from(node: torch.fx.Node, dtype: torch.dtype, consumers: dict, split_o
             links.append(user)
             node = user
             continue
-        if user.target in _SPLITS and split_ok and activation == "none" and residual is None:
+        if user.target in _SPLITS and split_ok and activation == "none" and residual is None and norm is None:
             return _walk_split(user, node, dtype, consumers, links)
         return None
 
@@ -269,13 +290,13 @@ def _walk_split(split: torch.fx.Node, node: torch.fx.Node, dtype: torch.dtype, c
         found = _walk_from(getitem, dtype, consumers, split_ok=False)
         if found is None or found[2] is not None:
             return None
-        consumer, activation, _, piece_links = found
+        consumer, activation, _, _, piece_links = found
         activations.add(activation)
         pieces.append((consumer, start, width))
         links += [getitem, *piece_links]
     if len(activations) != 1 or len({id(c) for c, _, _ in pieces}) != len(pieces):
         return None
-    return pieces, activations.pop(), None, links
+    return pieces, activations.pop(), None, None, links
 
 
 def _producer_declines(site: Site, decision, allowed: tuple) -> Optional[str]:
@@ -294,32 +315,42 @@ def _producer_declines(site: Site, decision, allowed: tuple) -> Optional[str]:
 
 
 def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
-    """The Chains the Mod fuses in this graph, in graph order.
-    `time_epilogue(chain) -> speed.EpilogueTiming`, where given, decides whether it pays."""
-    if ctx.kind is not GraphKind.INFERENCE or MOD in ctx.inactive_mods or not ctx.static_a_scales:
+    """The Chains the Mod (and gemm_norm, for chains through a norm) fuses in this graph,
+    in graph order. `time_epilogue(chain) -> speed.EpilogueTiming`, where given, decides
+    whether it pays."""
+    epilogues, norms = MOD not in ctx.inactive_mods, NORM_MOD not in ctx.inactive_mods
+    if ctx.kind is not GraphKind.INFERENCE or not (epilogues or norms) or not ctx.static_a_scales:
         return []
+    # A site the speed check kept in high precision may still pay as part of a fused chain.
+    slow_ok = time_epilogue is not None
     consumers = {}
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
         static = ctx.static_a_scale(site)
-        if decision.fp8 and static is not None and site.op in ("mm", "addmm") and site.batch is None \
-                and decision.scaling in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value) and not decision.pad_k:
+        if _eligible(decision, slow_ok) and static is not None and site.op in ("mm", "addmm") \
+                and site.batch is None and decision.scaling in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value) \
+                and not decision.pad_k:
             consumers[site.node] = site
+    order = {node: i for i, node in enumerate(ctx.sites[0].node.graph.nodes)} if ctx.sites else {}
     chains = []
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
-        if not decision.fp8 or _producer_declines(site, decision, ctx.providers) is not None:
+        if not _eligible(decision, slow_ok) or _producer_declines(site, decision, ctx.providers) is not None:
             continue
-        found = _walk(site, consumers)
+        found = _walk(site, consumers, norms)
         if found is None:
             continue
-        pieces, activation, residual, links = found
+        pieces, activation, residual, norm, links = found
         formats = {ctx.decisions[consumer.key].a_format for consumer, _, _ in pieces}
-        if len(formats) != 1:
+        if len(formats) != 1 or (norm is None and not epilogues):
             continue
         chain = Chain(site, [Piece(consumer, start, width, float(ctx.static_a_scale(consumer)["scale"]))
                              for consumer, start, width in pieces],
-                      activation, residual, links, site.node, Fp8Format(formats.pop()))
+                      activation, residual, links, site.node, Fp8Format(formats.pop()), norm)
+        why = None if norm is None else _norm_declines(chain, decision, order)
+        if why is not None:
+            log.debug("loka: %s: %s declined: %s", site.name, NORM_MOD, why)
+            continue
         if time_epilogue is not None:
             try:
                 chain.timing = time_epilogue(chain)
@@ -327,12 +358,85 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
                 log.warning("loka: %s: %s: timing the fused GEMM failed (%s: %s); not fused", site.name, MOD,
                             type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
                 continue
-            if chain.timing is not None and not chain.timing.pays:
+            if any(not ctx.decisions[member.key].fp8 for member in _members(chain)):
+                if not _upgrade_in_chain(chain, ctx):
+                    continue
+            elif chain.timing is not None and not chain.timing.pays:
                 log.info("loka: %s: %s: the fused GEMM epilogue is slower (%.1f us vs %.1f us); not fused",
                          site.name, MOD, chain.timing.fused_us, chain.timing.unfused_us)
                 continue
         chains.append(chain)
     return chains
+
+
+def _eligible(decision, slow_ok: bool) -> bool:
+    """A site a chain may take: FP8, or (with the speed check timing chains) kept in high
+    precision only because its FP8 GEMM was slower on its own."""
+    return decision.fp8 or (slow_ok and decision.reason is Reason.SLOWER_THAN_BF16 and decision.bf16_us is not None
+                            and decision.fp8_us is not None and bool(decision.scaling))
+
+
+def _members(chain: Chain) -> list:
+    return [chain.producer, *(piece.consumer for piece in chain.pieces)]
+
+
+def _cast_us(decision) -> float:
+    """The casts in a site's measured FP8 time: its time less its chosen provider's GEMM."""
+    gemm = next((c.gemm_us for c in decision.candidates
+                 if c.provider == decision.provider and c.gemm_us is not None), None)
+    return max(decision.fp8_us - gemm, 0.0) if gemm is not None else 0.0
+
+
+def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
+    """For a chain with members the speed check kept in high precision (each slower in FP8
+    on its own): whether the chain fused in FP8 beats the sites as decided, each member at
+    its decided time plus the pointwise kernel between them. Where it does, those members
+    go FP8 (their decisions say why); else the chain is not fused."""
+    timing = chain.timing
+    if timing is None:
+        return False
+    members = _members(chain)
+    decisions = [ctx.decisions[member.key] for member in members]
+    if any(d.fp8_us is None or d.bf16_us is None for d in decisions):  # a member's FP8 went untimed
+        return False
+    as_decided = sum(d.fp8_us if d.fp8 else d.bf16_us for d in decisions) + timing.pointwise_us
+    fused = timing.fused_us + _cast_us(decisions[0]) + sum(d.fp8_us for d in decisions[1:])
+    if fused >= as_decided:
+        log.info("loka: %s: %s: the chain in FP8 (%.1f us) does not beat its sites as decided (%.1f us); not fused",
+                 chain.producer.name, MOD, fused, as_decided)
+        return False
+    note = (f"FP8 in the fused chain {chain.producer.name} -> {chain.consumer_names}: {fused:.1f} us vs "
+            f"{as_decided:.1f} us with its sites as decided alone")
+    for member, decision in zip(members, decisions):
+        if not decision.fp8:
+            ctx.decisions[member.key] = dataclasses.replace(
+                decision, fp8=True, reason=Reason.FP8, detail="; ".join(filter(None, (decision.detail, note))))
+    return True
+
+
+def _norm_declines(chain: Chain, decision, order: dict) -> Optional[str]:
+    """Why a chain through a norm cannot fuse (gemm_norm's declines beyond gemm_epilogue's)."""
+    norm, producer = chain.norm, chain.producer_node
+    if decision.scaling not in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value):
+        return f"{decision.scaling} producer (the GEMM->norm kernel takes tensorwise and rowwise)"
+    bias = operands(producer)[2]
+    if bias is not None and bias.meta["val"].dim() != 1:
+        return "a bias that varies along M"
+    if norm.write_pre and chain.residual is None and not _same_shape(norm.pre.meta["val"], producer.meta["val"]):
+        return "the pre-norm value is read elsewhere, as another shape than the GEMM's [M, N] output"
+    first = insertion_point(chain)
+    if any(param is not None and order.get(param, -1) >= order.get(first, -1) for param in (norm.weight, norm.bias)):
+        return "a norm parameter made after the pre-norm value's first reader"
+    return None
+
+
+def insertion_point(chain: Chain) -> torch.fx.Node:
+    """Where the fused GEMM goes: before the first node that reads what it writes (a
+    consumer, or a reader of the pre-norm value it writes for the gemm_norm Mod)."""
+    readers = {piece.consumer.node for piece in chain.pieces}
+    if chain.norm is not None:
+        readers.update(chain.norm.pre_readers)
+    return next(node for node in chain.producer_node.graph.nodes if node in readers)
 
 
 def _constant(before: torch.fx.Node, name: str, value: torch.Tensor, fake_like: torch.Tensor) -> torch.fx.Node:
@@ -375,12 +479,6 @@ def consumer_scale_constant(chain: Chain, piece: Piece, scaling: Scaling,
     return _constant(before, f"_loka_epilogue_a_scale_{piece.consumer.node.name}", value, val)
 
 
-def first_consumer(chain: Chain) -> torch.fx.Node:
-    """The consumer GEMM node that comes first in the graph (the fused GEMM goes before it)."""
-    nodes = {piece.consumer.node for piece in chain.pieces}
-    return next(node for node in chain.producer_node.graph.nodes if node in nodes)
-
-
 def erase_links(chains: list) -> None:
     """Drop each fused chain's bf16 links and its producer's original GEMM, now unread;
     later chains first, so an earlier one's links lose their last reader first."""
@@ -403,12 +501,15 @@ def time_chain(chain: Chain, ctx: PassContext):
     if shape is None:
         log.info("loka: %s: %s fused untimed (no concrete size to time at)", site.name, MOD)
         return None
+    norm = chain.norm
     return speed.epilogue_timing(shape, decision.scaling, decision.a_format, decision.b_format, decision.provider,
                                  decision.fast_accum, chain.activation, chain.residual is not None,
-                                 chain.out_format.value)
+                                 chain.out_format.value, norm=None if norm is None else norm.kind,
+                                 write_pre=norm is not None and norm.write_pre)
 
 
 def description(chain: Chain) -> str:
     parts = [chain.activation] if chain.activation != "none" else []
     parts += ["residual add"] if chain.residual is not None else []
+    parts += [chain.norm.description()] if chain.norm is not None else []
     return f"{EPILOGUE_CAST} {chain.producer.name}'s GEMM" + (f" ({', '.join(parts)})" if parts else "")

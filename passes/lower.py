@@ -54,12 +54,12 @@ import torch
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import (GemmSpec, cast_a_pieces, cast_operand, gemm_quantized,
-                                              gemm_to_next_operand, static_scale_of)
+                                              gemm_norm_to_next_operand, gemm_to_next_operand, static_scale_of)
 from loka_compile.speed import per_piece_row_max
 
 from .context import GraphKind, PassContext
 from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, saved_operand
-from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, first_consumer,
+from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, insertion_point,
                             out_scale_constant, plan_chains, time_chain)
 from .rewrite import insert_traced, replace_with_traced
 from .weight_cache import cached_operand
@@ -125,9 +125,15 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
             inserted = replace_with_traced(node, gemm, args)
             site.node = next(n for n in reversed(inserted) if n.op == "call_function")
         else:
-            # The consumer's A, written where the consumer reads it; the bf16 links go once it is lowered.
-            args += ([] if feeds.residual is None else [feeds.residual]) + [out_scale_constant(feeds, node)]
-            _, feeds.output = insert_traced(first_consumer(feeds), gemm, args, meta_from=node)
+            # The consumer's A, written where it is first read; the bf16 links go once it is lowered.
+            norm = feeds.norm
+            args += [] if feeds.residual is None else [feeds.residual]
+            args += [] if norm is None else [p for p in (norm.weight, norm.bias) if p is not None]
+            args += [out_scale_constant(feeds, node)]
+            _, written = insert_traced(insertion_point(feeds), gemm, args, meta_from=node)
+            feeds.output = written[0] if isinstance(written, tuple) else written
+            if isinstance(written, tuple):
+                _read_pre_norm_value(feeds, written[1], chains)
             site.node = feeds.output
             ctx.decisions[site.key] = _fed_decision(decision, feeds)
         if cached is not None:
@@ -139,12 +145,25 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     return lowered
 
 
+def _read_pre_norm_value(chain: Chain, pre: torch.fx.Node, chains: list) -> None:
+    """The readers of the value a fused norm normalized (gemm_norm) read the copy the
+    fused GEMM wrote instead, and so does a later chain that adds it as its residual."""
+    old = chain.norm.pre
+    for reader in chain.norm.pre_readers:
+        reader.replace_input_with(old, pre)
+    for other in chains:
+        if other.residual is old:
+            other.residual = pre
+
+
 def _fed_decision(decision, chain: Chain):
     """The producer's decision as it now runs: on loka's Triton GEMM, with why."""
     timing = chain.timing
     measured = "" if timing is None else f": {timing.fused_us:.1f} us vs {timing.unfused_us:.1f} us unfused"
+    norm = "" if chain.norm is None else f", {chain.norm.kind} norm" + (
+        " (and the pre-norm value)" if chain.norm.write_pre else "")
     note = f"gemm_epilogue writes the FP8 A of {chain.consumer_names} ({chain.activation}" + (
-        ", residual" if chain.residual is not None else "") + ")" + measured
+        ", residual" if chain.residual is not None else "") + norm + ")" + measured
     return dataclasses.replace(decision, provider="triton",
                                detail=f"{decision.detail}; {note}" if decision.detail else note)
 
@@ -178,9 +197,17 @@ def _gemm_of(a_q, a_s, b_q, b_s, rest: list, spec: GemmSpec, feeds: Optional[Cha
     if feeds is None:
         return gemm_quantized(a_q, a_s, b_q, b_s, rest[0] if rest else None, spec)
     out_scale = rest.pop()
+    norm = feeds.norm
+    norm_bias = rest.pop() if norm is not None and norm.bias is not None else None
+    norm_weight = rest.pop() if norm is not None and norm.weight is not None else None
     residual = rest.pop() if feeds.residual is not None else None
-    return gemm_to_next_operand(a_q, a_s, b_q, b_s, rest[0] if rest else None, residual, feeds.activation, spec,
-                                feeds.out_format, out_scale)
+    bias = rest[0] if rest else None
+    if norm is None:
+        return gemm_to_next_operand(a_q, a_s, b_q, b_s, bias, residual, feeds.activation, spec, feeds.out_format,
+                                    out_scale)
+    return gemm_norm_to_next_operand(a_q, a_s, b_q, b_s, bias, residual, feeds.activation, norm.kind, norm_weight,
+                                     norm_bias, norm.eps, norm.post_activation, spec, feeds.out_format, out_scale,
+                                     norm.write_pre)
 
 
 def _cast_a_saved(args: tuple):

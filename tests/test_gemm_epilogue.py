@@ -6,7 +6,7 @@ unfused path's, and calibrated end-to-end compiles written as recsys code is (an
 EmbeddingBag feeding an MLP tower, a 3-D interaction input, `dynamic=True`).
 """
 
-import copy
+import dataclasses
 import functools
 import re
 
@@ -14,65 +14,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 import loka_compile
+from graphs import (OUTPUT_SQNR_DB, assert_no_loss, calibrated_plan, compile_with, inference_graph,
+                    run_lowering)
 from loka_compile import LokaConfig, dispatch
-from loka_compile.passes import PIPELINE, GraphKind, PassContext, graph_kind, run_passes
+from loka_compile.passes import PIPELINE, GraphKind, PassContext
 from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
 from numerics import sqnr_db
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 TRITON_GEMM = torch.ops.loka.triton_fp8_gemm.default
-# Emulated rowwise e4m3 with static scales against fp64, these models: 26-32 dB measured.
-OUTPUT_SQNR_DB = 20.0
-# The fused path casts the fp32 epilogue value, the unfused one (run eagerly) its bf16
-# rounding: the fused output may be no further from fp64 than the unfused one, within
-# this margin. (Compiled by Inductor, which keeps the unfused chain in fp32, the two
-# measured identical on these models.)
-NO_LOSS_MARGIN_DB = 0.5
-
-
-def assert_no_loss(exact, fused, unfused):
-    assert not torch.isnan(fused).any()
-    fused_db, unfused_db = sqnr_db(exact, fused.double()), sqnr_db(exact, unfused.double())
-    assert fused_db >= OUTPUT_SQNR_DB and fused_db >= unfused_db - NO_LOSS_MARGIN_DB, (fused_db, unfused_db)
-
-
-def inference_graph(fn, *args):
-    """The ATen inference graph AOTAutograd hands a compiler for fn (no input needs a grad)."""
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    with torch.no_grad():
-        aot_function(fn, fw_compiler=keep)(*args)
-    (gm,) = graphs
-    assert graph_kind(gm.graph) is GraphKind.INFERENCE
-    return gm
-
-
-def run_lowering(gm, scale=0.01, disabled=(), static_sites=None, recipe="rowwise", providers=()):
-    """find_sites .. lower on gm's graph, every site's A with a static scale (or those
-    numbered in `static_sites`, 1-based); `scale`: one for all, or a list by site."""
-    config = LokaConfig(recipe=recipe, disabled_mods=list(disabled), providers=list(providers))
-    decide = functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={})
-    count = sum(n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-                for n in gm.graph.nodes)
-    numbers = range(1, count + 1) if static_sites is None else static_sites
-    scales = scale if isinstance(scale, list) else [scale] * count
-    static = {f"inference/<root>:fwd#{i}": {"scale": scales[i - 1], "policy": "amax"} for i in numbers}
-    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
-                      decide=decide, inactive_mods=config.inactive_mods, static_a_scales=static,
-                      providers=config.providers)
-    run_passes(gm.graph, ctx)
-    gm.recompile()
-    return ctx
-
-
 def fused_gemms(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is TRITON_GEMM]
 
@@ -187,6 +140,46 @@ def test_a_link_whose_timing_fails_is_left_unfused(caplog):
     with caplog.at_level("WARNING", logger="loka"):
         assert gemm_epilogue.plan_chains(ctx, failing) == []
     assert "timing the fused GEMM failed (RuntimeError: out of resources: shared memory); not fused" in caplog.text
+
+
+@pytest.mark.parametrize("fused_us,upgraded", [(20.0, True), (31.0, False)])
+def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(fused_us, upgraded):
+    """fc2, kept in high precision because its FP8 GEMM was slower alone (12 vs 10 us), is
+    taken into fc1's fused chain where the chain beats the sites as decided: fc1 FP8 (8 us)
+    + the pointwise kernel (5 us) + fc2 bf16 (10 us) = 23 us, against the fused GEMM + fc1's
+    casts (1 us) + fc2 in FP8 (12 us)."""
+    from loka_compile.passes import gemm_epilogue
+    from loka_compile.passes.context import Candidate, Reason
+    from loka_compile.speed import EpilogueTiming
+
+    gm = inference_graph(mlp, torch.randn(32, 64, dtype=torch.bfloat16), *weights())
+    config = LokaConfig(recipe="rowwise")
+    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
+                      decide=functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={}),
+                      inactive_mods=config.inactive_mods, providers=config.providers,
+                      static_a_scales={f"inference/<root>:fwd#{i}": {"scale": 0.01, "policy": "amax"}
+                                       for i in (1, 2, 3)})
+    for _, run in PIPELINE[:2]:  # find_sites, dispatch_sites
+        run(gm.graph, ctx)
+    fc1, fc2, fc3 = ctx.sites
+    for site, (fp8, bf16_us, fp8_us) in ((fc1, (True, 10.0, 8.0)), (fc2, (False, 10.0, 12.0)),
+                                         (fc3, (False, 10.0, 30.0))):
+        decision = ctx.decisions[site.key]
+        ctx.decisions[site.key] = dataclasses.replace(
+            decision, fp8=fp8, reason=Reason.FP8 if fp8 else Reason.SLOWER_THAN_BF16, bf16_us=bf16_us,
+            fp8_us=fp8_us, candidates=(Candidate(decision.provider, fp8_us - 1.0, fp8),))
+
+    def timing(chain):  # fc1 -> fc2 pays or not; fc2 -> fc3 never does (fc3 alone is 3x slower in FP8)
+        if chain.producer is fc1:
+            return EpilogueTiming(fused_us=fused_us - 13.0, unfused_us=13.0, pointwise_us=5.0)
+        return EpilogueTiming(fused_us=40.0, unfused_us=10.0, pointwise_us=5.0)
+
+    chains = gemm_epilogue.plan_chains(ctx, timing)
+    assert [(c.producer, [p.consumer for p in c.pieces]) for c in chains] == ([(fc1, [fc2])] if upgraded else [])
+    assert ctx.decisions[fc2.key].fp8 is upgraded and not ctx.decisions[fc3.key].fp8
+    if upgraded:
+        assert ctx.decisions[fc2.key].detail.startswith(
+            "FP8 in the fused chain <root>:fwd -> <root>:fwd#2: 20.0 us vs 23.0 us")
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
@@ -316,18 +309,6 @@ def sparse_batch(rows=64, seed=0):
     ids = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
     return ids, offsets, torch.randn(rows, 32, generator=g)
-
-
-def calibrated_plan(model, batches, tmp_path):
-    plan = loka_compile.calibrate(model, batches, options={"max_output_error": None})
-    path = tmp_path / "plan.json"
-    plan.save(path)
-    return str(path)
-
-
-def compile_with(model, path, *, disabled=(), options=None, **kwargs):
-    return torch.compile(copy.deepcopy(model), backend="loka",
-                         options={"plan": path, "disabled_mods": list(disabled), **(options or {})}, **kwargs)
 
 
 def test_sparse_tower_end_to_end(tmp_path):
