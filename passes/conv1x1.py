@@ -46,6 +46,10 @@ Declines a convolution (the reason counted in `declined`, logged at DEBUG) when:
                          size 1), or not a constant; a module's padding_mode matters only
                          where its padding is not 0
     grouped              groups other than 1 (or not a constant)
+    cpu_training         x on CPU, its weight trains, and Inductor's C++ code is vectorized
+                         (`cpp.simdlen` not 1): the known issue below would give wrong
+                         embedding gradients; CPU FP8 is emulated, so the Mod buys nothing
+                         there but the test of its own path
 
 Dilation changes nothing at kernel size 1 (the kernel has no gaps to spread), so any is
 taken. Convolutions of other kinds (transposed, 3-D, call_module nodes of subclasses of
@@ -58,7 +62,8 @@ table's gradient wrong when the table's rows feed both such a linear (through xD
 outer product) and another linear: its 2-D tiled scatter-add indexes column x1 + 2 * x1_inner
 for x1 + x1_inner. Plain torch.compile of the same model written with the linear does the
 same; `torch._inductor.config.cpp.simdlen = 1` avoids it (tests/test_conv1x1.py keeps a
-strict xfail of it). GPUs run Triton code instead.
+strict xfail of it). GPUs run Triton code instead. So on CPU the Mod declines training
+graphs unless that setting is on (`cpu_training`).
 
 Inductor's pattern matcher (DESIGN convention 5) rewrites ATen graphs after AOTAutograd,
 where the convolution's backward is already `convolution_backward`; this rewrite must
@@ -72,6 +77,7 @@ import dataclasses
 import logging
 
 import torch
+from torch._inductor import config as inductor_config
 
 from .horizontal_fusion import _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
 from .rewrite import all_or_nothing
@@ -175,6 +181,9 @@ def _decline_reason(gm, conv: _Conv, inputs: dict) -> "str | None":
         return "padded"
     if not (type(groups) is int and groups == 1):
         return "grouped"
+    if x.device.type == "cpu" and weight.requires_grad and torch.is_grad_enabled() \
+            and inductor_config.cpp.simdlen != 1:
+        return "cpu_training"
     return None
 
 

@@ -27,6 +27,23 @@ LINEARS = (torch._C._nn.linear, F.linear)
 REL_ERROR = 1e-5
 
 
+# Inductor's vectorized C++ code (torch 2.13, CPU) computes this model's embedding gradient
+# wrong with the compression written as a linear of the transposed outer product, conv1x1 or
+# not (test_inductor_cpu_miscompiles_the_embedding_gradient): in the 2-D tiled kernel that
+# scatter-adds the gradient into the table, the column of element x1 + x1_inner is indexed
+# x1 + 2 * x1_inner. Scalar C++ code (simdlen 1) is right; GPUs run Triton code instead.
+SCALAR_CPU_CODE = {"cpp.simdlen": 1}
+VECTORIZED_CPU_CODE = {"cpp.simdlen": None}  # Inductor's default
+
+
+@pytest.fixture(autouse=True)
+def scalar_cpu_code():
+    """The Mod's own path on CPU: it declines training graphs under vectorized C++ code
+    (`cpu_training`, test_cpu_training_declines_under_vectorized_code)."""
+    with torch._inductor.config.patch(SCALAR_CPU_CODE):
+        yield
+
+
 def conv_count(gm):
     return sum((n.op == "call_function" and n.target in CONVS)
                or (n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.modules.conv._ConvNd))
@@ -212,12 +229,6 @@ def test_config_switch():
 # over [B * d, n] rows (test_interaction_layers trains widths 16, which stay bmms).
 CIN_WIDTHS = (32, 32)
 
-# Inductor's vectorized C++ code (torch 2.13, CPU) computes this model's embedding gradient
-# wrong with the compression written as a linear of the transposed outer product, conv1x1 or
-# not (test_inductor_cpu_miscompiles_the_embedding_gradient): in the 2-D tiled kernel that
-# scatter-adds the gradient into the table, the column of element x1 + x1_inner is indexed
-# x1 + 2 * x1_inner. Scalar C++ code (simdlen 1) is right; GPUs run Triton code instead.
-SCALAR_CPU_CODE = {"cpp.simdlen": 1}
 
 
 def _embedding_gradient_of_a_transposed_linear(table, w, wd, ids):
@@ -233,14 +244,15 @@ def test_inductor_cpu_miscompiles_the_embedding_gradient():
     table, ids = torch.randn(1600, 16), torch.randint(0, 1600, (64, 8))
     w, wd = torch.randn(32, 64), torch.randn(32, 128)
     grads = []
-    for fn in (_embedding_gradient_of_a_transposed_linear, torch.compile(_embedding_gradient_of_a_transposed_linear)):
-        t = table.clone().requires_grad_(True)
-        fn(t, w, wd, ids).backward()
-        grads.append(t.grad)
+    with torch._inductor.config.patch(VECTORIZED_CPU_CODE):
+        for fn in (_embedding_gradient_of_a_transposed_linear,
+                   torch.compile(_embedding_gradient_of_a_transposed_linear)):
+            t = table.clone().requires_grad_(True)
+            fn(t, w, wd, ids).backward()
+            grads.append(t.grad)
     assert rel_error(*grads) < REL_ERROR
 
 
-@torch._inductor.config.patch(SCALAR_CPU_CODE)
 @pytest.mark.usefixtures("fresh_compile_state")
 def test_xdeepfm_cin_gemms_are_fp8_sites():
     """Trained under loka with FP8 from the first call (test_interaction_layers' checks: the
@@ -361,3 +373,18 @@ def test_the_backend_runs_the_model_as_written_when_the_mod_fails(monkeypatch, c
     assert "the conv1x1 Mod failed" in caplog.text and "stay as written" in caplog.text
     assert rel_error(model(x), out) <= REL_ERROR
     assert loka_compile.report(compiled).mods["conv1x1"] == 0
+
+
+def test_cpu_training_declines_under_vectorized_code():
+    """On CPU with Inductor's vectorized C++ code, a convolution whose weight trains stays as
+    written (the miscompile above); in inference, or with scalar code, it is rewritten."""
+    model = Conv("module")
+    x = torch.randn(4, 12, 10)
+    with torch._inductor.config.patch(VECTORIZED_CPU_CODE):
+        gm, inputs = dynamo_graph(model, x)
+        declined = rewrite_conv1x1(gm, inputs)
+        with torch.no_grad():
+            gm, inputs = dynamo_graph(model, x)
+            inference = rewrite_conv1x1(gm, inputs)
+    assert (declined.rewritten, dict(declined.declined)) == (0, {"cpu_training": 1})
+    assert (inference.rewritten, dict(inference.declined)) == (1, {})

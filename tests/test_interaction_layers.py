@@ -97,9 +97,10 @@ class XDeepFM(nn.Module):
     """xDeepFM: the compressed interaction network (the outer product x0 ⊗ xk by einsum,
     compressed by a 1x1 Conv1d, two layers, each sum-pooled over d) beside a DNN over the
     flattened embeddings, concatenated into a linear head. The conv1x1 Mod makes each
-    Conv1d a linear of the transposed outer product; at these widths transposed_linear then
-    computes it as W @ x, a bmm over the broadcast weight with fwd, dgrad and wgrad sites
-    (test_conv1x1 trains wider ones, which stay 2-D GEMMs)."""
+    Conv1d a linear of the transposed outer product (at these widths transposed_linear then
+    computes it as W @ x, a bmm over the broadcast weight with fwd, dgrad and wgrad sites),
+    except when training on CPU under Inductor's vectorized C++ code, as here (its
+    `cpu_training` decline): test_conv1x1 trains this model with scalar code."""
 
     def __init__(self, dim=16, cin_sizes=(16, 16)):
         super().__init__()
