@@ -92,7 +92,8 @@ def test_inference_with_plan_casts_a_with_its_constant_scale(calibrated):
     x = torch.randn(32, 32)
     with torch.no_grad():
         ref = model(x)
-        static = torch.compile(model, backend="loka", options={"plan": path})(x)
+        # each site's own static cast (with gemm_norm, fc1's epilogue would write fc2's A: test_gemm_norm)
+        static = torch.compile(model, backend="loka", options={"plan": path, "disabled_mods": ["gemm_norm"]})(x)
         graph = inference_graph()
         report = loka_compile.report(model)
         torch._dynamo.reset()
@@ -212,7 +213,8 @@ def test_calibration_leaves_the_speed_check_to_the_serving_compile(timed, cache_
     for site in loka_compile.report(model).sites:
         assert site.fp8 and site.reason == Reason.FP8.value and site.casts["a"] == STATIC
         assert "A with its static scale" in site.detail and "from plan" not in site.detail
-    stored = [e["key"] for e in perfdb.PerfDB(cache_dir / perfdb.FILE_NAME).entries()]
+    stored = [e["key"] for e in perfdb.PerfDB(cache_dir / perfdb.FILE_NAME).entries()
+              if e["key"].get("kind") != "epilogue"]  # the sites' timings (not the gemm_norm chain's)
     assert sorted(key["a_static"] for key in stored) == [False, False, True, True]
 
 

@@ -5,7 +5,7 @@ Floors as for the plain GEMM (tests/kernels/test_triton_gemm.py): a bf16 output 
 pre-norm sum written in bf16) >= 40 dB against the fp64 reference, whose bf16 rounding
 alone sits near 48 dB here; an FP8 output agrees with the reference cast code for code
 except where the fp32 epilogue lands across a rounding boundary (under 1% of elements,
-one code apart under the interpreter), and keeps e4m3's precision against the exact value
+one code apart under the interpreter; 3% with fast accumulation), and keeps e4m3's precision against the exact value
 (>= 25 dB). A wrong statistic, scale or unwritten tile lands far below.
 """
 
@@ -43,6 +43,7 @@ def epilogue(m, n, norm, device="cpu", residual=True, dtype=torch.bfloat16):
 def check(a_q, a_s, b_q, b_s, scaling, fp8_out=False, write_pre=True, **kw):
     """The kernel's (Y, S) against the reference's; returns them."""
     kw = dict(kw)
+    fast = kw.get("fast_accum", False)
     if fp8_out:
         exact, _ = tgn.reference_fp8_gemm_norm(a_q, a_s, b_q, b_s, scaling, out_dtype=torch.float64,
                                                **{k: v for k, v in kw.items() if k != "fast_accum"})
@@ -56,8 +57,11 @@ def check(a_q, a_s, b_q, b_s, scaling, fp8_out=False, write_pre=True, **kw):
                                                    write_pre=True, pre_dtype=torch.float64, **exact_kw)
     assert not torch.isnan(y.float()).any()
     if fp8_out:
+        # Fast accumulation's reduced-precision partial sums move more values across an
+        # FP8 rounding boundary (H100, 4000 x 1024 x 200, RMS norm: 1.46%).
+        allowed = 0.03 if fast else 0.01
         differ = y.view(torch.uint8) != ref_y.view(torch.uint8)
-        assert differ.float().mean() < 0.01, f"{differ.float().mean():.2%} of FP8 codes differ"
+        assert differ.float().mean() < allowed, f"{differ.float().mean():.2%} of FP8 codes differ"
         assert sqnr_db(exact, y.double() * kw["out_scale"].double()) >= 25.0
     else:
         assert y.dtype == torch.bfloat16 and sqnr_db(exact, y) >= 40.0
