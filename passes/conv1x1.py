@@ -33,7 +33,10 @@ may change), a view in the convolution's [B, C_out, L] layout.
 The linear of a transposed 3-D input is the form transposed_linear matches next: where it
 pays it becomes W @ x, a batched GEMM that reads x as it is and writes y in x's layout (the
 layout the convolution read and wrote); where it declines, the linear stays a 2-D GEMM over
-[B * L, C_in] rows. Measured: not yet timed on a GPU (`benchmarks/conv1x1.py` times it).
+[B * L, C_in] rows. Measured (H100, `benchmarks/conv1x1.py`, xDeepFM's CIN at batch 8192,
+39 fields, d 16, widths 200, one forward + backward in bf16 under CUDA graphs): 54.07 ms as
+written (cuDNN's 1x1 convolutions and their backward), 19.24 ms as linears under Inductor,
+19.49 ms under loka (its dgrad sites FP8, the rest slower in FP8 at these shapes).
 
 Declines a convolution (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
