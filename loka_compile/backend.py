@@ -130,8 +130,7 @@ class LokaPostGradPass(CustomGraphPass):
                           param_input_indices=self.param_input_indices, decide=decide,
                           inactive_mods=record.config.inactive_mods, static_a_scales=static,
                           perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error),
-                          speed_check=record.config.speed_check, min_fp8_speedup=record.config.min_fp8_speedup,
-                          providers=tuple(record.config.providers or ()))
+                          speed_check=record.config.speed_check, providers=tuple(record.config.providers or ()))
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
         if kind is passes.GraphKind.FORWARD and record.saved_fp8 is not None:

@@ -133,9 +133,6 @@ class PassContext:
     joint: bool = False
     # Dispatch times sites (`LokaConfig.speed_check`): Mods that change a site's form time it too.
     speed_check: bool = False
-    # The speedup FP8 must reach to be chosen (`LokaConfig.min_fp8_speedup`): at a site, or
-    # for a fused chain whose sites Dispatch kept in high precision (gemm_epilogue).
-    min_fp8_speedup: float = 1.05
     # The providers the config allows (`LokaConfig.providers`); empty: every registered one.
     # A Mod that moves a site onto a provider asks here first (an export allows ATen ones only).
     providers: tuple = ()

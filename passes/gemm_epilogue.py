@@ -3,7 +3,8 @@ output becomes, through an activation and a residual add, the A operand of the n
 GEMM writes that operand in FP8 from its own epilogue. A Mod that is on by default
 (`disabled_mods=["gemm_epilogue"]` switches it off); `lower` runs it.
 
-Matches (inference graph; both GEMMs FP8 sites Dispatch sent to FP8):
+Matches (inference graph; both GEMMs FP8 sites Dispatch sent to FP8, or, with the speed
+check on, kept in high precision only because FP8 was slower at the site alone):
 
     C = mm(A, B) | addmm(bias, A, B)      2-D, K and N unpadded ("producer")
         [views that keep the last dim]
@@ -52,7 +53,13 @@ Declines (the site keeps its ordinary lowering):
         allows ATen ops only, so its packages never hold this Mod's `loka::` op);
     with the speed check on an FP8 GPU: the fused GEMM measured slower than the
         producer's chosen GEMM plus the pointwise kernel (`speed.epilogue_timing`), or
-        its timing raised (a kernel that cannot build or run at this shape; logged).
+        its timing raised (a kernel that cannot build or run at this shape; logged);
+    a chain with a site kept in high precision: the chain fused in FP8 (the fused GEMM,
+        the producer's casts, each consumer's FP8 time) not beating its sites as decided
+        (each at its measured time, plus the pointwise kernel). Where it does, those
+        sites go FP8, and their decisions say why;
+    with the speed check on an FP8 GPU, a link under MIN_CHAIN_US (unfused, or its sites as
+        decided): at that size a link timed faster fused was slower in the model's graph.
 
 The activations are recognized with Inductor's pattern matcher (each activation traced
 through the decompositions Inductor applies, and without them, per dtype, and matched
@@ -97,6 +104,14 @@ _ACTIVATIONS = {
     "gelu": F.gelu,
     "hardswish": F.hardswish,
 }
+# A chain fuses only at this size and above (us: the unfused link as timed, or its sites as
+# decided where the chain would take sites kept in high precision): below it, a link timed
+# faster fused is not faster in the model's graph. H100, calibrated inference
+# (2026-11-26_H100_infer_chain_dispatch.md): DLRM-DCNv2 at batch 8192, links of 15-25 us,
+# ran 2.5-3.1% slower fused in four runs (0.8068 vs 0.7816 ms); fused links of 35 us and
+# more gained: Wukong at 8192 1.0%, DLRM-DCNv2 at 65536 1.5%, MaskNet with every site FP8
+# 3.5% (2026-11-25_H100_infer_gemm_epilogue.md).
+MIN_CHAIN_US = 30.0
 _MAX_ACTIVATION_NODES = 16  # the longest decomposition (gelu tanh in bf16) is 11 nodes
 
 
@@ -365,6 +380,10 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
                 log.info("loka: %s: %s: the fused GEMM epilogue is slower (%.1f us vs %.1f us); not fused",
                          site.name, MOD, chain.timing.fused_us, chain.timing.unfused_us)
                 continue
+            elif chain.timing is not None and chain.timing.unfused_us < MIN_CHAIN_US:
+                log.info("loka: %s: %s: the link (%.1f us unfused) is under %.0f us; not fused", site.name, MOD,
+                         chain.timing.unfused_us, MIN_CHAIN_US)
+                continue
         chains.append(chain)
     return chains
 
@@ -391,10 +410,8 @@ def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
     """For a chain with members the speed check kept in high precision (each slower in FP8
     on its own): whether the chain fused in FP8 beats the sites as decided, each member at
     its decided time plus the pointwise kernel between them. Where it does, those members
-    go FP8 (their decisions say why); else the chain is not fused. "Beats" means by the
-    speedup a site needs (`min_fp8_speedup`): the sum of separately timed kernels is a
-    model, and at small shapes each term's noise is a few percent (H100, DLRM-DCNv2 at
-    batch 8192: chains upgraded on a plain comparison ran 2.8% slower than without them)."""
+    go FP8 (their decisions say why); else the chain is not fused. The pointwise kernel is
+    charged only where the chain has an op between its GEMMs."""
     timing = chain.timing
     if timing is None:
         return False
@@ -402,14 +419,22 @@ def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
     decisions = [ctx.decisions[member.key] for member in members]
     if any(d.fp8_us is None or d.bf16_us is None for d in decisions):  # a member's FP8 went untimed
         return False
-    as_decided = sum(d.fp8_us if d.fp8 else d.bf16_us for d in decisions) + timing.pointwise_us
+    # A chain with no op between its GEMMs runs no pointwise kernel as decided either
+    # (the consumer's own cast is in its FP8 time).
+    tail_us = timing.pointwise_us if chain.activation != "none" or chain.residual is not None or chain.norm else 0.0
+    as_decided = sum(d.fp8_us if d.fp8 else d.bf16_us for d in decisions) + tail_us
     fused = timing.fused_us + _cast_us(decisions[0]) + sum(d.fp8_us for d in decisions[1:])
-    if as_decided < fused * ctx.min_fp8_speedup:
+    if as_decided < MIN_CHAIN_US:
+        log.info("loka: %s: %s: the chain (%.1f us as decided) is under %.0f us; not fused", chain.producer.name,
+                 MOD, as_decided, MIN_CHAIN_US)
+        return False
+    if as_decided <= fused:
         log.info("loka: %s: %s: the chain in FP8 (%.1f us) does not beat its sites as decided (%.1f us); not fused",
                  chain.producer.name, MOD, fused, as_decided)
         return False
     note = (f"FP8 in the fused chain {chain.producer.name} -> {chain.consumer_names}: {fused:.1f} us vs "
             f"{as_decided:.1f} us with its sites as decided alone")
+    log.info("loka: %s: %s", MOD, note)
     for member, decision in zip(members, decisions):
         if not decision.fp8:
             ctx.decisions[member.key] = dataclasses.replace(

@@ -142,12 +142,14 @@ def test_a_link_whose_timing_fails_is_left_unfused(caplog):
     assert "timing the fused GEMM failed (RuntimeError: out of resources: shared memory); not fused" in caplog.text
 
 
-@pytest.mark.parametrize("fused_us,upgraded", [(20.0, True), (22.5, False), (31.0, False)])
-def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(fused_us, upgraded):
-    """fc2, kept in high precision because its FP8 GEMM was slower alone (12 vs 10 us), is
-    taken into fc1's fused chain where the chain beats the sites as decided: fc1 FP8 (8 us)
-    + the pointwise kernel (5 us) + fc2 bf16 (10 us) = 23 us, against the fused GEMM + fc1's
-    casts (1 us) + fc2 in FP8 (12 us), by the speedup a site needs (1.05x: 22.5 us is not enough)."""
+@pytest.mark.parametrize("scale,fused_total,upgraded", [(10.0, 200.0, True), (10.0, 235.0, False),
+                                                        (1.0, 20.0, False)])
+def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(scale, fused_total, upgraded):
+    """fc2, kept in high precision because its FP8 GEMM was slower alone (12 vs 10 units),
+    is taken into fc1's fused chain where the chain beats the sites as decided: fc1 FP8 (8)
+    + the pointwise kernel (5) + fc2 bf16 (10) = 23 units, against the fused GEMM + fc1's
+    casts (1) + fc2 in FP8 (12). A unit is `scale` us: at 1 us the chain (23 us) is under
+    MIN_CHAIN_US and is left as decided however it compares."""
     from loka_compile.passes import gemm_epilogue
     from loka_compile.passes.context import Candidate, Reason
     from loka_compile.speed import EpilogueTiming
@@ -166,20 +168,21 @@ def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(fused_us, upgraded):
                                          (fc3, (False, 10.0, 30.0))):
         decision = ctx.decisions[site.key]
         ctx.decisions[site.key] = dataclasses.replace(
-            decision, fp8=fp8, reason=Reason.FP8 if fp8 else Reason.SLOWER_THAN_BF16, bf16_us=bf16_us,
-            fp8_us=fp8_us, candidates=(Candidate(decision.provider, fp8_us - 1.0, fp8),))
+            decision, fp8=fp8, reason=Reason.FP8 if fp8 else Reason.SLOWER_THAN_BF16, bf16_us=bf16_us * scale,
+            fp8_us=fp8_us * scale, candidates=(Candidate(decision.provider, (fp8_us - 1.0) * scale, fp8),))
 
-    def timing(chain):  # fc1 -> fc2 pays or not; fc2 -> fc3 never does (fc3 alone is 3x slower in FP8)
+    def timing(chain):  # fc2 -> fc3 never pays (fc3 alone is 3x slower in FP8)
         if chain.producer is fc1:
-            return EpilogueTiming(fused_us=fused_us - 13.0, unfused_us=13.0, pointwise_us=5.0)
-        return EpilogueTiming(fused_us=40.0, unfused_us=10.0, pointwise_us=5.0)
+            return EpilogueTiming(fused_us=fused_total - 13.0 * scale, unfused_us=13.0 * scale,
+                                  pointwise_us=5.0 * scale)
+        return EpilogueTiming(fused_us=40.0 * scale, unfused_us=10.0 * scale, pointwise_us=5.0 * scale)
 
     chains = gemm_epilogue.plan_chains(ctx, timing)
     assert [(c.producer, [p.consumer for p in c.pieces]) for c in chains] == ([(fc1, [fc2])] if upgraded else [])
     assert ctx.decisions[fc2.key].fp8 is upgraded and not ctx.decisions[fc3.key].fp8
     if upgraded:
         assert ctx.decisions[fc2.key].detail.startswith(
-            "FP8 in the fused chain <root>:fwd -> <root>:fwd#2: 20.0 us vs 23.0 us")
+            "FP8 in the fused chain <root>:fwd -> <root>:fwd#2: 200.0 us vs 230.0 us")
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
