@@ -83,7 +83,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 from .horizontal_fusion import _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
-from .rewrite import all_or_nothing
+from .rewrite import rewrite_graph_and_bodies
 
 log = logging.getLogger("loka.passes")
 
@@ -206,21 +206,14 @@ def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modu
             result.declined[reason] += 1
             log.debug("conv1x1: %s (%s) declined: %s", node.name, conv.module or "<root>", reason)
             continue
-        todo.append(conv)
-    for name, body in gm.named_children():  # higher-order ops' bodies: checkpointed regions, ...
-        if isinstance(body, torch.fx.GraphModule):
-            inner = rewrite_conv1x1(body, exclude_modules=exclude_modules)
-            result.rewritten += inner.rewritten
-            result.declined.update(inner.declined)
-            result.modules.extend(inner.modules)
-    if not todo:
-        return result
-    with all_or_nothing(gm):
-        for conv in todo:
-            _rewrite(gm, conv)
-            result.rewritten += 1
-            result.modules.append(conv.module)
-            log.debug("conv1x1: %s (%s) now a linear", conv.node.name, conv.module or "<root>")
+        todo.append((conv.module, conv))
+
+    def rewrite_one(conv: _Conv) -> None:
+        _rewrite(gm, conv)
+        log.debug("conv1x1: %s (%s) now a linear", conv.node.name, conv.module or "<root>")
+
+    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
+                             lambda body: rewrite_conv1x1(body, exclude_modules=exclude_modules))
     return result
 
 

@@ -87,6 +87,7 @@ from loka_compile.kernels.quantize import Fp8Format, Scaling
 from .context import GraphKind, PassContext, Reason, Site
 from .find_sites import operands
 from .gemm_norm import MOD as NORM_MOD, NormLink, norm_of
+from .rewrite import users_within
 
 aten = torch.ops.aten
 log = logging.getLogger("loka")
@@ -168,14 +169,7 @@ def _activation_of(node: torch.fx.Node, dtype: torch.dtype) -> Optional[tuple]:
     """(name, output node, the nodes it spans) of an activation whose only input is `node`
     and whose inner nodes nothing else reads; None if none starts there."""
     patterns = _activation_patterns(dtype)
-    frontier, seen = [node], []
-    while frontier and len(seen) < _MAX_ACTIVATION_NODES:
-        current = frontier.pop(0)
-        for user in current.users:
-            if user not in seen and user.op == "call_function":
-                seen.append(user)
-                frontier.append(user)
-    for root in reversed(seen):  # the outermost match first
+    for root in reversed(users_within(node, _MAX_ACTIVATION_NODES)):  # the outermost match first
         for name, pattern in patterns:
             match = pattern.match(root)
             if not match or match.kwargs.get("x") is not node:

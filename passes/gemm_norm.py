@@ -64,6 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch._inductor import pattern_matcher
 
+from .rewrite import users_within
+
 try:  # the kernel needs Triton; without it no chain goes through a norm
     from loka_compile.kernels.triton_gemm_norm import MAX_N
 except Exception:  # noqa: BLE001 - a broken Triton must not break the passes
@@ -178,14 +180,7 @@ def norm_of(node: torch.fx.Node, dtype: torch.dtype) -> Optional[tuple]:
     width = val.shape[-1]
     if not isinstance(width, int) or width > MAX_N:
         return None
-    frontier, seen = [node], []
-    while frontier and len(seen) < _MAX_NORM_NODES:
-        current = frontier.pop(0)
-        for user in current.users:
-            if user not in seen and user.op == "call_function":
-                seen.append(user)
-                frontier.append(user)
-    for root in reversed(seen):  # the outermost match first
+    for root in reversed(users_within(node, _MAX_NORM_NODES)):  # the outermost match first
         for (kind, has_weight, has_bias), pattern in _norm_patterns(dtype):
             match = pattern.match(root)
             if not match or match.kwargs.get("x") is not node:

@@ -68,7 +68,7 @@ import logging
 import torch
 
 from .horizontal_fusion import _LINEARS, _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
-from .rewrite import all_or_nothing
+from .rewrite import rewrite_graph_and_bodies
 
 log = logging.getLogger("loka.passes")
 
@@ -184,21 +184,15 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
             result.declined[reason] += 1
             log.debug("transposed_linear: %s (%s) declined: %s", node.name, module or "<root>", reason)
             continue
-        todo.append((node, x, w_node, b_node, call_module, module))
-    for name, body in gm.named_children():  # higher-order ops' bodies: checkpointed regions, ...
-        if isinstance(body, torch.fx.GraphModule):
-            inner = rewrite_transposed_linears(body, exclude_modules=exclude_modules)
-            result.rewritten += inner.rewritten
-            result.declined.update(inner.declined)
-            result.modules.extend(inner.modules)
-    if not todo:
-        return result
-    with all_or_nothing(gm):
-        for node, x, w_node, b_node, call_module, module in todo:
-            _rewrite(gm, node, x, w_node, b_node, call_module)
-            result.rewritten += 1
-            result.modules.append(module)
-            log.debug("transposed_linear: %s (%s) now W @ x", node.name, module or "<root>")
+        todo.append((module, (node, x, w_node, b_node, call_module, module)))
+
+    def rewrite_one(item: tuple) -> None:
+        node, x, w_node, b_node, call_module, module = item
+        _rewrite(gm, node, x, w_node, b_node, call_module)
+        log.debug("transposed_linear: %s (%s) now W @ x", node.name, module or "<root>")
+
+    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
+                             lambda body: rewrite_transposed_linears(body, exclude_modules=exclude_modules))
     return result
 
 

@@ -27,6 +27,20 @@ def dynamo_graph(model, *inputs):
     return graphs[0]
 
 
+def fail_second_call(monkeypatch, module, name: str) -> None:
+    """Patch `module.name` so that its second call raises RuntimeError("injected"): a
+    rewrite failing part way."""
+    real, calls = getattr(module, name), []
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(module, name, second_fails)
+
+
 def loka_and_eager_grads(model, x, options):
     """One backward of sum(model(x)) compiled with loka (`options`) and of an eager copy:
     (loka's report, [(parameter name, loka's gradient, eager's gradient)])."""
@@ -96,3 +110,20 @@ def calibrated_plan(model, batches, tmp_path):
 def compile_with(model, path, *, disabled=(), options=None, **kwargs):
     return torch.compile(copy.deepcopy(model), backend="loka",
                          options={"plan": path, "disabled_mods": list(disabled), **(options or {})}, **kwargs)
+
+
+def with_and_without(model, path, x, mod: str, options=None) -> tuple:
+    """(the fp64 model's output, the output compiled with the plan at `path`, its report,
+    the output with `mod` disabled, and each compile's Inductor code): the two forms a
+    Mod's end-to-end tests compare. `model` is a bf16 module; it is bf16 again after."""
+    from torch._inductor.utils import run_and_get_code
+
+    with torch.no_grad():
+        exact = model.double()(x.double())
+        model.to(torch.bfloat16)
+        fused, fused_code = run_and_get_code(compile_with(model, path, options=options), x)
+        report = loka_compile.report()
+        torch._dynamo.reset()
+        loka_compile.reset()
+        unfused, unfused_code = run_and_get_code(compile_with(model, path, disabled=(mod,), options=options), x)
+    return exact, fused, report, unfused, (fused_code, unfused_code)

@@ -15,7 +15,7 @@ import loka_compile
 from loka_compile import backend
 from loka_compile.passes.conv1x1 import rewrite_conv1x1
 from loka_compile.passes.transposed_linear import rewrite_transposed_linears
-from graphs import dynamo_graph, loka_and_eager_grads
+from graphs import dynamo_graph, fail_second_call, loka_and_eager_grads
 from numerics import rel_error
 from test_interaction_layers import XDeepFM, _assert_trains_in_fp8, _field_ids
 
@@ -346,15 +346,7 @@ def test_a_failure_part_way_leaves_the_graph_as_written(monkeypatch):
     from loka_compile.passes import conv1x1
     gm, example_inputs = dynamo_graph(Modules(), torch.randn(4, 12, 16), torch.randn(4, 12, 3, 5))
     before = gm.code
-    real, calls = conv1x1._rewrite, []
-
-    def second_fails(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected")
-        return real(*args)
-
-    monkeypatch.setattr(conv1x1, "_rewrite", second_fails)
+    fail_second_call(monkeypatch, conv1x1, "_rewrite")
     with pytest.raises(RuntimeError, match="injected"):
         rewrite_conv1x1(gm, example_inputs)
     assert gm.code == before and conv_count(gm) == 3

@@ -17,7 +17,7 @@ from torch import nn
 
 import loka_compile
 from graphs import (OUTPUT_SQNR_DB, assert_no_loss, calibrated_plan, compile_with, inference_graph,
-                    run_lowering)
+                    run_lowering, with_and_without)
 from loka_compile import LokaConfig, dispatch
 from loka_compile.passes import PIPELINE, GraphKind, PassContext
 from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
@@ -118,11 +118,9 @@ def test_declines(case):
     assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
 
 
-def test_a_link_whose_timing_fails_is_left_unfused(caplog):
-    """The speed check's timing of a fused GEMM raising (a kernel that cannot build at this
-    shape on this GPU) declines that link, with a warning; the graph lowers as usual."""
-    from loka_compile.passes import gemm_epilogue
-
+def dispatched_mlp() -> PassContext:
+    """The context of the 3-linear MLP's inference graph after find_sites and dispatch_sites,
+    every A with a static scale: what plan_chains reads."""
     gm = inference_graph(mlp, torch.randn(32, 64, dtype=torch.bfloat16), *weights())
     config = LokaConfig(recipe="rowwise")
     ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
@@ -132,6 +130,15 @@ def test_a_link_whose_timing_fails_is_left_unfused(caplog):
                                        for i in (1, 2, 3)})
     for _, run in PIPELINE[:2]:  # find_sites, dispatch_sites
         run(gm.graph, ctx)
+    return ctx
+
+
+def test_a_link_whose_timing_fails_is_left_unfused(caplog):
+    """The speed check's timing of a fused GEMM raising (a kernel that cannot build at this
+    shape on this GPU) declines that link, with a warning; the graph lowers as usual."""
+    from loka_compile.passes import gemm_epilogue
+
+    ctx = dispatched_mlp()
 
     def failing(chain):
         raise RuntimeError("out of resources: shared memory\nmore detail")
@@ -154,15 +161,7 @@ def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(scale, fused_total, u
     from loka_compile.passes.context import Candidate, Reason
     from loka_compile.speed import EpilogueTiming
 
-    gm = inference_graph(mlp, torch.randn(32, 64, dtype=torch.bfloat16), *weights())
-    config = LokaConfig(recipe="rowwise")
-    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
-                      decide=functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={}),
-                      inactive_mods=config.inactive_mods, providers=config.providers,
-                      static_a_scales={f"inference/<root>:fwd#{i}": {"scale": 0.01, "policy": "amax"}
-                                       for i in (1, 2, 3)})
-    for _, run in PIPELINE[:2]:  # find_sites, dispatch_sites
-        run(gm.graph, ctx)
+    ctx = dispatched_mlp()
     fc1, fc2, fc3 = ctx.sites
     for site, (fp8, bf16_us, fp8_us) in ((fc1, (True, 10.0, 8.0)), (fc2, (False, 10.0, 12.0)),
                                          (fc3, (False, 10.0, 30.0))):
@@ -354,14 +353,7 @@ def test_horizontally_fused_siblings_feed_each_block_from_one_epilogue(tmp_path)
     # 256 rows: enough for the horizontal Mod to fuse the siblings (its not_worth_it rule)
     path = calibrated_plan(model, [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(3)], tmp_path)
     x = torch.randn(256, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        exact = model.double()(x.double())
-        model.to(torch.bfloat16)
-        fused = compile_with(model, path)(x)
-        report = loka_compile.report()
-        torch._dynamo.reset()
-        loka_compile.reset()
-        unfused = compile_with(model, path, disabled=("gemm_epilogue",))(x)
+    exact, fused, report, unfused, _ = with_and_without(model, path, x, "gemm_epilogue")
     fed = sorted(s.module for s in report.sites if s.casts.get("a", "").startswith(EPILOGUE_CAST))
     assert fed == ["masks.0.2", "masks.1.2", "masks.2.2"]
     (producer,) = [s for s in report.sites if "gemm_epilogue writes" in s.detail]
@@ -388,24 +380,14 @@ def test_dynamic_batch_recompile_free(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("speed_check", [False, True], ids=["forced", "speed-checked"])
 def test_cuda_tower_writes_fp8_operands_from_gemm_epilogues(tmp_path, speed_check):
-    from torch._inductor.utils import run_and_get_code
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.SiLU(), nn.Linear(1024, 256))
     model = model.to("cuda", torch.bfloat16).eval()
     path = calibrated_plan(model, [torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3)],
                            tmp_path)
     x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
-    options = {"speed_check": speed_check}
-    with torch.no_grad():
-        exact = model.double()(x.double())
-        model.to(torch.bfloat16)
-        fused, (fused_code,) = run_and_get_code(compile_with(model, path, options=options), x)
-        report = loka_compile.report()
-        torch._dynamo.reset()
-        loka_compile.reset()
-        unfused, (unfused_code,) = run_and_get_code(
-            compile_with(model, path, disabled=("gemm_epilogue",), options=options), x)
+    exact, fused, report, unfused, ((fused_code,), (unfused_code,)) = with_and_without(
+        model, path, x, "gemm_epilogue", {"speed_check": speed_check})
     fed = [s for s in report.sites if s.casts.get("a", "").startswith(EPILOGUE_CAST)]
     producers = [s for s in report.sites if "gemm_epilogue writes" in s.detail]
     assert len(producers) == len(fed) == report.mods["gemm_epilogue"]

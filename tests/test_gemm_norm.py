@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import loka_compile
-from graphs import OUTPUT_SQNR_DB, assert_no_loss, calibrated_plan, compile_with, inference_graph, run_lowering
+from graphs import (OUTPUT_SQNR_DB, assert_no_loss, calibrated_plan, compile_with, inference_graph, run_lowering,
+                    with_and_without)
 from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
 from numerics import sqnr_db
 
@@ -194,14 +195,7 @@ def test_residual_stream_end_to_end(tmp_path):
     batches = [torch.randn(16, 12, 64, dtype=torch.bfloat16) for _ in range(3)]
     path = calibrated_plan(model, batches, tmp_path)
     x = torch.randn(16, 12, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        exact = model.double()(x.double())
-        model.to(torch.bfloat16)
-        fused = compile_with(model, path)(x)
-        report = loka_compile.report()
-        torch._dynamo.reset()
-        loka_compile.reset()
-        unfused = compile_with(model, path, disabled=("gemm_norm",))(x)
+    exact, fused, report, unfused, _ = with_and_without(model, path, x, "gemm_norm")
     normalized = sorted(s.module for s in report.sites if "normalized (layer norm" in s.casts.get("a", ""))
     # outs.0 -> +x -> norms.1 -> ins.1 (x read again by the next residual add), head.0 -> LN -> relu -> head.3
     assert normalized == ["head.3", "ins.1"]
@@ -227,23 +221,13 @@ def test_dynamic_batch_and_length(tmp_path):
 
 @pytest.mark.cuda
 def test_cuda_residual_stream_drops_the_norm_kernels(tmp_path):
-    from torch._inductor.utils import run_and_get_code
-
     torch.manual_seed(0)
     model = HstuLikeStream(d=256, blocks=3).to("cuda", torch.bfloat16).eval()
     batches = [torch.randn(512, 65, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     path = calibrated_plan(model, batches, tmp_path)
     x = torch.randn(512, 65, 256, device="cuda", dtype=torch.bfloat16)
-    options = {"speed_check": False}
-    with torch.no_grad():
-        exact = model.double()(x.double())
-        model.to(torch.bfloat16)
-        fused, (fused_code,) = run_and_get_code(compile_with(model, path, options=options), x)
-        report = loka_compile.report()
-        torch._dynamo.reset()
-        loka_compile.reset()
-        unfused, (unfused_code,) = run_and_get_code(
-            compile_with(model, path, disabled=("gemm_norm",), options=options), x)
+    exact, fused, report, unfused, ((fused_code,), (unfused_code,)) = with_and_without(
+        model, path, x, "gemm_norm", {"speed_check": False})
     assert report.mods["gemm_norm"] == 3  # ins.1, ins.2 and head.3
     # each fused chain's norm (+ residual add, cast) kernel is gone
     kernels = [re.findall(r"^def (triton_\w+)\(", code, re.M) for code in (fused_code, unfused_code)]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import loka_compile
 from loka_compile import backend
 from loka_compile.passes.transposed_linear import rewrite_transposed_linears
-from graphs import dynamo_graph, loka_and_eager_grads
+from graphs import dynamo_graph, fail_second_call, loka_and_eager_grads
 from numerics import rel_error, sqnr_db
 
 LINEARS = (torch._C._nn.linear, F.linear)
@@ -311,15 +311,7 @@ def test_a_failure_part_way_leaves_the_graph_as_written(monkeypatch):
     from loka_compile.passes import transposed_linear
     gm, example_inputs = dynamo_graph(TwoMixes(), torch.randn(4, 12, 32))
     before = gm.code
-    real, calls = transposed_linear._rewrite, []
-
-    def second_fails(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected")
-        return real(*args)
-
-    monkeypatch.setattr(transposed_linear, "_rewrite", second_fails)
+    fail_second_call(monkeypatch, transposed_linear, "_rewrite")
     with pytest.raises(RuntimeError, match="injected"):
         rewrite_transposed_linears(gm, example_inputs)
     assert gm.code == before and linear_count(gm) == 2
