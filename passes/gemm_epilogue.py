@@ -55,7 +55,7 @@ Declines (the site keeps its ordinary lowering):
         producer's chosen GEMM plus the pointwise kernel (`speed.epilogue_timing`), or
         its timing raised (a kernel that cannot build or run at this shape; logged);
     a chain with a site kept in high precision: the chain fused in FP8 (the fused GEMM,
-        the producer's casts, each consumer's FP8 time) not beating its sites as decided
+        the producer's casts, each consumer's GEMM) not beating its sites as decided
         (each at its measured time, plus the pointwise kernel). Where it does, those
         sites go FP8, and their decisions say why;
     with the speed check on an FP8 GPU, a link under MIN_CHAIN_US (unfused, or its sites as
@@ -402,8 +402,9 @@ def _cast_us(decision) -> float:
 
 def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
     """For a chain with members the speed check kept in high precision (each slower in FP8
-    on its own): whether the chain fused in FP8 beats the sites as decided, each member at
-    its decided time plus the pointwise kernel between them. Where it does, those members
+    on its own): whether the chain fused in FP8 (the fused GEMM, the producer's casts, each
+    consumer's GEMM) beats the sites as decided, each member at its decided time plus the
+    pointwise kernel between them. Where it does, those members
     go FP8 (their decisions say why); else the chain is not fused. The pointwise kernel is
     charged only where the chain has an op between its GEMMs."""
     timing = chain.timing
@@ -417,7 +418,8 @@ def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
     # (the consumer's own cast is in its FP8 time).
     tail_us = timing.pointwise_us if chain.activation != "none" or chain.residual is not None or chain.norm else 0.0
     as_decided = sum(d.fp8_us if d.fp8 else d.bf16_us for d in decisions) + tail_us
-    fused = timing.fused_us + _cast_us(decisions[0]) + sum(d.fp8_us for d in decisions[1:])
+    # Fused, each consumer's A comes from the epilogue: its GEMM alone (its B is cached).
+    fused = timing.fused_us + _cast_us(decisions[0]) + sum(d.fp8_us - _cast_us(d) for d in decisions[1:])
     if as_decided < MIN_CHAIN_US:
         log.info("loka: %s: %s: the chain (%.1f us as decided) is under %.0f us; not fused", chain.producer.name,
                  MOD, as_decided, MIN_CHAIN_US)
