@@ -18,8 +18,10 @@ partial sums and a second pass); the Mod declines them.
 
 A and B: 2-D FP8 operands, tensorwise or rowwise scaled (the scalings of the static A
 scales that feed this Mod), each row- or column-major; K any size (masked). Pointer loads,
-no TMA: at the N <= 256 this serves, the epilogue's row reductions, not the main loop, are
-the kernel's own cost.
+no TMA variant built: H100 (2026-11-25_H100_gemm_norm.md), with fast accumulation the kernel
+beats `_scaled_mm` + Inductor's norm kernel at all five chains measured (1.13-1.91x); with
+precise accumulation it trails at 532480 x 256 x 256 (0.90x) and 65536 x 1024 x 256
+(0.97x), where the speed check leaves the chain unfused.
 
 On CPU without the interpreter the op computes `reference_fp8_gemm_norm`.
 """
@@ -130,10 +132,10 @@ class NormConfig:
                              num_stages=self.num_stages)
 
 
-# Candidates for the H100; not yet tuned by measurement (the Mod's speed check times the
-# chosen one against the unfused GEMM + norm at each shape, so a poor pick costs the
-# fusion, never a slowdown). Row tiles of 32-128 rows: a BLOCK_N of 256 with 128 rows
-# holds 128 fp32 accumulator values per thread at 8 warps.
+# Autotuning candidates, not tuned one by one (the Mod's speed check times the tuner's pick
+# against the unfused GEMM + norm at each shape, so a poor pick costs the fusion, never a
+# slowdown; the picks' times are in 2026-11-25_H100_gemm_norm.md). Row tiles of 32-128
+# rows: a BLOCK_N of 256 with 128 rows holds 128 fp32 accumulator values per thread at 8 warps.
 NORM_CONFIGS = [
     NormConfig(32, 128, num_warps=4, num_stages=3),
     NormConfig(64, 128, num_warps=4, num_stages=3),
