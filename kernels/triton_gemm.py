@@ -294,6 +294,38 @@ def _fp8_gemm_tma_kernel(
 
 
 @triton.jit
+def _pointer_main_loop(a_ptr, b_ptr, offs_m, offs_n, off_n, M, N, K,
+                       stride_am, stride_ak, stride_bk, stride_bn,
+                       a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
+                       SCALING: tl.constexpr, ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SCALE_BLOCK: tl.constexpr):
+    """fp32 acc [BM, BN] of A[offs_m, :] @ B[:, offs_n] by pointer loads (the pointer
+    kernels' main loop). Rows and columns past the edge wrap onto valid ones, so loads
+    need no M/N mask; callers do not store them."""
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_a = (offs_m % M).to(tl.int64)
+    cols_b = (offs_n % N).to(tl.int64)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - ki * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _accumulate(acc, a, b, ki * BLOCK_K, off_n, offs_m, offs_n, M, N,
+                          a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
+                          SCALING, ACCUM, BLOCK_N, BLOCK_K, SCALE_BLOCK)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _fp8_gemm_ptr_kernel(
     a_ptr,                     # A [BATCH, M, K] fp8, strides (stride_ab, stride_am, stride_ak)
     b_ptr,                     # B [BATCH, K, N] fp8, strides (stride_bb, stride_bk, stride_bn)
@@ -333,27 +365,10 @@ def _fp8_gemm_ptr_kernel(
     residual_ptr += batch * stride_rb
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows and columns past the edge wrap onto valid ones, so loads need no M/N mask;
-    # the epilogue does not store them.
-    rows_a = (offs_m % M).to(tl.int64)
-    cols_b = (offs_n % N).to(tl.int64)
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - ki * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _accumulate(acc, a, b, ki * BLOCK_K, pid_n * BLOCK_N, offs_m, offs_n, M, N,
-                          a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
-                          SCALING, ACCUM, BLOCK_N, BLOCK_K, SCALE_BLOCK)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = _pointer_main_loop(a_ptr, b_ptr, offs_m, offs_n, pid_n * BLOCK_N, M, N, K,
+                             stride_am, stride_ak, stride_bk, stride_bn,
+                             a_scale_ptr, b_scale_ptr, stride_asm, stride_ask, stride_bsk, stride_bsn,
+                             SCALING, ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
     acc = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
                            bias_ptr, stride_bias_m, stride_bias, residual_ptr, stride_rm, stride_rn,
                            SCALING, HAS_BIAS, BIAS_ROWS, HAS_RESIDUAL, ACTIVATION)

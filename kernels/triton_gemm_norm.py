@@ -36,9 +36,10 @@ import triton
 import triton.language as tl
 
 from .quantize import Fp8Format, Scaling, cast_with_scale
-from .triton_gemm import (ACCUM_MODES, ACTIVATIONS, FP8_DTYPES, OUT_DTYPES, PRECISE_ACCUM, _accumulate, _activation,
-                          _capability, _check_args, _device_index, _epilogue_values, _output_values,
-                          _tensorwise_scale, apply_activation, interpreting, m_bucket, reference_fp8_gemm)
+from .triton_gemm import (ACCUM_MODES, ACTIVATIONS, FP8_DTYPES, OUT_DTYPES, PRECISE_ACCUM, SCALE_BLOCK,
+                          _activation, _capability, _check_args, _device_index, _epilogue_values,
+                          _output_values, _pointer_main_loop, _tensorwise_scale, apply_activation, interpreting,
+                          m_bucket, reference_fp8_gemm)
 
 NORMS = {"layer": 1, "rms": 2}
 MAX_N = 256
@@ -64,35 +65,18 @@ def _fp8_gemm_norm_kernel(
     NORM: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr, HAS_NORM_BIAS: tl.constexpr,
     POST_ACTIVATION: tl.constexpr, WRITE_PRE: tl.constexpr,
     OUT_FP8: tl.constexpr, OUT_FP8_MAX: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    # Rows and columns past the edge wrap onto valid ones, so loads need no M/N mask; the
-    # statistics mask the columns, the stores both.
-    rows_a = (offs_m % M).to(tl.int64)
-    cols_b = (offs_n % N).to(tl.int64)
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - ki * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _accumulate(acc, a, b, ki * BLOCK_K, 0, offs_m, offs_n, M, N,
-                          a_scale_ptr, b_scale_ptr, stride_asm, 0, 0, stride_bsn,
-                          SCALING, ACCUM, BLOCK_N, BLOCK_K, 128)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    # Columns past N hold wrapped values: the statistics mask them, the stores both edges.
+    acc = _pointer_main_loop(a_ptr, b_ptr, offs_m, offs_n, 0, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                             a_scale_ptr, b_scale_ptr, stride_asm, 0, 0, stride_bsn,
+                             SCALING, ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
     s = _epilogue_values(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsn,
                          bias_ptr, 0, stride_bias, residual_ptr, stride_rm, stride_rn,
                          SCALING, HAS_BIAS, False, HAS_RESIDUAL, ACTIVATION)
@@ -234,7 +218,7 @@ def fp8_gemm_norm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         POST_ACTIVATION=ACTIVATIONS[post_activation], WRITE_PRE=write_pre,
         OUT_FP8=FP8_DTYPES.index(out_dtype) + 1 if out_scale is not None else 0,
         OUT_FP8_MAX=float(torch.finfo(out_dtype).max) if out_scale is not None else 0.0,
-        SOFTWARE_CAST=interpret, BLOCK_N=max(16, triton.next_power_of_2(n)),
+        SOFTWARE_CAST=interpret, SCALE_BLOCK=SCALE_BLOCK, BLOCK_N=max(16, triton.next_power_of_2(n)),
     )
     args = (a, b, out, pre if pre is not None else unused, a_scale, b_scale,
             bias if bias is not None else unused, residual if residual is not None else unused,
