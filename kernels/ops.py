@@ -148,6 +148,19 @@ def _(q, scale, dtype):
     return torch.empty_like(q, dtype=dtype)
 
 
+@torch.library.custom_op("loka::dequantize_weight_layout", mutates_args=())
+def dequantize_weight_layout(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_saved` for one layout of a weight the weight_both_layouts Mod cast once
+    for its forward GEMMs and dgrads (`loka::quantize_dual_axis`): its own op so that the
+    report, which in the backward graph sees only the saved copy, can tell the two apart."""
+    return dequantize(q, scale).to(dtype)
+
+
+@dequantize_weight_layout.register_fake
+def _(q, scale, dtype):
+    return torch.empty_like(q, dtype=dtype)
+
+
 # ---- Probe observer --------------------------------------------------------------------
 
 ObserverSink = Callable[[str, dict], None]

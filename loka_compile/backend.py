@@ -60,6 +60,8 @@ from loka_compile.passes.horizontal_fusion import HorizontalFusion, fuse_sibling
 from loka_compile.passes.rewrite import all_or_nothing
 from loka_compile.passes.saved_fp8 import SavedFp8, check_saves, find_operands, save_fp8_operands
 from loka_compile.passes.transposed_linear import TransposedLinears, rewrite_transposed_linears
+from loka_compile.passes.weight_both_layouts import (WeightLayouts, check_shared, find_shared_weights,
+                                                     share_weight_casts)
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
 log = logging.getLogger("loka")
@@ -95,6 +97,7 @@ class GraphRecord:
     conv1x1: Optional[Conv1x1Linears] = None  # what the conv1x1 Mod did, when it ran
     transposed_linear: Optional[TransposedLinears] = None  # what the transposed_linear Mod did, when it ran
     saved_fp8: Optional[SavedFp8] = None  # the last training compile: what the saved_fp8 Mod did, what is saved
+    weight_layouts: Optional[WeightLayouts] = None  # the last training compile: the weight_both_layouts Mod
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     output_budget: Optional[OutputBudget] = None  # what max_output_error measured and kept, when it acted
     warned: bool = False
@@ -135,6 +138,8 @@ class LokaPostGradPass(CustomGraphPass):
         record.contexts[(self.phase, kind)] = ctx
         if kind is passes.GraphKind.FORWARD and record.saved_fp8 is not None:
             check_saves(graph, record.saved_fp8)  # as partitioned, before lower renames what it rewrites
+        if kind is passes.GraphKind.FORWARD and record.weight_layouts is not None:
+            check_shared(graph, record.weight_layouts)
         run_passes(graph, ctx)
         record.graph_modules[(self.phase, kind)] = graph.owning_module
         if inductor_config.fx_graph_cache and graph_cache.bypass_reason(
@@ -174,12 +179,14 @@ class LokaJointPass(CustomGraphPass):
             return  # Inductor runs its joint-graph passes on inference graphs too
         record, phase = self.post_grad.record, self.post_grad.phase
         record.saved_fp8 = SavedFp8.of_joint_graph(graph)
-        if phase == "probe" or "saved_fp8" in record.config.inactive_mods:
+        record.weight_layouts = None
+        if phase == "probe":
             return
-        ctx = PassContext(graph=record.name, kind=passes.GraphKind.BACKWARD, phase=phase,
-                          param_input_indices=self.post_grad.param_input_indices,
-                          decide=functools.partial(_decide, record=record, phase=phase),
-                          inactive_mods=record.config.inactive_mods, joint=True)
+        if "weight_both_layouts" not in record.config.inactive_mods:
+            self._share_weight_casts(graph)
+        if "saved_fp8" in record.config.inactive_mods:
+            return
+        ctx = self._joint_context(graph)
         try:
             found = find_operands(graph, ctx, record.saved_fp8)
             if found:  # the copy all_or_nothing keeps costs compile time: only when rewriting
@@ -194,6 +201,33 @@ class LokaJointPass(CustomGraphPass):
             return
         log.info("%s: saved_fp8: %d operands, declined %s", record.name, len(record.saved_fp8.operands),
                  dict(record.saved_fp8.declined))
+
+    def _joint_context(self, graph: torch.fx.Graph) -> PassContext:
+        record, phase = self.post_grad.record, self.post_grad.phase
+        return PassContext(graph=record.name, kind=passes.GraphKind.BACKWARD, phase=phase,
+                           param_input_indices=self.post_grad.param_input_indices,
+                           decide=functools.partial(_decide, record=record, phase=phase),
+                           inactive_mods=record.config.inactive_mods, joint=True)
+
+    def _share_weight_casts(self, graph: torch.fx.Graph) -> None:
+        """The weight_both_layouts Mod (a failure leaves the joint graph as it was, and is
+        logged, unless fallback is off)."""
+        record = self.post_grad.record
+        layouts = WeightLayouts()
+        try:
+            shared = find_shared_weights(graph, self._joint_context(graph), layouts)
+            if shared:
+                with all_or_nothing(graph.owning_module):
+                    share_weight_casts(shared, layouts)
+        except Exception as error:
+            if not record.config.fallback:
+                raise
+            log.warning("loka: %s: the weight_both_layouts Mod failed on the joint graph (%s); each GEMM casts "
+                        "its weight itself", record.name, _error_text(error))
+            return
+        record.weight_layouts = layouts
+        log.info("%s: weight_both_layouts: %d weights cast once for %d GEMMs, declined %s", record.name,
+                 len(layouts.weights), sum(len(w.sites) for w in layouts.weights), dict(layouts.declined))
 
     def uuid(self) -> str:
         return hashlib.sha256(f"joint|{self.post_grad.uuid()}".encode()).hexdigest()

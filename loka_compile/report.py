@@ -173,6 +173,9 @@ class Report:
             saved = getattr(r, "saved_fp8", None)
             if saved is not None:
                 self._graph_mods.update({"saved_for_backward_bytes": saved.saved_bytes})
+            layouts = getattr(r, "weight_layouts", None)
+            if layouts is not None:
+                self._graph_mods.update({"weight_both_layouts": len(layouts.weights)})
         self.cached_weights = [w for r in records for (phase, kind), ctx in r.contexts.items()
                                 if phase == r.phase and not (r.fallback or r.fallen_back.get(kind))
                                 for w in ctx.cached_weights]
@@ -196,7 +199,9 @@ class Report:
         (`transposed_linear`, per Dynamo graph), the backward GEMM operands whose FP8 copy
         the forward saved (`saved_fp8`) and what the forward graphs keep for the backward
         with that Mod on (`saved_for_backward_bytes`, at compile-time sizes: compare it
-        with the Mod off for the memory it saves),
+        with the Mod off for the memory it saves), the training weights cast once per step
+        for their forward GEMMs and dgrads (`weight_both_layouts`; their GEMMs' operands
+        count among `cached_weights`),
         and the opt-in architecture Mods' rewrites."""
         casts = [c for s in self.sites if s.fp8 for c in s.casts.values()]
         fused = sum(c.startswith("fused") for c in casts)
@@ -211,7 +216,8 @@ class Report:
                   "gemm_norm": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) and f"{NORMALIZED} (" in s.casts["a"]
                                    for s in self.sites if s.fp8),
                   "horizontal": self._graph_mods["horizontal"], "horizontal_linears": self._graph_mods["horizontal_linears"],
-                  "conv1x1": self._graph_mods["conv1x1"], "transposed_linear": self._graph_mods["transposed_linear"]}
+                  "conv1x1": self._graph_mods["conv1x1"], "transposed_linear": self._graph_mods["transposed_linear"],
+                  "weight_both_layouts": self._graph_mods["weight_both_layouts"]}
         counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})
         return counts
 

@@ -561,7 +561,7 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
     with a calibrated static scale; `cat_casts`: the Mod of that name is on (a long row
     of A concatenated from fused pieces is cast per piece: a fused cast, charged as a
     looped one since the row is over the persistent length)."""
-    from loka_compile.passes.find_sites import SAVED_IN_FP8, operand_casts
+    from loka_compile.passes.find_sites import PRECAST, SAVED_IN_FP8, operand_casts
 
     _, k, n = site.shape
     if not (isinstance(k, int) and isinstance(n, int)):
@@ -578,6 +578,6 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
                           row_max=per_piece_row_max(benchmarked_reductions, cat_casts, pad_k))
     return SiteShape(m, k, n, site.a_major, site.b_major, site.op in ("addmm", "baddbmm"), site.dtype, site.device,
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
-                     b_cached=b_cached or casts["b"] == SAVED_IN_FP8, a_saved=casts["a"] == SAVED_IN_FP8,
+                     b_cached=b_cached or casts["b"] in PRECAST, a_saved=casts["a"] == SAVED_IN_FP8,
                      a_static=a_static, pad_k=pad_k, pad_n=pad_n,
                      persistent_row_max=persistent_row_max(benchmarked_reductions), batch=batch)

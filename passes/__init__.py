@@ -68,8 +68,13 @@ log = logging.getLogger("loka.passes")
 #                stream reads it again), so Inductor's norm kernel and the bf16 output it
 #                reads are gone (timed per chain by the speed check; GPU figures in
 #                benchmarks/results/*_gemm_norm.md)
+#   weight_both_layouts  training graphs: a weight read by FP8 forward GEMMs and FP8 dgrads
+#                (rowwise) is cast once, in the forward, by one kernel pair that writes both
+#                layouts (loka.quantize_dual_axis), and the dgrad reads the copy the forward
+#                saved, instead of each GEMM casting the weight itself (joint graph)
 MODS = ("fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
-        "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm")
+        "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm",
+        "weight_both_layouts")
 
 PIPELINE = (
     ("find_sites", find_sites),

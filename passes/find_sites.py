@@ -184,14 +184,26 @@ def per_piece_cast(operand: torch.fx.Node, scaling: str, fused_casts: bool, stat
 
 
 SAVED_IN_FP8 = "saved in FP8 by the forward"
+WEIGHT_BOTH_LAYOUTS = "cached weight (cast once per step for the forward and the dgrad, both layouts by one kernel)"
+PRECAST = (SAVED_IN_FP8, WEIGHT_BOTH_LAYOUTS)  # casts made before the GEMM's graph runs it
 
 
 def saved_operand(operand: torch.fx.Node) -> Optional[tuple]:
-    """(q, scale) nodes where `operand` is the dequantized FP8 copy the saved_fp8 Mod made
-    in the forward (`loka::dequantize_saved`), else None."""
-    if operand.op == "call_function" and operand.target is torch.ops.loka.dequantize_saved.default:
+    """(q, scale) nodes where `operand` is a dequantized FP8 copy made in the forward, by
+    the saved_fp8 Mod (`loka::dequantize_saved`) or the weight_both_layouts Mod
+    (`loka::dequantize_weight_layout`), else None."""
+    if operand.op == "call_function" and operand.target in (torch.ops.loka.dequantize_saved.default,
+                                                            torch.ops.loka.dequantize_weight_layout.default):
         return operand.args[0], operand.args[1]
     return None
+
+
+def precast_origin(operand: torch.fx.Node) -> Optional[str]:
+    """SAVED_IN_FP8 or WEIGHT_BOTH_LAYOUTS where the forward cast `operand` already
+    (`saved_operand`), else None."""
+    if saved_operand(operand) is None:
+        return None
+    return WEIGHT_BOTH_LAYOUTS if operand.target is torch.ops.loka.dequantize_weight_layout.default else SAVED_IN_FP8
 
 
 def _piece_cast(piece: torch.fx.Node, scaling: str) -> str:
@@ -210,7 +222,8 @@ def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fu
     activation), a library kernel's or custom op's output, scales across the producer's
     rows (a transposed operand: the cast re-reads it column by column), or tensorwise
     scaling (the whole tensor's amax comes first); SAVED_IN_FP8 for an activation the
-    saved_fp8 Mod cast in the forward.
+    saved_fp8 Mod cast in the forward, WEIGHT_BOTH_LAYOUTS for a weight the
+    weight_both_layouts Mod cast there.
 
     `static_scale`: the cast divides by a calibrated constant (`scaled_gemm.quantize_static`,
     ATen ops whatever `fused_casts`), a pointwise op with no amax, so it fuses into such a
@@ -218,8 +231,9 @@ def cast_origin(operand: torch.fx.Node, which: str, major: str, scaling: str, fu
 
     `row_max` (the `cat_casts` Mod on): an A that `per_piece_cast` casts piece by piece is
     "fused into <the pieces' ops> (per piece of an n-way cat)"."""
-    if saved_operand(operand) is not None:
-        return SAVED_IN_FP8
+    precast = precast_origin(operand)
+    if precast is not None:
+        return precast
     if not fused_casts and not static_scale:
         return "standalone (loka.quantize_operand)"
     if which == "a":

@@ -45,7 +45,8 @@ from loka_compile.kernels.scaled_gemm import GemmSpec, cast_to_save
 from loka_compile.speed import size_hint
 
 from .context import PassContext, Role
-from .find_sites import GEMM_OPS, VIEW_LIKE, find_sites, forward_output_count, operands, skip_views_up
+from .find_sites import (GEMM_OPS, VIEW_LIKE, find_sites, forward_output_count, operands, saved_operand,
+                         skip_views_up)
 from .rewrite import insert_traced
 
 # What lays the FP8 copy out for the GEMM without converting it (`_views_down`)
@@ -133,6 +134,8 @@ def save_fp8_operands(found: list, fused_casts: bool, result: SavedFp8) -> None:
 
 
 def _decline(operand: torch.fx.Node, decision) -> str:
+    if saved_operand(operand) is not None:
+        return "cast_in_forward"  # the weight_both_layouts Mod's already
     if decision.scaling not in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value):
         return "scaling"
     if decision.pad_k or decision.pad_n:

@@ -32,13 +32,27 @@ def fail_second_call(monkeypatch, module, name: str) -> None:
     rewrite failing part way."""
     real, calls = getattr(module, name), []
 
-    def second_fails(*args):
+    def second_fails(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected")
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, second_fails)
+
+
+def train_step(model, x, mods=(), recipe="rowwise", **options):
+    """One training step of a copy of `model` under loka with no probe window and no speed
+    check (every eligible site FP8), `mods` off: (output, parameter gradients, report)."""
+    loka_compile.reset()
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="loka", dynamic=options.pop("dynamic", None),
+                             options=dict(recipe=recipe, probe_steps=0, speed_check=False, disabled_mods=mods,
+                                          **options))
+    out = compiled(x)
+    out.float().square().mean().backward()
+    return out, [p.grad for p in model.parameters()], loka_compile.report(compiled)
 
 
 def loka_and_eager_grads(model, x, options):

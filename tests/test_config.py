@@ -104,7 +104,8 @@ def test_good_values_are_normalized():
     assert LokaConfig().disabled_mods == () and LokaConfig().arch_mods == ()
     assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == \
         {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
-         "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm"}
+         "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm",
+         "weight_both_layouts"}
 
 
 @pytest.mark.usefixtures("fresh_compile_state")

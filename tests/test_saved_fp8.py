@@ -14,6 +14,7 @@ import torch.nn as nn
 import loka_compile
 from loka_compile.passes import Decision, Reason, saved_fp8
 from loka_compile.passes.find_sites import SAVED_IN_FP8, operands, saved_operand
+from graphs import train_step
 from numerics import rel_error
 
 class Tower(nn.Module):
@@ -31,18 +32,6 @@ class Tower(nn.Module):
 
     def forward(self, x):
         return self.out(self.proj(self.mid(self.norm(self.inp(x))).relu()))
-
-
-def train_step(model, x, mods=(), recipe="rowwise", **options):
-    loka_compile.reset()
-    torch._dynamo.reset()
-    model = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="loka", dynamic=options.pop("dynamic", None),
-                             options=dict(recipe=recipe, probe_steps=0, speed_check=False, disabled_mods=mods,
-                                          **options))
-    out = compiled(x)
-    out.float().square().mean().backward()
-    return out, [p.grad for p in model.parameters()], loka_compile.report(compiled)
 
 
 def fp32_grads(model, x):

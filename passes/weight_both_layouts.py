@@ -1,0 +1,204 @@
+"""weight_both_layouts: the Mod that casts a training weight once per step for its forward
+GEMMs and its dgrads, with one kernel writing both FP8 layouts.
+
+A linear's weight W [N, K] is read by two GEMMs of a training step: the forward reads it
+as B = W^T (scales per output column n, the amax along K), the dgrad as B = W (scales per
+column k, the amax along N). As lowered alone, each GEMM casts W itself: the forward in the
+forward graph and the dgrad again in the backward, each a reduction and a cast over W.
+This Mod, in the joint graph (Inductor's `joint_custom_post_pass`, before the partitioner),
+casts W once in the forward with `loka::quantize_dual_axis` (both amaxes in one read, both
+layouts written in the next: `kernels/triton_quant.py`), hands each GEMM the half it reads,
+and the partitioner saves the dgrad's FP8 copy (1 byte per element) and its scales for the
+backward. They are bit for bit the casts each GEMM made before, so the products are the
+same.
+
+Matches: 2-D GEMM sites (`mm`, `addmm`) decided FP8 with rowwise scaling, unpadded, whose
+B operand is a weight of the graph (a parameter, or several concatenated by the horizontal
+Mod: `find_sites.weight_source`) seen directly or transposed, through dtype casts, when
+the same weight is read in both orientations by such sites (a forward GEMM and its dgrad;
+a shared tower's calls all read the one cast). Either form of the forward works: `x @ W^T`
+(`nn.Linear`) reads the row-scaled half, `x @ W` the column-scaled half.
+Becomes, with S the weight under the GEMMs' transpositions and dtype casts (an fp32
+parameter under autocast: its own values are cast, as Inductor's fused cast of the bf16
+copy computes them, and no bf16 copy is written):
+    q_row, s_row, q_col, s_col = loka.quantize_dual_axis(S)        (forward)
+    GEMM(.., S^T) -> GEMM(.., dequantize_saved(q_row^T, s_row^T))
+    GEMM(.., S)   -> GEMM(.., dequantize_saved(q_col, s_col))
+and `lower` hands each GEMM its FP8 operand and scales (`find_sites.saved_operand`).
+Declines (counted by reason): a weight read in one orientation only (one cast serves it
+already), tensorwise or blockwise scaling, padding, batched GEMMs, symbolic or
+non-contiguous weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+
+import torch
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+from loka_compile.kernels.quantize import Scaling
+
+from .context import GraphKind, PassContext, Role
+from .find_sites import find_sites, operands, site_id, weight_placeholders, weight_source
+from .rewrite import insert_traced
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class SharedWeight:
+    weight: str           # the node both orientations are views of (the weight, its cast, a cat)
+    fmt: str
+    sites: tuple          # ids of the GEMM sites that read the one cast (as the report has them)
+    q_col: str            # the dgrad layout's FP8 copy and scales: what the partitioner should save
+    scale_col: str
+    nbytes: int           # of that copy and its scales
+    # what the partitioner made of it (`check_shared`): "fp8" (the forward returns the copy and
+    # its scales for the backward) or "not_saved" (no backward GEMM reads them, or the
+    # partitioner chose to cast again there)
+    outcome: str = ""
+
+
+@dataclasses.dataclass
+class WeightLayouts:
+    """What the weight_both_layouts Mod did to one training graph."""
+
+    weights: list = dataclasses.field(default_factory=list)  # SharedWeight
+    declined: Counter = dataclasses.field(default_factory=Counter)
+
+    def summary(self) -> dict:
+        return {"weights": len(self.weights), "sites": sum(len(w.sites) for w in self.weights),
+                "outcomes": dict(Counter(w.outcome for w in self.weights)), "declined": dict(self.declined)}
+
+
+def _is_transpose(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.target is aten.t.default:
+        return True
+    val = node.args[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return False
+    if node.target is aten.permute.default:
+        return list(node.args[1]) == [1, 0]
+    if node.target is aten.transpose.int:
+        return {d % 2 for d in node.args[1:3]} == {0, 1}
+    return False
+
+
+def _is_dtype_cast(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return True
+    return node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
+
+
+def untransposed(node: torch.fx.Node) -> tuple:
+    """(the node under `node`'s 2-D transpositions and dtype casts, whether an odd number
+    of transpositions). Under autocast a weight reaches its GEMMs as a bf16 copy of the
+    fp32 parameter: the Mod casts the parameter itself, as Inductor's fused cast did, and
+    no bf16 copy is written."""
+    flips = 0
+    while _is_transpose(node) or _is_dtype_cast(node):
+        node, flips = node.args[0], flips + _is_transpose(node)
+    return node, flips % 2 == 1
+
+
+def _forward_twin(site):
+    """A forward-role site of the joint graph as the forward graph will see it: Dispatch
+    decides there under the forward id (the joint graph names it as recomputed)."""
+    ordinal = int(site.id.rsplit("#", 1)[1])
+    return dataclasses.replace(site, kind=GraphKind.FORWARD,
+                               id=site_id(GraphKind.FORWARD, f"{site.module or '<root>'}:fwd", ordinal))
+
+
+def _decline(site, decision, source: torch.fx.Node, weights: dict) -> str:
+    if site.batch is not None or site.op not in ("mm", "addmm"):
+        return "batched"
+    if not decision.fp8:
+        return ""  # not an FP8 GEMM: nothing to share
+    if decision.scaling != Scaling.ROWWISE.value:
+        return "scaling"
+    if decision.pad_k or decision.pad_n:
+        return "padded"
+    if weight_source(source, weights) is None:
+        return "not_a_weight"
+    val = source.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or free_symbols(val):
+        return "symbolic"
+    if not val.is_contiguous():
+        return "layout"
+    return ""
+
+
+def find_shared_weights(graph: torch.fx.Graph, ctx: PassContext, result: WeightLayouts) -> dict:
+    """(weight node, B format) -> [(site, B operand, transposed)] for the weights the Mod
+    rewrites, counting the declined reads into `result`; changes nothing. `ctx` is a
+    joint-graph context whose `decide` is Dispatch's."""
+    find_sites(graph, ctx)
+    weights = weight_placeholders(graph, ctx.param_input_indices)
+    groups: dict = {}
+    for site in ctx.sites:
+        if site.role is Role.WGRAD or site.b_is_grad:
+            continue
+        decision = ctx.decide(_forward_twin(site) if site.role is Role.FWD else site)
+        b = operands(site.node)[1]
+        source, transposed = untransposed(b)
+        why = _decline(site, decision, source, weights)
+        if why:
+            result.declined[why] += 1
+        elif decision.fp8 and b is not operands(site.node)[0]:
+            groups.setdefault((source, decision.b_format), []).append((site, b, transposed))
+    shared = {}
+    for key, reads in groups.items():
+        if len({transposed for _, _, transposed in reads}) == 2:
+            shared[key] = reads
+        else:
+            result.declined["one_orientation"] += len(reads)
+    return shared
+
+
+def _dual_cast(weight, *, fmt: str):
+    return torch.ops.loka.quantize_dual_axis(weight, fmt)
+
+
+def _as_b(q, scale, *, transposed: bool, dtype: torch.dtype):
+    """The B operand a GEMM reads, as the FP8 half it takes: S^T takes the row-scaled
+    half (its columns are S's rows), S the column-scaled one."""
+    if transposed:
+        q, scale = q.t(), scale.t()
+    return torch.ops.loka.dequantize_weight_layout(q, scale, dtype)
+
+
+def share_weight_casts(shared: dict, result: WeightLayouts) -> None:
+    """Rewrite the joint graph for the weights `find_shared_weights` found (module
+    docstring), recording each into `result`."""
+    order = {node: i for i, node in enumerate(next(iter(shared))[0].graph.nodes)} if shared else {}
+    for (weight, fmt), reads in shared.items():
+        first = min((site.node for site, _, _ in reads), key=order.__getitem__)
+        _, (q_row, s_row, q_col, s_col) = insert_traced(
+            first, functools.partial(_dual_cast, fmt=fmt), [weight], meta_from=first)
+        for site, b, transposed in reads:
+            q, scale = (q_row, s_row) if transposed else (q_col, s_col)
+            _, operand = insert_traced(
+                site.node, functools.partial(_as_b, transposed=transposed, dtype=site.dtype), [q, scale],
+                meta_from=site.node)
+            site.node.replace_input_with(b, operand)
+        val = weight.meta["val"]
+        result.weights.append(SharedWeight(
+            weight=weight.name, fmt=fmt, sites=tuple(_forward_twin(site).id if site.role is Role.FWD else site.id
+                                                     for site, _, _ in reads), q_col=q_col.name,
+            scale_col=s_col.name, nbytes=val.numel() + 4 * val.shape[1]))
+
+
+def check_shared(forward: torch.fx.Graph, result: WeightLayouts) -> None:
+    """Record what the partitioner made of each shared weight cast, from the forward graph
+    it made: whether it returns the column-scaled FP8 copy and its scales for the backward."""
+    output = next(n for n in forward.nodes if n.op == "output")
+    returned = {n.name for n in output.args[0] if isinstance(n, torch.fx.Node)}
+    for entry in result.weights:
+        entry.outcome = "fp8" if {entry.q_col, entry.scale_col} <= returned else "not_saved"
