@@ -314,9 +314,11 @@ def _dual_amax_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         a = _abs_for_amax(x.to(tl.float32))
-        tl.atomic_max(row_amax_ptr + rows, tl.max(a, axis=1).to(tl.int32, bitcast=True), mask=row_mask)
+        # relaxed: only atomicity is needed, the next kernel reads the result
+        tl.atomic_max(row_amax_ptr + rows, tl.max(a, axis=1).to(tl.int32, bitcast=True), mask=row_mask,
+                      sem="relaxed")
         col_acc = tl.maximum(col_acc, tl.max(a, axis=0))
-    tl.atomic_max(col_amax_ptr + cols, col_acc.to(tl.int32, bitcast=True), mask=col_mask)
+    tl.atomic_max(col_amax_ptr + cols, col_acc.to(tl.int32, bitcast=True), mask=col_mask, sem="relaxed")
 
 
 @triton.jit
@@ -613,6 +615,18 @@ def quantize_blockwise_triton(x: torch.Tensor, block_rows: int, block_cols: int,
 # H100, 32768x4096 bf16 (2026-11-22), whole op: cast 64x64/4 warps 470 us, 32x128/4 warps
 # 465 us, 64x128/8 warps 514 us, 128x64/8 warps 521 us.
 DUAL_AMAX_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, ROW_TILES=8, num_warps=4)
+# Programs per SM the amax pass keeps before it walks several row tiles per program: a
+# program's tiles load one after another, so on a small grid the walk is all latency
+# (H100, 8 tiles per program: 10 us at 256x256 and at 2048x2048 alike).
+DUAL_AMAX_PROGRAMS_PER_SM = 2
+
+
+def _dual_amax_row_tiles(rows: int, cols: int, cfg: dict, device: torch.device) -> int:
+    """Row tiles per program: up to cfg's ROW_TILES, as many as leave every SM
+    DUAL_AMAX_PROGRAMS_PER_SM programs (fewer atomics on tall inputs, no serial walk on
+    small ones)."""
+    tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(cols, cfg["BLOCK_K"])
+    return max(1, min(cfg["ROW_TILES"], tiles // (DUAL_AMAX_PROGRAMS_PER_SM * sm_count(device))))
 DUAL_CAST_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4)
 
 
@@ -641,6 +655,8 @@ def quantize_dual_axis_triton(x: torch.Tensor, fmt, power_of_two: bool = False,
     amax_bits = torch.zeros(rows + cols, dtype=torch.int32, device=x.device)
     row_amax, col_amax = amax_bits[:rows], amax_bits[rows:]
     a_cfg = dict(amax_config or DUAL_AMAX_CONFIG)
+    if amax_config is None:
+        a_cfg["ROW_TILES"] = _dual_amax_row_tiles(rows, cols, a_cfg, x.device)
     a_warps = a_cfg.pop("num_warps", 4)
     grid = (triton.cdiv(rows, a_cfg["BLOCK_M"] * a_cfg["ROW_TILES"]), triton.cdiv(cols, a_cfg["BLOCK_K"]))
     _dual_amax_kernel[grid](x, row_amax, col_amax, rows, cols, x.stride(0), num_warps=a_warps, **a_cfg)

