@@ -162,6 +162,15 @@ def find_shared_weights(graph: torch.fx.Graph, ctx: PassContext, result: WeightL
     return shared
 
 
+def _right_after(weight: torch.fx.Node) -> torch.fx.Node:
+    """Where a weight's cast goes: right after the weight (after the last input, for an
+    input), at the start of the step, since it depends on nothing else."""
+    node = weight.next
+    while node.op == "placeholder":
+        node = node.next
+    return node
+
+
 def _dual_cast(weight, *, fmt: str):
     return torch.ops.loka.quantize_dual_axis(weight, fmt)
 
@@ -177,11 +186,10 @@ def _as_b(q, scale, *, transposed: bool, dtype: torch.dtype):
 def share_weight_casts(shared: dict, result: WeightLayouts) -> None:
     """Rewrite the joint graph for the weights `find_shared_weights` found (module
     docstring), recording each into `result`."""
-    order = {node: i for i, node in enumerate(next(iter(shared))[0].graph.nodes)} if shared else {}
     for (weight, fmt), reads in shared.items():
-        first = min((site.node for site, _, _ in reads), key=order.__getitem__)
+        first = reads[0][0].node
         _, (q_row, s_row, q_col, s_col) = insert_traced(
-            first, functools.partial(_dual_cast, fmt=fmt), [weight], meta_from=first)
+            _right_after(weight), functools.partial(_dual_cast, fmt=fmt), [weight], meta_from=first)
         for site, b, transposed in reads:
             q, scale = (q_row, s_row) if transposed else (q_col, s_col)
             _, operand = insert_traced(
