@@ -9,8 +9,9 @@ This Mod, in the joint graph (Inductor's `joint_custom_post_pass`, before the pa
 casts W once in the forward with `loka::quantize_dual_axis` (both amaxes in one read, both
 layouts written in the next: `kernels/triton_quant.py`), hands each GEMM the half it reads,
 and the partitioner saves the dgrad's FP8 copy (1 byte per element) and its scales for the
-backward. They are bit for bit the casts each GEMM made before, so the products are the
-same.
+backward. They are the casts each GEMM made before, so the products are the same (bit for
+bit on CPU; on CUDA the Triton kernel rounds as the eager reference does, and Inductor's
+compiled cast differed from it in 0-2 FP8 codes per zoo weight).
 
 Matches: 2-D GEMM sites (`mm`, `addmm`) decided FP8 with rowwise scaling, unpadded, whose
 B operand is a weight of the graph (a parameter, or several concatenated by the horizontal
@@ -22,12 +23,12 @@ Becomes, with S the weight under the GEMMs' transpositions and dtype casts (an f
 parameter under autocast: its own values are cast, as Inductor's fused cast of the bf16
 copy computes them, and no bf16 copy is written):
     q_row, s_row, q_col, s_col = loka.quantize_dual_axis(S)        (forward)
-    GEMM(.., S^T) -> GEMM(.., dequantize_saved(q_row^T, s_row^T))
-    GEMM(.., S)   -> GEMM(.., dequantize_saved(q_col, s_col))
+    GEMM(.., S^T) -> GEMM(.., dequantize_weight_layout(q_row^T, s_row^T))
+    GEMM(.., S)   -> GEMM(.., dequantize_weight_layout(q_col, s_col))
 and `lower` hands each GEMM its FP8 operand and scales (`find_sites.saved_operand`).
 Declines (counted by reason): a weight read in one orientation only (one cast serves it
 already), tensorwise or blockwise scaling, padding, batched GEMMs, symbolic or
-non-contiguous weights.
+non-contiguous weights, and on CUDA weights under MIN_CUDA_ELEMENTS.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ from .find_sites import find_sites, operands, site_id, weight_placeholders, weig
 from .rewrite import insert_traced
 
 aten = torch.ops.aten
+
+# On CUDA, weights smaller than this keep each GEMM's own cast: the dual-axis pair (a fill and
+# two launches) has a floor of 7.6-15 us where two fused casts of a small weight take 3-7 us
+# (H100: 64x32 12.8 vs 6.4 us; 128x256 7.7 vs 10.4 us, 2026-11-27_H100_weight_casts.md). On CPU
+# FP8 is emulated and the Mod always applies.
+MIN_CUDA_ELEMENTS = 128 * 256
 
 
 @dataclasses.dataclass
@@ -132,6 +139,8 @@ def _decline(site, decision, source: torch.fx.Node, weights: dict) -> str:
         return "symbolic"
     if not val.is_contiguous():
         return "layout"
+    if val.device.type == "cuda" and val.numel() < MIN_CUDA_ELEMENTS:
+        return "small"
     return ""
 
 
