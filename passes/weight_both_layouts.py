@@ -62,7 +62,7 @@ class SharedWeight:
     sites: tuple          # ids of the GEMM sites that read the one cast (as the report has them)
     q_col: str            # the dgrad layout's FP8 copy and scales: what the partitioner should save
     scale_col: str
-    nbytes: int           # of that copy and its scales
+    nbytes: int           # of that copy and its scales (what the forward keeps for the backward)
     # what the partitioner made of it (`check_shared`): "fp8" (the forward returns the copy and
     # its scales for the backward) or "not_saved" (no backward GEMM reads them, or the
     # partitioner chose to cast again there)
@@ -78,7 +78,9 @@ class WeightLayouts:
 
     def summary(self) -> dict:
         return {"weights": len(self.weights), "sites": sum(len(w.sites) for w in self.weights),
-                "outcomes": dict(Counter(w.outcome for w in self.weights)), "declined": dict(self.declined)}
+                "outcomes": dict(Counter(w.outcome for w in self.weights)),
+                "saved_fp8_weight_bytes": sum(w.nbytes for w in self.weights if w.outcome == "fp8"),
+                "declined": dict(self.declined)}
 
 
 def _is_transpose(node: torch.fx.Node) -> bool:
@@ -124,10 +126,12 @@ def _forward_twin(site):
 
 
 def _decline(site, decision, source: torch.fx.Node, weights: dict) -> str:
+    """Why an FP8 site's weight is not shared ("" when it is, or when the site is not FP8:
+    nothing to share)."""
+    if not decision.fp8:
+        return ""
     if site.batch is not None or site.op not in ("mm", "addmm"):
         return "batched"
-    if not decision.fp8:
-        return ""  # not an FP8 GEMM: nothing to share
     if decision.scaling != Scaling.ROWWISE.value:
         return "scaling"
     if decision.pad_k or decision.pad_n:

@@ -55,6 +55,27 @@ def train_step(model, x, mods=(), recipe="rowwise", **options):
     return out, [p.grad for p in model.parameters()], loka_compile.report(compiled)
 
 
+def cuda_training_with_and_without(model, x, mod: str, mode: str) -> dict:
+    """Three training steps of copies of `model` on `x` under loka (rowwise, every site
+    FP8), with `mod` on and off, in `mode` (CUDA graphs record after warm-up calls):
+    {"on"|"off": (last output, parameter gradients then x's if it takes one, report)}."""
+    runs = {}
+    for name, mods in (("on", ()), ("off", (mod,))):
+        loka_compile.reset()
+        torch._dynamo.reset()
+        trained = copy.deepcopy(model)
+        compiled = torch.compile(trained, backend="loka", options=dict(
+            recipe="rowwise", probe_steps=0, speed_check=False, disabled_mods=mods, mode=mode))
+        for _ in range(3):
+            trained.zero_grad()
+            x.grad = None
+            out = compiled(x)
+            out.float().square().mean().backward()
+        grads = [p.grad.clone() for p in trained.parameters()] + ([x.grad.clone()] if x.requires_grad else [])
+        runs[name] = out.detach().clone(), grads, loka_compile.report(compiled)
+    return runs
+
+
 def loka_and_eager_grads(model, x, options):
     """One backward of sum(model(x)) compiled with loka (`options`) and of an eager copy:
     (loka's report, [(parameter name, loka's gradient, eager's gradient)])."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 import loka_compile
 from loka_compile.passes import Decision, Reason, saved_fp8
 from loka_compile.passes.find_sites import SAVED_IN_FP8, operands, saved_operand
-from graphs import train_step
+from graphs import cuda_training_with_and_without, train_step
 from numerics import rel_error
 
 class Tower(nn.Module):
@@ -313,18 +313,8 @@ def test_cuda_backward_reads_the_saved_fp8_copy(mode):
     model = model.to("cuda", torch.bfloat16)
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     ref = fp32_grads(model, x)
-    runs = {}
-    for mods in ((), ("saved_fp8",)):
-        loka_compile.reset()
-        torch._dynamo.reset()
-        trained = copy.deepcopy(model)
-        compiled = torch.compile(trained, backend="loka", options=dict(
-            recipe="rowwise", probe_steps=0, speed_check=False, disabled_mods=mods, mode=mode))
-        for _ in range(3):  # CUDA graphs record after warm-up calls
-            trained.zero_grad()
-            compiled(x).float().square().mean().backward()
-        runs[mods] = [p.grad.clone() for p in trained.parameters()], loka_compile.report(compiled)
-    (on, report), (off, report_off) = runs[()], runs[("saved_fp8",)]
+    runs = cuda_training_with_and_without(model, x, "saved_fp8", mode)
+    (_, on, report), (_, off, report_off) = runs["on"], runs["off"]
     saved = [s for s in report.sites if SAVED_IN_FP8 in s.casts.values()]
     assert {s.module for s in saved} == {"1", "3"}
     assert all(s.fp8 and not s.provider.startswith("emulated") for s in saved)

@@ -16,7 +16,7 @@ import torch.nn as nn
 import loka_compile
 from loka_compile.passes import weight_both_layouts
 from loka_compile.passes.find_sites import WEIGHT_BOTH_LAYOUTS
-from graphs import fail_second_call, train_step
+from graphs import cuda_training_with_and_without, fail_second_call, train_step
 from numerics import rel_error
 
 
@@ -233,21 +233,8 @@ def test_cuda_one_weight_cast_per_step(mode):
     model = nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.ReLU(), nn.Linear(512, 256))
     model = model.to("cuda", torch.bfloat16)
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    runs = {}
-    for mods in ((), ("weight_both_layouts",)):
-        loka_compile.reset()
-        torch._dynamo.reset()
-        trained = copy.deepcopy(model)
-        compiled = torch.compile(trained, backend="loka", options=dict(
-            recipe="rowwise", probe_steps=0, speed_check=False, disabled_mods=mods, mode=mode))
-        for _ in range(3):  # CUDA graphs record after warm-up calls
-            trained.zero_grad()
-            x.grad = None
-            out = compiled(x)
-            out.float().square().mean().backward()
-        runs[mods] = out.detach().clone(), [p.grad.clone() for p in trained.parameters()] + [x.grad.clone()], \
-            loka_compile.report(compiled)
-    (out_on, on, report), (out_off, off, _) = runs[()], runs[("weight_both_layouts",)]
+    runs = cuda_training_with_and_without(model, x, "weight_both_layouts", mode)
+    (out_on, on, report), (out_off, off, _) = runs["on"], runs["off"]
     shared = [s for s in report.sites if s.casts.get("b") == WEIGHT_BOTH_LAYOUTS]
     assert {(s.module, s.role) for s in shared} == {("0", "fwd"), ("3", "fwd"), ("0", "dgrad"), ("3", "dgrad")}
     assert all(s.fp8 and not s.provider.startswith("emulated") for s in shared)
