@@ -62,6 +62,7 @@ from loka_compile.passes.saved_fp8 import SavedFp8, check_saves, find_operands, 
 from loka_compile.passes.transposed_linear import TransposedLinears, rewrite_transposed_linears
 from loka_compile.passes.weight_both_layouts import (WeightLayouts, check_shared, find_shared_weights,
                                                      share_weight_casts)
+from loka_compile.passes.weight_both_layouts import strip as strip_weight_layouts
 from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
 
 log = logging.getLogger("loka")
@@ -439,6 +440,8 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
         record.fallen_back[kind] = why
         _forget_rewrite(record, why, kind=kind)
         _warn_fallback(record, why, whole_graph=False)
+        strip_weight_layouts(pristine.graph)  # the joint graph's rewrite: GEMMs read their weights as written
+        pristine.recompile()
         with inductor_config.patch(post_grad_custom_post_pass=None):
             return compile_fx_inner(pristine, example_inputs, **kwargs)
     ctx = next((record.contexts[key] for key, module in record.graph_modules.items() if module is gm), None)

@@ -62,6 +62,7 @@ from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, save
 from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, insertion_point,
                             out_scale_constant, plan_chains, time_chain)
 from .rewrite import insert_traced, replace_with_traced
+from .weight_both_layouts import is_weight_layout, restore_original
 from .weight_cache import cached_operand
 
 CACHED_WEIGHT = "cached weight (FP8 copy made once per weight version)"
@@ -80,6 +81,7 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     for site in ctx.sites:
         decision = ctx.decisions[site.key]
         if not decision.fp8:
+            restore_original(site.node, operands(site.node)[1])
             _report_saved_operands_of_high_precision(site)
             continue
         node = site.node
@@ -97,6 +99,9 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         if spec.a_static_scale is not None:
             site.casts["a"] = f"static scale (calibrated {static['policy']})"
         saved_a, saved_b = (_saved(x, which, spec, site) for which, x in (("a", a), ("b", b)))
+        if saved_b is None and restore_original(node, b):
+            b = operands(node)[1]
+            site.casts["b"] = operand_casts(site, decision.scaling, fused_casts)["b"]
         fed, piece = by_consumer.get(site.key, (None, None))
         pieces = None if saved_a or fed else per_piece_cast(a, decision.scaling, fused_casts,
                                                             spec.a_static_scale is not None, row_max)
@@ -240,6 +245,8 @@ def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional
             and (scale.meta["val"].dim() == 0) == tensorwise and not (spec.pad_k or spec.pad_n) \
             and spec.a_static_scale is None:
         return found
+    if is_weight_layout(operand):
+        return None  # a weight: the caller has the GEMM cast it as written, as without the Mod
     log.warning("loka: %s: operand %s was saved in FP8 by the forward as another cast than this GEMM's (%s %s); "
                 "cast again from its dequantized copy", site.name, which, spec.scaling.value, fmt.value)
     site.casts[which] = "standalone (cast again from the forward's FP8 copy: another cast than this GEMM's)"

@@ -116,7 +116,7 @@ def find_operands(graph: torch.fx.Graph, ctx: PassContext, result: SavedFp8) -> 
             continue
         a, b, _, _ = operands(site.node)
         for which, operand, is_grad in (("a", a, site.a_is_grad), ("b", b, site.b_is_grad)):
-            if is_grad:
+            if is_grad or saved_operand(operand) is not None:  # the weight_both_layouts Mod's already
                 continue
             why = _decline(operand, decision)
             if why:
@@ -134,8 +134,6 @@ def save_fp8_operands(found: list, fused_casts: bool, result: SavedFp8) -> None:
 
 
 def _decline(operand: torch.fx.Node, decision) -> str:
-    if saved_operand(operand) is not None:
-        return "cast_in_forward"  # the weight_both_layouts Mod's already
     if decision.scaling not in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value):
         return "scaling"
     if decision.pad_k or decision.pad_n:

@@ -23,9 +23,12 @@ Becomes, with S the weight under the GEMMs' transpositions and dtype casts (an f
 parameter under autocast: its own values are cast, as Inductor's fused cast of the bf16
 copy computes them, and no bf16 copy is written):
     q_row, s_row, q_col, s_col = loka.quantize_dual_axis(S)        (forward)
-    GEMM(.., S^T) -> GEMM(.., dequantize_weight_layout(q_row^T, s_row^T))
-    GEMM(.., S)   -> GEMM(.., dequantize_weight_layout(q_col, s_col))
-and `lower` hands each GEMM its FP8 operand and scales (`find_sites.saved_operand`).
+    GEMM(.., S^T) -> GEMM(.., dequantize_weight_layout(q_row^T, s_row^T, B))
+    GEMM(.., S)   -> GEMM(.., dequantize_weight_layout(q_col, s_col, B))
+and `lower` hands each GEMM its FP8 operand and scales (`find_sites.saved_operand`). B, the
+operand as written (a view of a parameter: the partitioner keeps parameters for free), is
+what a GEMM then kept in high precision reads, and what a graph that falls back reads
+(`restore_original`, `strip`): no GEMM runs in high precision on the FP8 copy.
 Declines (counted by reason): a weight read in one orientation only (one cast serves it
 already), tensorwise or blockwise scaling, padding, batched GEMMs, symbolic or
 non-contiguous weights, and on CUDA weights under MIN_CUDA_ELEMENTS.
@@ -188,12 +191,41 @@ def _dual_cast(weight, *, fmt: str):
     return torch.ops.loka.quantize_dual_axis(weight, fmt)
 
 
-def _as_b(q, scale, *, transposed: bool, dtype: torch.dtype):
+def _as_b(q, scale, original, *, transposed: bool, dtype: torch.dtype):
     """The B operand a GEMM reads, as the FP8 half it takes: S^T takes the row-scaled
     half (its columns are S's rows), S the column-scaled one."""
     if transposed:
         q, scale = q.t(), scale.t()
-    return torch.ops.loka.dequantize_weight_layout(q, scale, dtype)
+    return torch.ops.loka.dequantize_weight_layout(q, scale, dtype, original)
+
+
+def is_weight_layout(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" \
+        and node.target is torch.ops.loka.dequantize_weight_layout.default
+
+
+def restore_original(gemm: torch.fx.Node, operand: torch.fx.Node) -> bool:
+    """Where `operand` of `gemm` is the Mod's dequantized weight layout, make the GEMM
+    read the operand as written instead (a GEMM kept in high precision, or cast another
+    way than the Mod's): True if it did."""
+    if not is_weight_layout(operand):
+        return False
+    gemm.replace_input_with(operand, operand.args[3])
+    if not operand.users:
+        operand.graph.erase_node(operand)
+    return True
+
+
+def strip(graph: torch.fx.Graph) -> int:
+    """Undo the Mod in one partitioned graph that will run without loka's lowering (its
+    passes failed): every GEMM reads its operand as written, in high precision. Returns
+    how many operands it restored."""
+    restored = 0
+    for node in [n for n in graph.nodes if is_weight_layout(n)]:
+        node.replace_all_uses_with(node.args[3])
+        graph.erase_node(node)
+        restored += 1
+    return restored
 
 
 def share_weight_casts(shared: dict, result: WeightLayouts) -> None:
@@ -206,7 +238,7 @@ def share_weight_casts(shared: dict, result: WeightLayouts) -> None:
         for site, b, transposed in reads:
             q, scale = (q_row, s_row) if transposed else (q_col, s_col)
             _, operand = insert_traced(
-                site.node, functools.partial(_as_b, transposed=transposed, dtype=site.dtype), [q, scale],
+                site.node, functools.partial(_as_b, transposed=transposed, dtype=site.dtype), [q, scale, b],
                 meta_from=site.node)
             site.node.replace_input_with(b, operand)
         val = weight.meta["val"]

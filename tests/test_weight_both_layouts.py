@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 import loka_compile
-from loka_compile.passes import weight_both_layouts
-from loka_compile.passes.find_sites import WEIGHT_BOTH_LAYOUTS
+from loka_compile.passes import Decision, Reason, weight_both_layouts
+from loka_compile.passes.find_sites import WEIGHT_BOTH_LAYOUTS, operands
 from graphs import cuda_training_with_and_without, fail_second_call, train_step
 from numerics import rel_error
 
@@ -221,6 +221,27 @@ def test_a_failing_rewrite_leaves_the_joint_graph_as_written(ranker_runs, monkey
     fail_second_call(monkeypatch, weight_both_layouts, "insert_traced")
     with pytest.raises(Exception, match="injected"):
         step(ranker_runs["model"], ranker_runs["batch"], fallback=False)
+
+
+def test_a_gemm_then_kept_in_high_precision_reads_the_weight_as_written(ranker_runs, monkeypatch):
+    """The joint graph's decision took the dgrads for FP8, the backward graph's keeps them
+    in high precision (where the speed check's timings differ): they read the weights
+    themselves, not the FP8 copies, and their gradients are bf16's."""
+    decide = loka_compile.backend._decide
+
+    def keep_shared_dgrads_high_precision(site, **kwargs):
+        if site.role.value == "dgrad" and weight_both_layouts.is_weight_layout(operands(site.node)[1]):
+            return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, detail="forced by the test")
+        return decide(site, **kwargs)
+
+    monkeypatch.setattr(loka_compile.backend, "_decide", keep_shared_dgrads_high_precision)
+    _, grads, report, layouts = step(ranker_runs["model"], ranker_runs["batch"])
+    dgrads = {s.module: s for s in report.sites if s.role == "dgrad"}
+    assert not dgrads["fc1"].fp8 and not dgrads["fc2"].fp8
+    assert len(layouts.weights) == 2
+    assert "loka.dequantize_weight_layout.default" not in ops_in(report, "backward")
+    assert not dgrads["fc1"].casts and not dgrads["fc2"].casts
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 @pytest.mark.cuda
