@@ -150,18 +150,18 @@ def _(q, scale, dtype):
 
 @torch.library.custom_op("loka::dequantize_weight_layout", mutates_args=())
 def dequantize_weight_layout(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                             original: torch.Tensor) -> torch.Tensor:
+                             original: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`dequantize_saved` for one layout of a weight the weight_both_layouts Mod cast once
     for its forward GEMMs and dgrads (`loka::quantize_dual_axis`): its own op so that the
     report, which in the backward graph sees only the saved copy, can tell the two apart.
-    `original` is the GEMM's operand as written (the weight, a view of a parameter, free to
-    keep for the backward): a GEMM that ends up in high precision, or a graph that falls
-    back, reads it instead (`weight_both_layouts.restore_original`)."""
+    `original`, where given, is the GEMM's operand as written (a view of a parameter, which
+    the partitioner keeps for free): a GEMM that ends up in high precision, or a graph that
+    falls back, reads it instead (`weight_both_layouts.restore_original`)."""
     return dequantize(q, scale).to(dtype)
 
 
 @dequantize_weight_layout.register_fake
-def _(q, scale, dtype, original):
+def _(q, scale, dtype, original=None):
     return torch.empty_like(q, dtype=dtype)
 
 

@@ -440,7 +440,10 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
         record.fallen_back[kind] = why
         _forget_rewrite(record, why, kind=kind)
         _warn_fallback(record, why, whole_graph=False)
-        strip_weight_layouts(pristine.graph)  # the joint graph's rewrite: GEMMs read their weights as written
+        _, left = strip_weight_layouts(pristine.graph)  # the joint graph's rewrite: weights as written
+        if left:
+            log.warning("loka: %s: %d GEMM(s) of the %s graph run in high precision on the FP8 copy of a "
+                        "computed weight the forward saved", record.name, left, kind.value)
         pristine.recompile()
         with inductor_config.patch(post_grad_custom_post_pass=None):
             return compile_fx_inner(pristine, example_inputs, **kwargs)

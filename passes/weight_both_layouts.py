@@ -26,9 +26,11 @@ copy computes them, and no bf16 copy is written):
     GEMM(.., S^T) -> GEMM(.., dequantize_weight_layout(q_row^T, s_row^T, B))
     GEMM(.., S)   -> GEMM(.., dequantize_weight_layout(q_col, s_col, B))
 and `lower` hands each GEMM its FP8 operand and scales (`find_sites.saved_operand`). B, the
-operand as written (a view of a parameter: the partitioner keeps parameters for free), is
-what a GEMM then kept in high precision reads, and what a graph that falls back reads
-(`restore_original`, `strip`): no GEMM runs in high precision on the FP8 copy.
+operand as written, is what a GEMM then kept in high precision reads, and what a graph
+that falls back reads (`restore_original`, `strip`): carried where it is a view of a
+parameter (which the partitioner keeps for free), rebuilt from the cast's input in the
+forward otherwise; only a backward GEMM on a computed weight (a cat, an autocast copy) is
+left with the dequantized FP8 copy, and says so.
 Declines (counted by reason): a weight read in one orientation only (one cast serves it
 already), tensorwise or blockwise scaling, padding, batched GEMMs, symbolic or
 non-contiguous weights, and on CUDA weights under MIN_CUDA_ELEMENTS.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections import Counter
 
 import torch
@@ -191,12 +194,44 @@ def _dual_cast(weight, *, fmt: str):
     return torch.ops.loka.quantize_dual_axis(weight, fmt)
 
 
-def _as_b(q, scale, original, *, transposed: bool, dtype: torch.dtype):
+def _as_b(q, scale, *original, transposed: bool, dtype: torch.dtype):
     """The B operand a GEMM reads, as the FP8 half it takes: S^T takes the row-scaled
     half (its columns are S's rows), S the column-scaled one."""
     if transposed:
         q, scale = q.t(), scale.t()
-    return torch.ops.loka.dequantize_weight_layout(q, scale, dtype, original)
+    return torch.ops.loka.dequantize_weight_layout(q, scale, dtype, *original)
+
+
+def _free_to_keep(operand: torch.fx.Node) -> bool:
+    """`operand` is a graph input seen through transpositions: the partitioner keeps it
+    for the backward at no cost. Given a computed weight (a cat of sibling weights, a bf16
+    copy under autocast), it ran the dequantization in the forward and kept its bf16 output
+    instead of the FP8 copy (H100, MaskNet with every site FP8: eager dequantize and copy
+    kernels in the forward, and a step 2.4% slower than the Mod off)."""
+    while _is_transpose(operand):
+        operand = operand.args[0]
+    return operand.op == "placeholder"
+
+
+def _rebuilt(source, *, transposed: bool, dtype: torch.dtype):
+    return (source.t() if transposed else source).to(dtype)
+
+
+def _original_of(layout: torch.fx.Node, before: torch.fx.Node):
+    """The operand as written for one dequantized weight layout: its `original` argument,
+    else, where the dual cast is in this graph (the forward), rebuilt from the weight it
+    cast, inserted before `before`; else None (the backward has only the FP8 copy)."""
+    if len(layout.args) > 3 and layout.args[3] is not None:
+        return layout.args[3]
+    q, flips = layout.args[0], 0
+    while _is_transpose(q):
+        q, flips = q.args[0], flips + 1
+    dual = q.args[0] if q.op == "call_function" and q.target is operator.getitem else None
+    if dual is None or dual.target is not torch.ops.loka.quantize_dual_axis.default:
+        return None
+    _, value = insert_traced(before, functools.partial(_rebuilt, transposed=flips % 2 == 1, dtype=layout.args[2]),
+                             [dual.args[0]], meta_from=before)
+    return value
 
 
 def is_weight_layout(node) -> bool:
@@ -207,25 +242,33 @@ def is_weight_layout(node) -> bool:
 def restore_original(gemm: torch.fx.Node, operand: torch.fx.Node) -> bool:
     """Where `operand` of `gemm` is the Mod's dequantized weight layout, make the GEMM
     read the operand as written instead (a GEMM kept in high precision, or cast another
-    way than the Mod's): True if it did."""
+    way than the Mod's): True if it did, False where it cannot (`_original_of`)."""
     if not is_weight_layout(operand):
         return False
-    gemm.replace_input_with(operand, operand.args[3])
+    original = _original_of(operand, gemm)
+    if original is None:
+        return False
+    gemm.replace_input_with(operand, original)
     if not operand.users:
         operand.graph.erase_node(operand)
     return True
 
 
-def strip(graph: torch.fx.Graph) -> int:
+def strip(graph: torch.fx.Graph) -> tuple:
     """Undo the Mod in one partitioned graph that will run without loka's lowering (its
-    passes failed): every GEMM reads its operand as written, in high precision. Returns
-    how many operands it restored."""
-    restored = 0
+    passes failed): each GEMM reads its operand as written, in high precision, where
+    `_original_of` finds it. Returns (operands restored, operands left reading the
+    dequantized FP8 copy)."""
+    restored = left = 0
     for node in [n for n in graph.nodes if is_weight_layout(n)]:
-        node.replace_all_uses_with(node.args[3])
+        original = _original_of(node, node)
+        if original is None:
+            left += 1
+            continue
+        node.replace_all_uses_with(original)
         graph.erase_node(node)
         restored += 1
-    return restored
+    return restored, left
 
 
 def share_weight_casts(shared: dict, result: WeightLayouts) -> None:
@@ -238,8 +281,8 @@ def share_weight_casts(shared: dict, result: WeightLayouts) -> None:
         for site, b, transposed in reads:
             q, scale = (q_row, s_row) if transposed else (q_col, s_col)
             _, operand = insert_traced(
-                site.node, functools.partial(_as_b, transposed=transposed, dtype=site.dtype), [q, scale, b],
-                meta_from=site.node)
+                site.node, functools.partial(_as_b, transposed=transposed, dtype=site.dtype),
+                [q, scale] + ([b] if _free_to_keep(b) else []), meta_from=site.node)
             site.node.replace_input_with(b, operand)
         val = weight.meta["val"]
         result.weights.append(SharedWeight(
