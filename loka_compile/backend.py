@@ -227,8 +227,7 @@ class LokaJointPass(CustomGraphPass):
                         "its weight itself", record.name, _error_text(error))
             return
         record.weight_layouts = layouts
-        log.info("%s: weight_both_layouts: %d weights cast once for %d GEMMs, declined %s", record.name,
-                 len(layouts.weights), sum(len(w.sites) for w in layouts.weights), dict(layouts.declined))
+        log.info("%s: weight_both_layouts: %s", record.name, layouts.summary())
 
     def uuid(self) -> str:
         return hashlib.sha256(f"joint|{self.post_grad.uuid()}".encode()).hexdigest()

@@ -62,7 +62,7 @@ from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, save
 from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, insertion_point,
                             out_scale_constant, plan_chains, time_chain)
 from .rewrite import insert_traced, replace_with_traced
-from .weight_both_layouts import is_weight_layout, restore_original
+from .weight_both_layouts import restore_original
 from .weight_cache import cached_operand
 
 CACHED_WEIGHT = "cached weight (FP8 copy made once per weight version)"
@@ -99,12 +99,9 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         if spec.a_static_scale is not None:
             site.casts["a"] = f"static scale (calibrated {static['policy']})"
         saved_a, saved_b = (_saved(x, which, spec, site) for which, x in (("a", a), ("b", b)))
-        if saved_b is None and is_weight_layout(b):  # cast another way than the Mod's
-            if restore_original(node, b):
-                b = operands(node)[1]
-                site.casts["b"] = operand_casts(site, decision.scaling, fused_casts)["b"]
-            else:
-                _cast_again_warning(site, "b", spec)
+        if operands(node)[1] is not b:  # a weight the Mod cast another way: `_saved` restored it
+            b = operands(node)[1]
+            site.casts["b"] = operand_casts(site, decision.scaling, fused_casts)["b"]
         fed, piece = by_consumer.get(site.key, (None, None))
         pieces = None if saved_a or fed else per_piece_cast(a, decision.scaling, fused_casts,
                                                             spec.a_static_scale is not None, row_max)
@@ -236,9 +233,9 @@ def _cast_a_from_epilogue(args: tuple, *, scale: Optional[float], scaling: Scali
 
 def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional[tuple]:
     """(q, scale) of an operand the saved_fp8 or weight_both_layouts Mod cast in the
-    forward, when that cast is the one `spec` asks for; else None (an activation is cast
-    here from its dequantized copy, which a warning reports; for a weight the caller
-    decides)."""
+    forward, when that cast is the one `spec` asks for; else None: a weight the GEMM then
+    reads as written where it can (`restore_original`), else the operand is cast here from
+    its dequantized copy, which a warning reports."""
     found = saved_operand(operand)
     if found is None:
         return None
@@ -249,16 +246,12 @@ def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional
             and (scale.meta["val"].dim() == 0) == tensorwise and not (spec.pad_k or spec.pad_n) \
             and spec.a_static_scale is None:
         return found
-    if not is_weight_layout(operand):  # a weight: the caller reads it as written where it can
-        _cast_again_warning(site, which, spec)
-    return None
-
-
-def _cast_again_warning(site, which: str, spec: GemmSpec) -> None:
-    fmt = spec.a_format if which == "a" else spec.b_format
+    if restore_original(site.node, operand):
+        return None
     log.warning("loka: %s: operand %s was saved in FP8 by the forward as another cast than this GEMM's (%s %s); "
                 "cast again from its dequantized copy", site.name, which, spec.scaling.value, fmt.value)
     site.casts[which] = "standalone (cast again from the forward's FP8 copy: another cast than this GEMM's)"
+    return None
 
 
 def _report_saved_operands_of_high_precision(site) -> None:
