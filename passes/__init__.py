@@ -23,7 +23,7 @@ log = logging.getLogger("loka.passes")
 #   fused_casts  FP8 casts as ATen ops Inductor fuses into their producers (off: one
 #                opaque cast op per operand, the unfused baseline)
 #   pad          K or N padded to a multiple of 16 instead of keeping the site in bf16
-#   cached_weights  inference graphs: each weight's FP8 copy made once per weight version
+#   cached_weights  inference graphs: each weight's FP8 copy, remade when its content changes
 #                and read as a constant, instead of cast on every call
 #   horizontal   sibling linears that read one input fused into one GEMM (weights
 #                concatenated along N, output split), so the input is cast once

@@ -65,7 +65,7 @@ from .rewrite import insert_traced, replace_with_traced
 from .weight_both_layouts import restore_original
 from .weight_cache import cached_operand
 
-CACHED_WEIGHT = "cached weight (FP8 copy made once per weight version)"
+CACHED_WEIGHT = "cached weight (FP8 copy remade whenever the weight's content changes)"
 
 log = logging.getLogger("loka")
 

@@ -10,11 +10,14 @@ Declines: operands computed from anything else (weight_norm's g * v / |v|, a LoR
 symbolic shapes, training graphs (their weights change every step).
 
 The constants are filled outside the graph by `WeightCache.refresh`, which the backend
-calls before each call of the compiled graph: a weight is (re)quantized at the first
-call and whenever the storage or version counter of any weight it is made of changed
-(an optimizer step, `load_state_dict`, a new tensor), so a changed weight is never served
-stale. The constants keep their addresses, so a CUDA graph replayed after a refresh reads
-the new values. The eager cast uses the same ATen ops the graph would have run.
+calls before each call of the compiled graph: a weight is (re)quantized at the first call
+and whenever the content fingerprint of any weight it is made of changed. The fingerprint
+hashes every byte (`kernels/fingerprint.py`, one launch for all the graph's weights), so
+every write path is seen: an optimizer step, fused optimizers, `load_state_dict`, writes
+through `.data`, a new tensor. Version counters are not enough: writes through `.data` and
+fused optimizers leave them unchanged. The constants keep their addresses, so a CUDA graph
+replayed after a refresh reads the new values. The eager cast uses the same ATen ops the
+graph would have run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
+from loka_compile.kernels.fingerprint import fingerprints
 from loka_compile.kernels.scaled_gemm import GemmSpec, cast_operand
 
 from .context import PassContext
@@ -43,7 +47,7 @@ class CachedWeight:
     spec: GemmSpec
     q: torch.Tensor                  # the FP8 operand, [K(+pad), N(+pad)] column-major
     scale: torch.Tensor              # its scales; a 0-d scale is kept as [1, 1]
-    seen: Optional[tuple] = None     # (storage, version) of each weight last quantized
+    seen: Optional[tuple] = None     # content fingerprint of each weight last quantized
     refreshes: int = 0               # times the weight was quantized
     key: tuple = ()                  # (inputs, views, cast): sites with equal keys share the copy
 
@@ -57,10 +61,9 @@ class CachedWeight:
         k, n = self.q.shape[-2] - self.spec.pad_k, self.q.shape[-1] - self.spec.pad_n
         return 2 * k * n * (self.q.numel() // max(1, self.q.shape[-2] * self.q.shape[-1]))
 
-    def refresh(self, weights: list) -> None:
-        """Quantize `weights` into the constants unless they already hold these versions."""
-        identity = tuple(_identity(w) for w in weights)
-        if None not in identity and identity == self.seen:
+    def refresh(self, weights: list, prints: tuple) -> None:
+        """Quantize `weights` into the constants unless their fingerprints are those last quantized."""
+        if prints == self.seen:
             return
         for index, weight, shape, dtype in zip(self.input_indices, weights, self.weight_shapes, self.weight_dtypes):
             if tuple(weight.shape) != shape or weight.dtype != dtype:
@@ -70,17 +73,8 @@ class CachedWeight:
             q, scale = cast_operand(self.derive(*weights), "b", self.spec)
             self.q.copy_(q)
             self.scale.copy_(scale.reshape(self.scale.shape))
-        self.seen = identity
+        self.seen = prints
         self.refreshes += 1
-
-
-def _identity(weight: torch.Tensor) -> Optional[tuple]:
-    """What changes when the weight's values may have: its storage and version counter.
-    None for inference-mode tensors, which have no version counter (always refreshed)."""
-    try:
-        return weight.untyped_storage().data_ptr(), weight.storage_offset(), weight._version
-    except RuntimeError:
-        return None
 
 
 class WeightCache:
@@ -88,10 +82,19 @@ class WeightCache:
 
     def __init__(self, weights: list):
         self.weights = weights
+        self.input_indices = sorted({i for w in weights for i in w.input_indices})
 
     def refresh(self, inputs) -> None:
+        """Bring every cached weight up to its graph inputs' current values."""
+        if any(inputs[i].is_cuda for i in self.input_indices) and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "loka cached weights: the compiled model is being captured into a CUDA graph by the caller; "
+                "its FP8 weight copies are refreshed outside the graph and would go stale on replay. Use "
+                "torch.compile's mode='reduce-overhead' (loka refreshes before each replay) or "
+                "options={'disabled_mods': ('cached_weights',)}")
+        prints = dict(zip(self.input_indices, fingerprints([inputs[i] for i in self.input_indices])))
         for weight in self.weights:
-            weight.refresh([inputs[i] for i in weight.input_indices])
+            weight.refresh([inputs[i] for i in weight.input_indices], tuple(prints[i] for i in weight.input_indices))
 
 
 class RefreshingGraph:
