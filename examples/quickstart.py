@@ -73,6 +73,7 @@ def main(argv=None) -> loka_compile.Report:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", default="default", choices=loka_compile.MODES)
+    parser.add_argument("--table", action="store_true", help="also print the report's table of every site")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
 
@@ -109,7 +110,9 @@ def main(argv=None) -> loka_compile.Report:
 
     report = loka_compile.report(loka_model)
     print(f"\nloka (recipe {args.recipe}):")
-    print(report)  # the overview; report.table() lists every site
+    print(report.overview(table_hint="" if args.table else "every site: python -m examples.quickstart --table"))
+    if args.table:
+        print(report.table())
     return report
 
 

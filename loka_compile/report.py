@@ -297,8 +297,9 @@ class Report:
         return tabulate(rows, headers=["graph", "site id", "role", "M x K x N", "fp8", "provider", "formats",
                                        "casts", "reason", "probe bound (n)", "fp8 speedup"])
 
-    def overview(self, largest: int = 5) -> str:
-        """The summary, with FP8 sites per role and the FP8 weight copies; `table()` has every site."""
+    def overview(self, largest: int = 5, table_hint: str = "every site: print(report.table())") -> str:
+        """The summary, with FP8 sites per role and the FP8 weight copies, ending with `table_hint`
+        (how to list every site, in the caller's terms)."""
         roles = collections.OrderedDict()
         for s in self.sites:
             fp8_all = roles.setdefault(s.role, [0, 0])
@@ -314,7 +315,8 @@ class Report:
         lines += self._kept_lines(largest)
         lines += self._budget_lines()
         lines += self._history_lines()
-        lines.append("every site: print(report.table())")
+        if table_hint:
+            lines.append(table_hint)
         return "\n".join(lines)
 
     def __str__(self) -> str:

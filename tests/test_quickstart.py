@@ -12,10 +12,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile_state")]
 def test_quickstart_prints_side_by_side_quality_and_the_overview(capsys):
     from examples import quickstart
 
-    report = quickstart.main(["--steps", "4", "--batch", "32", "--eval-batches", "1"])
+    report = quickstart.main(["--steps", "4", "--batch", "32", "--eval-batches", "1", "--table"])
     out = capsys.readouterr().out
     rows = {m[1]: [float(v) for v in m[2].split()] for m in
             (re.match(r"^(inductor|loka)((?:\s+-?\d+\.\d+){3,4})$", line) for line in out.splitlines()) if m}
     assert set(rows) == {"inductor", "loka"} and all(math.isfinite(v) for r in rows.values() for v in r)
-    assert "loka vs inductor: NE" in out and out.rstrip().endswith("every site: print(report.table())")
+    assert "loka vs inductor: NE" in out and out.rstrip().endswith(report.table()) \
+        and "print(report.table())" not in out
     assert any(s.fp8 for s in report.sites)
