@@ -30,6 +30,8 @@ import triton.language as tl
 K_WORD = 0x9E3779B97F4A7C15
 K_POS = 0xC2B2AE3D27D4EB4F
 K_MIX = 0xBF58476D1CE4E5B9
+# Compiled Triton reads module globals only as constexprs (the interpreter reads any).
+_K_WORD, _K_POS, _K_MIX = tl.constexpr(K_WORD), tl.constexpr(K_POS), tl.constexpr(K_MIX)
 WORDS_PER_PROGRAM = 4096
 # The reference hashes this many words at a time, bounding its uint64 temporaries (8 MiB).
 REFERENCE_CHUNK_WORDS = 1 << 20
@@ -74,9 +76,9 @@ def _fingerprint_kernel(addresses_ptr, words_ptr, chunk_tensor_ptr, chunk_start_
     position = start + tl.arange(0, BLOCK).to(tl.int64)
     in_bounds = position < n
     w = tl.load(base + position, mask=in_bounds, other=0).to(tl.uint64)
-    h = w * K_WORD + (position + 1).to(tl.uint64) * K_POS
+    h = w * _K_WORD + (position + 1).to(tl.uint64) * _K_POS
     h = h ^ (h >> 31)
-    h = h * K_MIX
+    h = h * _K_MIX
     h = h ^ (h >> 29)
     h = tl.where(in_bounds, h, 0)
     tl.atomic_add(out_ptr + t, tl.sum(h, axis=0).to(tl.int64, bitcast=True), sem="relaxed")
