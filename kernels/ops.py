@@ -19,6 +19,13 @@ sink installed with `set_observer_sink` (the Probe's statistics store). If measu
 fails, it hands {"failed": why} instead and the step goes on (the store judges such a
 site unsafe): an observer never fails the model's step.
 
+`amax_guard(amax, key, operand, limit)` follows a tensorwise cast in an FP8 variant
+(`scaled_gemm.AmaxGuard`); a graph's are merged into one `amax_guards(amaxes, name, keys,
+operands, limits)` at its end (`passes/amax_guard.py`), which keeps the running max of
+each amax in place in the graph's buffer (`register_amax_guards`), on the device; the
+backend compares the buffers with their limits between calls (`loka_compile/amax_guard.py`),
+so nothing syncs and a CUDA graph replays it.
+
 `perturb(out, site)` follows each forward GEMM of a probe variant when the output budget
 (`LokaConfig.max_output_error`) is on: it returns a copy of `out`, unless the process
 switch (`perturbing(site)`) names its site, when it returns `out * (1 + PERTURB_DELTA * z)`
@@ -29,6 +36,7 @@ measure how much of a relative error at that GEMM reaches the graph's outputs.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -222,7 +230,7 @@ def _candidate_product(a_sample: torch.Tensor, a_tensor_amax: torch.Tensor, b: t
     (`a_tensor_amax`), so an outlier outside the sample counts."""
     if scaling is Scaling.TENSORWISE:
         a_scale = scale_from_amax(a_tensor_amax, a_fmt)
-        a_q = cast_with_scale(a_sample, a_scale, a_fmt, non_finite_to_nan=True)
+        a_q = cast_with_scale(a_sample, a_scale, a_fmt, non_finite_to_nan=True, infinities=True)
     else:
         a_q, a_scale = quantize_operand_aten(a_sample, "a", scaling, a_fmt)
     b_q, b_scale = quantize_operand_aten(b, "b", scaling, b_fmt)
@@ -384,6 +392,82 @@ def observers_off():
         yield
     finally:
         _observer_sink[0] = saved
+
+
+# ---- Amax guard (tensorwise sites after the probe window) ------------------------------
+
+class AmaxGuardBuffer:
+    """The guarded amaxes of one graph (or of one eager caller): their (key, operand,
+    limit) entries, and the running max of each, an fp32 [n] tensor on their device that
+    `amax_guards` updates in place. Made when the graph is compiled (`register_amax_guards`),
+    outside any CUDA-graph memory pool, and never freed while the process runs: a captured
+    CUDA graph keeps writing to its address."""
+
+    def __init__(self, entries: tuple, device):
+        self.entries = entries
+        self.worst = torch.zeros(len(entries), dtype=torch.float32, device=device)
+
+
+_guard_lock = threading.Lock()
+_guard_buffers: dict = {}  # name -> AmaxGuardBuffer
+
+
+def register_amax_guards(name: str, entries: tuple, device) -> AmaxGuardBuffer:
+    """The buffer `name`, made (zeroed) unless it exists with these entries on `device`."""
+    device = torch.device(device)
+    with _guard_lock:
+        buffer = _guard_buffers.get(name)
+        if buffer is None or buffer.entries != entries or buffer.worst.device != device:
+            buffer = _guard_buffers[name] = AmaxGuardBuffer(entries, device)
+        return buffer
+
+
+def amax_guard_buffers(prefix: str) -> list:
+    """The buffers whose name starts with `prefix`."""
+    with _guard_lock:
+        return [buffer for name, buffer in _guard_buffers.items() if name.startswith(prefix)]
+
+
+# Defined through torch.library.Library, as `triton_fp8_gemm` is, rather than custom_op, whose
+# Python autograd layer costs about 30 us of host time per call. Neither op has a CUDA-graph
+# tag: each is one in-place max on the device, nothing read back (the backend reads the
+# buffers between calls), so CUDA graphs capture them.
+_GUARD_LIB = torch.library.Library("loka", "FRAGMENT")
+_GUARD_LIB.define("amax_guard(Tensor amax, str key, str operand, float limit) -> ()")
+_GUARD_LIB.define("amax_guards(Tensor amaxes, str name, str[] keys, str[] operands, float[] limits) -> ()")
+
+
+def _amax_guard(amax, key, operand, limit):
+    # A graph's are merged into one `amax_guards` (passes/amax_guard.py); this one serves eager
+    # callers (a cached weight's refresh).
+    _amax_guards(amax.reshape(1), f"{key}|{operand}", [key], [operand], [limit])
+
+
+def _amax_guards(amaxes, name, keys, operands, limits):
+    buffer = _guard_buffers.get(name)
+    if buffer is None or buffer.worst.device != amaxes.device:
+        buffer = register_amax_guards(name, tuple(zip(keys, operands, limits)), amaxes.device)
+    torch.maximum(buffer.worst, amaxes.detach().float(), out=buffer.worst)  # a NaN wins
+
+
+for _key in ("CPU", "CUDA"):
+    _GUARD_LIB.impl("amax_guard", _amax_guard, _key)
+    _GUARD_LIB.impl("amax_guards", _amax_guards, _key)
+
+
+@torch.library.register_fake("loka::amax_guard", lib=_GUARD_LIB)
+def _(amax, key, operand, limit):
+    return None
+
+
+@torch.library.register_fake("loka::amax_guards", lib=_GUARD_LIB)
+def _(amaxes, name, keys, operands, limits):
+    return None
+
+
+# Guards have no outputs: mark them effectful so dead-code elimination keeps them.
+torch.fx.node.has_side_effect(torch.ops.loka.amax_guard.default)
+torch.fx.node.has_side_effect(torch.ops.loka.amax_guards.default)
 
 
 # ---- Output-sensitivity perturbation (the output budget) --------------------------------

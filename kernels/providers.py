@@ -116,7 +116,7 @@ def _dequantize_operand(q: torch.Tensor, scale: torch.Tensor, scaling: Scaling, 
     # Tensorwise and rowwise scales broadcast against the operand; blockwise ones hold one
     # value per tile.
     if scaling is Scaling.BLOCKWISE:
-        return q.float() * expand_block_scale(scale, tuple(q.shape), block)
+        return dequantize(q, expand_block_scale(scale, tuple(q.shape), block))
     return dequantize(q, scale)
 
 

@@ -4,15 +4,30 @@ Scale convention (the one `torch._scaled_mm` uses): a quantized tensor `q` with 
 `s` stands for `q.float() * s`, so `s = amax / fp8_max`.
 
 Non-finite policy, so that a bad value spoils no more of the product than it does in
-high precision (the row of A or the column of B it sits in):
-- rowwise and blockwise: an inf or NaN anywhere in a scaling group (a row of A, a column
-  of B, a block) makes that group's scale NaN, so the group dequantizes to NaN. The
-  high-precision GEMM's output row or column is already non-finite there; NaN keeps the
-  failure loud instead of producing finite garbage (an inf amax would otherwise give
-  scale inf and quantized zeros).
-- tensorwise: the one scale comes from the finite values, and each non-finite element
-  becomes NaN by itself. (A NaN scale would turn every row of the product NaN for one bad
-  element.)
+high precision, and where it can, spoils it the same way (a NaN never becomes finite, an
+infinity keeps its sign, so that a ReLU or a max after the GEMM treats it as high
+precision does):
+- rowwise, a group (a row of A, a column of B) holding a NaN: its scale is NaN and the
+  whole group dequantizes to NaN. The high-precision output row (column) is NaN too.
+- rowwise, a group holding an infinity and no NaN: its scale is +inf, each +-inf element
+  becomes +-1 (its sign) and every finite element +-0. The GEMM applies rowwise scales
+  after the reduction along K (`torch._scaled_mm`, loka's Triton GEMM), so each output
+  element of that row (column) is (the infinities' signs times the other operand, summed)
+  x inf: +-inf where high precision has +-inf, NaN where that sum is 0 (as inf x 0 or
+  inf - inf is in high precision). The finite elements' contribution is lost, as beside
+  an infinity it is. `dequantize` keeps quantized zeros zero (0 x inf would be NaN), so
+  the emulation agrees. (A NaN scale there made a ReLU after the GEMM keep NaN where
+  high precision's -inf becomes 0: one bad weight spoiled every row of a deeper layer.)
+- tensorwise and blockwise: each scale comes from its tensor's (block's) finite values,
+  and each non-finite element is cast by itself: NaN, and +-inf in e5m2, which has
+  infinities. e4m3 has none, so there an infinity becomes NaN: the GEMM's output is
+  non-finite exactly where high precision's is, but NaN for +-inf. (One NaN or inf
+  tensorwise scale would spoil every row of the product; a blockwise GEMM applies its
+  scales to partial sums along K, where an inf scale would turn a partial sum of zeros
+  into NaN and drop the finite values of a 128x128 tile of B, which spans 128 output
+  columns.) A tensorwise site whose amax goes far above its probe window's, or whose
+  cached e4m3 weight holds an infinity, goes rowwise: the amax guard
+  (`scaled_gemm.AmaxGuard`, `loka_compile/amax_guard.py`).
 An all-zero group gets scale 1 (its quantized values are exact zeros).
 
 Every quantizer here is the reference that emulation uses and that loka's Triton kernels
@@ -60,7 +75,8 @@ AMAX_EPS = 2.0 ** -100
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> torch.Tensor:
-    """fp32 dequantization scale from an fp32 amax, with the non-finite policy above."""
+    """fp32 dequantization scale from an fp32 amax, with the non-finite policy above: a
+    NaN amax gives a NaN scale, an infinite one +inf."""
     amax = amax.float()
     scale = torch.clamp(amax, min=AMAX_EPS) / fmt.max
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
@@ -69,17 +85,25 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = Fal
         # frexp, not ceil(log2): log2 of a value a few ulp above 2^e rounds to e.
         mantissa, exponent = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent))
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    return torch.where(torch.isfinite(amax), scale, amax.abs())  # abs: a NaN's sign bit cleared, as the casts expect
 
 
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
-                    non_finite_to_nan: bool = False) -> torch.Tensor:
-    """Saturating cast of x / scale to fmt (scale broadcasts against x); with
-    `non_finite_to_nan`, inf and NaN elements become NaN instead of saturating."""
+                    non_finite_to_nan: bool = False, infinities: bool = False) -> torch.Tensor:
+    """Saturating cast of x / scale to fmt (scale broadcasts against x), with the policy
+    above: an infinite element of a group whose scale is +inf becomes its sign (+-1), the
+    group's finite ones +-0, and a NaN scale makes its group NaN. With `non_finite_to_nan`
+    (a scale from the finite values: tensorwise, static) each inf or NaN element becomes
+    NaN instead of saturating, or with `infinities` too keeps +-inf where the format has
+    infinities (e5m2)."""
     xf = x.float()
     y = torch.clamp(xf / scale, -fmt.max, fmt.max)
     if non_finite_to_nan:
-        y = torch.where(torch.isfinite(xf), y, torch.full_like(y, float("nan")))
+        keep_inf = infinities and fmt is Fp8Format.E5M2
+        y = torch.where(torch.isfinite(xf), y, xf if keep_inf else torch.full_like(y, float("nan")))
+    else:
+        # inf / inf is NaN: an infinity of an inf-scaled group is its sign instead.
+        y = torch.where(torch.isinf(xf) & ~torch.isnan(scale), torch.sign(xf), y)
     return y.to(fmt.dtype)
 
 
@@ -125,7 +149,7 @@ def quantize_tensorwise(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = Fa
     NaN (policy above). The amax stays on the device (no host sync). Returns (q, scale)
     with scale a 0-d fp32 tensor."""
     scale = scale_from_amax(amax_along(x, finite_only=True), fmt, power_of_two)
-    return cast_with_scale(x, scale, fmt, non_finite_to_nan=True), scale
+    return cast_with_scale(x, scale, fmt, non_finite_to_nan=True, infinities=True), scale
 
 
 def quantize_along(x: torch.Tensor, dim: int, fmt: Fp8Format, power_of_two: bool = False):
@@ -149,7 +173,8 @@ def row_scale_of_pieces(pieces: list, fmt: Fp8Format, power_of_two: bool = False
 def quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int, fmt: Fp8Format,
                        power_of_two: bool = False):
     """One scale per [block_rows, block_cols] tile of a 2-D tensor (ragged edge tiles
-    allowed). Returns (q, scale) with scale of shape [ceil(R/br), ceil(C/bc)]."""
+    allowed), from the tile's finite values (policy above). Returns (q, scale) with scale
+    of shape [ceil(R/br), ceil(C/bc)]."""
     if x.dim() != 2:
         raise ValueError(f"blockwise quantization takes a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
@@ -157,17 +182,18 @@ def quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int, fmt: F
     xf = x.detach().float()
     padded = F.pad(xf, (0, n_cb * block_cols - cols, 0, n_rb * block_rows - rows))
     tiles = padded.view(n_rb, block_rows, n_cb, block_cols)
-    amax = tiles.abs().amax(dim=(1, 3))
-    has_nan = torch.isnan(tiles).to(torch.float32).amax(dim=(1, 3)) > 0  # not `any`: see amax_along
-    amax = torch.where(has_nan, torch.full_like(amax, float("nan")), amax)
+    amax = torch.where(torch.isfinite(tiles), tiles.abs(), torch.zeros_like(tiles)).amax(dim=(1, 3))
     scale = scale_from_amax(amax, fmt, power_of_two)
     full_scale = scale.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[:rows, :cols]
-    return cast_with_scale(x, full_scale, fmt), scale
+    return cast_with_scale(x, full_scale, fmt, non_finite_to_nan=True, infinities=True), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 value of a quantized tensor with a broadcastable scale."""
-    return q.float() * scale
+    """fp32 value of a quantized tensor with a broadcastable scale. A quantized zero stays
+    zero whatever its scale: the finite elements of an inf-scaled group (policy above) are
+    zeros, as in a scaled GEMM, which applies the scales after the reduction."""
+    qf = q.float()
+    return torch.where(qf == 0, qf, qf * scale)
 
 
 def quantize_operands(a: torch.Tensor, b: torch.Tensor, scaling: Scaling,

@@ -864,16 +864,19 @@ def tuned_configs() -> dict:
 def dequantize_operand(q: torch.Tensor, scale: torch.Tensor, scaling, operand: str,
                        dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Value of a quantized GEMM operand ("a" [.., M, K] or "b" [.., K, N]) in `dtype`;
-    batched operands have their scales prefixed by the batch (tensorwise: one scale)."""
+    batched operands have their scales prefixed by the batch (tensorwise: one scale). A
+    quantized zero stays zero under an infinite scale, as in `quantize.dequantize`."""
     scaling = parse_scaling(scaling)
     x = q.to(dtype)
     if scaling is Scaling.TENSORWISE:
-        return x * scale.to(dtype).reshape(())
-    if scaling is Scaling.ROWWISE:
-        return x * scale.to(dtype)
-    block = (1, SCALE_BLOCK) if operand == "a" else (SCALE_BLOCK, SCALE_BLOCK)
-    full = scale.to(dtype).repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
-    return x * full[..., : x.shape[-2], : x.shape[-1]]
+        full = scale.to(dtype).reshape(())
+    elif scaling is Scaling.ROWWISE:
+        full = scale.to(dtype)
+    else:
+        block = (1, SCALE_BLOCK) if operand == "a" else (SCALE_BLOCK, SCALE_BLOCK)
+        full = scale.to(dtype).repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+        full = full[..., : x.shape[-2], : x.shape[-1]]
+    return torch.where(x == 0, x, x * full)
 
 
 def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:

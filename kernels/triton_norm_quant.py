@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .quantize import Fp8Format, quantize_along
 from .triton_quant import (
-    _abs_for_amax,
+    _amax,
     _cast_to_fp8_bytes,
     _scale_from_amax,
     check_input,
@@ -104,7 +104,7 @@ def _norm_fwd_kernel(
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y_lp, mask=mask)
     if WRITE_Q:
         yq = tl.where(mask, y_lp.to(tl.float32), 0.0)
-        scale = _scale_from_amax(tl.max(_abs_for_amax(yq), axis=1), FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
+        scale = _scale_from_amax(_amax(yq, 1), FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
         q = _cast_to_fp8_bytes(yq, scale[:, None], FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
@@ -189,7 +189,7 @@ def _block_norm_fwd_kernel(
              mask=row_mask[:, None] & (groups[None, :] < n_groups))
     if WRITE_Q:
         yq = tl.where(mask, y_lp.to(tl.float32), 0.0)
-        scale = _scale_from_amax(tl.max(_abs_for_amax(yq), axis=1), FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
+        scale = _scale_from_amax(_amax(yq, 1), FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
         q = _cast_to_fp8_bytes(yq, scale[:, None], FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_mask)

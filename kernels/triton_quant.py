@@ -7,9 +7,12 @@ and fp32 scales), on the device the tensors live on:
   reference there: CUDA turns a division by a Python scalar into a multiplication by its
   fp32 reciprocal, the CPU divides; a division by a tensor is an IEEE division on both,
   so the cast uses `div_rn` (Triton's plain `/` is an approximate division on GPUs);
-- an inf or NaN in a group makes its scale NaN and every fp8 byte of the group 0x7F
-  (the byte the reference's cast writes for a positive NaN quotient); an all-zero group
-  gets scale 1;
+- the non-finite policy of `quantize.py`: rowwise, a NaN in a group makes its scale NaN
+  and every fp8 byte of the group 0x7F (the byte the reference's cast writes for a
+  positive NaN quotient), an infinity in a group without a NaN makes its scale +inf,
+  each +-inf byte +-1.0 and the others +-0; tensorwise and blockwise, scales from the
+  finite values and each inf or NaN element by itself 0x7F, or +-inf in e5m2; an
+  all-zero group gets scale 1;
 - power-of-two scales are rounded up exactly, from the fp32 bits (see `_scale_from_amax`
   for where this can differ from the reference's log2/ceil/exp2).
 
@@ -49,6 +52,9 @@ from .quantize import (
 # and e5m2): what `cast_with_scale` produces when it divides by a NaN scale.
 NAN_BYTE = 0x7F
 _NAN_BYTE = tl.constexpr(NAN_BYTE)
+# e5m2's +inf (a tensorwise e5m2 cast keeps infinities; sign bit 0x80).
+E5M2_INF_BYTE = 0x7C
+_E5M2_INF_BYTE = tl.constexpr(E5M2_INF_BYTE)
 
 # Rows whose padded width fits this many elements are read once and kept in registers;
 # wider ones are read twice (amax pass, then cast pass).
@@ -60,9 +66,17 @@ MAX_SINGLE_PASS_COLS = 16384
 # ---------------------------------------------------------------------------------------
 
 @triton.jit
-def _abs_for_amax(x):
-    """|x| with NaN mapped to inf, so a max-reduction flags the group as non-finite."""
-    return tl.where(x != x, float("inf"), tl.abs(x))
+def _magnitude_bits(x):
+    """|x|'s bits as int32 (x fp32): they order like |x| over the finite values and inf,
+    and every NaN above inf, so their integer max is an amax in which a NaN wins over an
+    inf and an inf over any finite value (a float max may drop NaN)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _amax(x, AXIS: tl.constexpr):
+    """fp32 max |x| along AXIS: NaN if the slice holds a NaN, else inf if it holds an inf."""
+    return tl.max(_magnitude_bits(x), axis=AXIS).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -72,7 +86,8 @@ def _is_finite(x):
 
 @triton.jit
 def _scale_from_amax(amax, FP8_MAX, INV_FP8_MAX, RECIPROCAL: tl.constexpr, POW2: tl.constexpr):
-    """fp32 dequantization scale from a non-negative amax (inf marks a non-finite group).
+    """fp32 dequantization scale from a non-negative amax: NaN for a NaN amax, +inf for
+    an infinite one (the groups of `_cast_to_fp8_bytes`).
 
     Power of two: the scale is rounded up from its bits (exact). The reference rounds
     through ceil(log2(s)), which for s a hair above a power of two can round down; only
@@ -88,7 +103,8 @@ def _scale_from_amax(amax, FP8_MAX, INV_FP8_MAX, RECIPROCAL: tl.constexpr, POW2:
         exponent = bits & 0x7F800000
         bits = tl.where((bits & 0x007FFFFF) != 0, exponent + 0x00800000, exponent)
         scale = bits.to(tl.float32, bitcast=True)
-    return tl.where(amax == float("inf"), float("nan"), scale)
+    scale = tl.where(amax == float("inf"), float("inf"), scale)
+    return tl.where(amax != amax, float("nan"), scale)
 
 
 @triton.jit
@@ -113,15 +129,35 @@ def _fp8_bits_software(y, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
 @triton.jit
 def _cast_to_fp8_bytes(x, scale, FP8_MAX, OUT_DTYPE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
                        FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
-    """Saturating fp8 cast of x / scale (fp32 in, broadcasting scale), returned as bytes."""
+    """Saturating fp8 cast of x / scale (fp32 in, broadcasting scale), returned as bytes:
+    a NaN scale gives its group NaN bytes, and an infinite element its sign, +-1.0 (its
+    group's scale is +inf, so its finite elements divide to +-0)."""
     y = tl.math.div_rn(x, scale)
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     nan_group = scale != scale
+    infinite = tl.abs(x) == float("inf")
     if SOFTWARE_CAST:
-        q = _fp8_bits_software(tl.where(nan_group, 0.0, y), FP8_MANT, FP8_BIAS)
+        q = _fp8_bits_software(tl.where(nan_group, 0.0, tl.where(infinite, 0.0, y)), FP8_MANT, FP8_BIAS)
     else:
         q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
+    if FP8_MANT == 3:
+        one = 0x38  # the bits of 1.0: e4m3
+    else:
+        one = 0x3C  # e5m2
+    q = tl.where(infinite, tl.where(x < 0, 0x80 + one, one), q.to(tl.int32))
     return tl.where(nan_group, _NAN_BYTE, q).to(tl.uint8)
+
+
+@triton.jit
+def _tensorwise_bytes(x, q, FP8_MANT: tl.constexpr):
+    """The bytes q of x cast with a scale from the finite values, each non-finite element
+    by itself: NaN, or +-inf in e5m2 (which has infinities)."""
+    infinite = tl.abs(x) == float("inf")
+    if FP8_MANT == 2:
+        q = tl.where(infinite, tl.where(x < 0, 0x80 + _E5M2_INF_BYTE, _E5M2_INF_BYTE), q.to(tl.int32))
+    else:
+        q = tl.where(infinite, _NAN_BYTE, q.to(tl.int32))
+    return tl.where(x != x, _NAN_BYTE, q).to(tl.uint8)
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,18 +185,18 @@ def _quantize_rows_kernel(
     if SINGLE_PASS:
         mask = row_mask[:, None] & (cols[None, :] < C)
         x = tl.load(x_rows + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(_abs_for_amax(x), axis=1)
+        amax = _amax(x, 1)
         scale = _scale_from_amax(amax, FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
         q = _cast_to_fp8_bytes(x, scale[:, None], FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS)
         tl.store(q_rows + cols[None, :] * stride_qc, q, mask=mask)
     else:
-        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        amax_bits = tl.zeros([BLOCK_R], dtype=tl.int32)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + cols
             mask = row_mask[:, None] & (c[None, :] < C)
             x = tl.load(x_rows + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(_abs_for_amax(x), axis=1))
-        scale = _scale_from_amax(amax, FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
+            amax_bits = tl.maximum(amax_bits, tl.max(_magnitude_bits(x), axis=1))
+        scale = _scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + cols
             mask = row_mask[:, None] & (c[None, :] < C)
@@ -178,17 +214,17 @@ def _rows_amax_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, C_TILES: tl.constexpr,
 ):
     """Split-reduction row amax: a program walks C_TILES tiles along C, then one atomic
-    per row (fp32 >= 0 orders like its int32 bits, so the integer max is exact)."""
+    per row (on `_magnitude_bits`: the integer max is exact, NaN above inf)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     c0 = tl.program_id(1).to(tl.int64) * (BLOCK_C * C_TILES)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.int32)
     for t in range(C_TILES):
         cols = c0 + t * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = row_mask[:, None] & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
-        acc = tl.maximum(acc, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
-    tl.atomic_max(amax_ptr + rows, acc.to(tl.int32, bitcast=True), mask=row_mask)
+        acc = tl.maximum(acc, tl.max(_magnitude_bits(x.to(tl.float32)), axis=1))
+    tl.atomic_max(amax_ptr + rows, acc, mask=row_mask)
 
 
 @triton.jit
@@ -256,7 +292,7 @@ def _cast_tensorwise_kernel(
     mask = offs < N
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q = _cast_to_fp8_bytes(x, scale, FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS)
-    tl.store(q_ptr + offs, tl.where(_is_finite(x), q, _NAN_BYTE).to(tl.uint8), mask=mask)
+    tl.store(q_ptr + offs, _tensorwise_bytes(x, q, FP8_MANT), mask=mask)
     if pid == 0:
         tl.store(scale_ptr, scale)
 
@@ -282,7 +318,8 @@ def _quantize_blocks_kernel(
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    row_amax = tl.max(_abs_for_amax(x), axis=1)
+    # Scales from the finite values, each non-finite element by itself (`_tensorwise_bytes`).
+    row_amax = tl.max(tl.where(_is_finite(x), tl.abs(x), 0.0), axis=1)
     if GROUP_R == 1:
         scale = _scale_from_amax(row_amax, FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
         q = _cast_to_fp8_bytes(x, scale[:, None], FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS)
@@ -291,6 +328,7 @@ def _quantize_blocks_kernel(
         scale = _scale_from_amax(tl.max(row_amax, axis=0), FP8_MAX, INV_FP8_MAX, RECIPROCAL, POW2)
         q = _cast_to_fp8_bytes(x, scale, FP8_MAX, OUT_DTYPE, SOFTWARE_CAST, FP8_MANT, FP8_BIAS)
         tl.store(scale_ptr + pid_r * n_col_groups + pid_c, scale)
+    q = _tensorwise_bytes(x, q, FP8_MANT)
     tl.store(q_ptr + rows[:, None] * stride_qr + cols[None, :] * stride_qc, q, mask=mask)
 
 
@@ -306,19 +344,18 @@ def _dual_amax_kernel(
     strip, one atomic per (row, strip) and one per (column, program)."""
     cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_mask = cols < K
-    col_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    col_acc = tl.zeros([BLOCK_K], dtype=tl.int32)
     row0 = tl.program_id(0).to(tl.int64) * (BLOCK_M * ROW_TILES)
     for t in range(ROW_TILES):
         rows = row0 + t * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        a = _abs_for_amax(x.to(tl.float32))
+        a = _magnitude_bits(x.to(tl.float32))
         # relaxed: only atomicity is needed, the next kernel reads the result
-        tl.atomic_max(row_amax_ptr + rows, tl.max(a, axis=1).to(tl.int32, bitcast=True), mask=row_mask,
-                      sem="relaxed")
+        tl.atomic_max(row_amax_ptr + rows, tl.max(a, axis=1), mask=row_mask, sem="relaxed")
         col_acc = tl.maximum(col_acc, tl.max(a, axis=0))
-    tl.atomic_max(col_amax_ptr + cols, col_acc.to(tl.int32, bitcast=True), mask=col_mask, sem="relaxed")
+    tl.atomic_max(col_amax_ptr + cols, col_acc, mask=col_mask, sem="relaxed")
 
 
 @triton.jit

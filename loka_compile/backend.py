@@ -28,12 +28,14 @@ import dataclasses
 import functools
 import gc
 import hashlib
+import inspect
 import itertools
 import logging
 import math
 import operator
 import os
 import pathlib
+import sys
 import time
 import traceback
 import unittest.mock
@@ -48,6 +50,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from loka_compile import dispatch, graph_cache, output_budget, passes, probe
+from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.output_budget import OutputBudget
@@ -101,6 +104,7 @@ class GraphRecord:
     weight_layouts: Optional[WeightLayouts] = None  # the last training compile: the weight_both_layouts Mod
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     output_budget: Optional[OutputBudget] = None  # what max_output_error measured and kept, when it acted
+    amax_guards: Optional[AmaxGuards] = None  # the tensorwise sites' run-time amax check (amax_guard.py)
     warned: bool = False
 
     def reads(self, param: torch.Tensor) -> bool:
@@ -124,6 +128,8 @@ class LokaPostGradPass(CustomGraphPass):
         self.digests = {}  # GraphKind -> digest of the graph as the passes left it (graph_cache)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if in_higher_order_op_body():
+            return  # a branch or loop body: its GEMMs stay as they are (`hop_sites` reports them)
         # A failure here reaches `_inner_compile`, which compiles the untouched graph.
         record = self.record
         kind = graph_kind(graph)
@@ -135,6 +141,8 @@ class LokaPostGradPass(CustomGraphPass):
                           inactive_mods=record.config.inactive_mods, static_a_scales=static,
                           perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error),
                           speed_check=record.config.speed_check, providers=tuple(record.config.providers or ()))
+        if self.phase == "fp8" and record.amax_guards is not None:
+            ctx.amax_guard_prefix, ctx.window_amax = record.amax_guards.prefix, record.amax_guards.window_amax
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
         if kind is passes.GraphKind.FORWARD and record.saved_fp8 is not None:
@@ -142,6 +150,8 @@ class LokaPostGradPass(CustomGraphPass):
         if kind is passes.GraphKind.FORWARD and record.weight_layouts is not None:
             check_shared(graph, record.weight_layouts)
         run_passes(graph, ctx)
+        if ctx.amax_guard_prefix:
+            record.amax_guards.register(graph)  # the guard op's buffer, before the graph first runs
         record.graph_modules[(self.phase, kind)] = graph.owning_module
         if inductor_config.fx_graph_cache and graph_cache.bypass_reason(
                 self.phase, kind, record.config.inactive_mods, self.param_input_indices) is None:
@@ -163,7 +173,10 @@ class LokaPostGradPass(CustomGraphPass):
         unsafe, passing = _verdict_signature(plan, record.config)
         verdicts = sorted(unsafe), sorted(passing), plan.digest() if plan.source else ""
         name = record.name if self.phase == "probe" else ""
-        return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase}|{name}|{verdicts}".encode()).hexdigest()
+        guards = record.amax_guards if self.phase == "fp8" else None  # their ops carry its prefix and limits
+        guards = "" if guards is None else f"{guards.prefix}|{sorted(guards.window_amax.items())}"
+        return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase}|{name}|{verdicts}|{guards}"
+                              .encode()).hexdigest()
 
 
 class LokaJointPass(CustomGraphPass):
@@ -176,8 +189,8 @@ class LokaJointPass(CustomGraphPass):
         self.post_grad = post_grad
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if graph_kind(graph) is not passes.GraphKind.BACKWARD:
-            return  # Inductor runs its joint-graph passes on inference graphs too
+        if graph_kind(graph) is not passes.GraphKind.BACKWARD or in_higher_order_op_body():
+            return  # Inductor runs its joint-graph passes on inference graphs and on bodies too
         record, phase = self.post_grad.record, self.post_grad.phase
         record.saved_fp8 = SavedFp8.of_joint_graph(graph)
         record.weight_layouts = None
@@ -205,10 +218,13 @@ class LokaJointPass(CustomGraphPass):
 
     def _joint_context(self, graph: torch.fx.Graph) -> PassContext:
         record, phase = self.post_grad.record, self.post_grad.phase
+        guards = record.amax_guards if phase == "fp8" else None  # the saved_fp8 Mod's casts carry them
         return PassContext(graph=record.name, kind=passes.GraphKind.BACKWARD, phase=phase,
                            param_input_indices=self.post_grad.param_input_indices,
                            decide=functools.partial(_decide, record=record, phase=phase),
-                           inactive_mods=record.config.inactive_mods, joint=True)
+                           inactive_mods=record.config.inactive_mods, joint=True,
+                           amax_guard_prefix=guards.prefix if guards else "",
+                           window_amax=guards.window_amax if guards else {})
 
     def _share_weight_casts(self, graph: torch.fx.Graph) -> None:
         """The weight_both_layouts Mod (a failure leaves the joint graph as it was, and is
@@ -252,10 +268,48 @@ def _is_dynamo_control(error: Exception) -> bool:
 
 def _error_text(error: Exception) -> str:
     """"Type: message (at file:line in function)", the innermost frame, so that a
-    fallback's reason says where the failure was."""
+    fallback's reason says where the failure was; one line: the message's first (an error
+    from compiled C++ code goes on with its C++ stack, frame by frame)."""
     frames = traceback.extract_tb(error.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(error).__name__}: {error}{where}"
+    message = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {message}{where}"
+
+
+@functools.lru_cache(maxsize=None)
+def _graph_pass_drivers() -> tuple:
+    """(code of Inductor's recursive drivers of its post-grad and joint-graph passes, code
+    of AOTAutograd's driver of the joint-graph passes on invoke_subgraph bodies); absent
+    ones left out."""
+    from torch._functorch._aot_autograd import graph_compile
+    from torch._inductor import compile_fx as inductor
+
+    def code(module, name):
+        fn = getattr(module, name, None)
+        return inspect.unwrap(fn).__code__ if fn is not None else None
+
+    recursive = {code(inductor, "_recursive_post_grad_passes"), code(inductor, "_recursive_joint_graph_passes")}
+    return frozenset(recursive - {None}), code(graph_compile, "run_joint_graph_passes_on_hops")
+
+
+def in_higher_order_op_body() -> bool:
+    """Whether Inductor is running its graph passes (loka's among them) on the body of a
+    higher-order op: a torch.cond branch, a while_loop's condition or body, an
+    invoke_subgraph region. Inductor runs them on each body first, then on the graph that
+    calls it, through the same recursive function, and tells a pass nothing of where the
+    graph sits: a body's passes run inside two or more frames of it (or inside AOTAutograd's
+    partitioning of an invoke_subgraph body), a compiled graph's inside one. loka leaves
+    bodies as they are (their sites are reported from the calling graph, `hop_sites`)."""
+    recursive, hop_partition = _graph_pass_drivers()
+    depth = collections.Counter()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in recursive:
+            depth[frame.f_code] += 1
+        elif frame.f_code is hop_partition:
+            return True
+        frame = frame.f_back
+    return any(n > 1 for n in depth.values())
 
 
 def _warn_fallback(record: GraphRecord, why: str, whole_graph: bool = True) -> None:
@@ -275,7 +329,8 @@ class LokaProvenancePass(CustomGraphPass):
         self.user_pass = user_pass
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        keep_gemm_provenance(graph)
+        if not in_higher_order_op_body():
+            keep_gemm_provenance(graph)
         if self.user_pass is not None:
             self.user_pass(graph)
 
@@ -587,24 +642,31 @@ class LokaCompiledGraph:
         if self._rechecking:  # the re-check call's backward has run by now, observers and all
             self._rechecking = False
             self._close_recheck()
+        if record.amax_guards is not None and record.phase == "fp8" and self._builds:
+            self._check_amax_guards()
         self.calls += 1
         every = record.config.recheck_every
         if every and record.phase == "fp8" and self._builds and (self.calls - record.config.probe_steps) % every == 0:
             return self._recheck_call(args)
         variant = self.variants[record.phase]
         if id(variant) in self._first_runs:
-            return variant(*args)
+            out = variant(*args)
+            if record.amax_guards is not None:
+                record.amax_guards.copy_back()  # the amaxes this call left, read at a later one
+            return out
         try:
             out = variant(*args)
         except Exception as error:
             if not record.config.fallback or _is_dynamo_control(error) or not self._source.kept:
                 raise
-            why = f"first run failed: {type(error).__name__}: {error}"
+            why = f"first run failed: {_error_text(error)}"
         else:
             self._first_runs.add(id(variant))
-            if record.phase == "fp8" and not record.config.recheck_every:
+            if record.phase == "fp8" and not record.config.recheck_every and record.amax_guards is None:
                 self._source.drop()  # nothing compiles this graph again
                 probe.STORE.release_samples(probe_site_keys(record))  # nor observes it
+            if record.phase == "fp8" and record.amax_guards is not None:
+                record.amax_guards.copy_back()
             return out
         # Out of the except block: the failed run's frames hold its buffers, which under CUDA
         # graphs live in the graph pool, and the plain compile's first run refuses a pool
@@ -633,6 +695,7 @@ class LokaCompiledGraph:
                            if phase == record.phase}
         _PROBING.discard(self)
         _RECHECKING.discard(self)
+        record.amax_guards = None  # the plain compile has none, and nothing rebuilds it
         self._source.drop()
         record.phase = "fp8"
         self.variants = {"fp8": plain}
@@ -653,14 +716,17 @@ class LokaCompiledGraph:
         record.plan.upgraded.update(upgraded)
         measured = self._apply_output_budget(args)
         _PROBING.discard(self)
+        if record.config.amax_guard:
+            record.amax_guards = AmaxGuards.of_window(record.name, self._observed_sites(), self._tensorwise_sites())
         self.variants["fp8"] = self._compile_fp8()
         if measured is not None:
             self._verify_output_budget(*measured)
             if self._tighten_output_budget(_decide_once(self._weigh_at_measured_scale)):
                 self.variants["fp8"] = self._compile_fp8()
                 self._verify_output_budget(*measured)
-        if record.config.recheck_every:
+        if record.config.recheck_every or record.amax_guards is not None:
             self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants["fp8"])
+        if record.config.recheck_every:
             _RECHECKING.add(self)
         record.phase = "fp8"
         log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded%s",
@@ -910,6 +976,53 @@ class LokaCompiledGraph:
                     "demoted" if demoted else "promoted", before, after, step + 1, steps)
         log.info("%s: re-check at call %d changed %d verdict(s); FP8 variant %s", record.name, step, len(changes),
                  "rebuilt" if rebuilt else "reused from an earlier build with the same verdicts")
+
+    # ---- the amax guard (amax_guard.py) -------------------------------------------------
+
+    def _tensorwise_sites(self) -> dict:
+        """site id -> (a_format, b_format) of the observed sites the verdicts keep in their
+        own scaling, for the amax guard (it acts on those that run tensorwise)."""
+        plan = self.record.plan
+        return {site.id: (ctx.decisions[site.key].a_format, ctx.decisions[site.key].b_format)
+                for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for site in ctx.sites
+                if site.key in ctx.decisions and site.id not in plan.unsafe and site.id not in plan.upgraded}
+
+    def _check_amax_guards(self) -> None:
+        """Sites whose amax guard tripped since the last call go rowwise (high precision
+        where the window measured no finer scaling within the bound), amended in the plan
+        as a re-check amends it: logged, kept in its history, the FP8 variant switched."""
+        record, config, plan = self.record, self.record.config, self.record.plan
+        trips = record.amax_guards.trips()
+        if not trips:
+            return
+        keys = {sid: key for key, (sid, _) in self._observed_sites().items()}
+        saved = dict(plan.unsafe), dict(plan.upgraded)
+        changes = []
+        for sid, why in trips.items():
+            if sid in plan.unsafe or sid in plan.upgraded:
+                continue  # moved already (a trip still in flight when it was)
+            table, entry = demotion(probe.STORE.summary(keys[sid]) if sid in keys else {}, config.max_probe_error,
+                                    config.probe_metric, why)
+            (plan.upgraded if table == "upgraded" else plan.unsafe)[sid] = entry
+            changes.append((sid, _standing(sid, "tensorwise", plan.unsafe, plan.upgraded), why))
+        record.amax_guards.forget(trips)
+        if not changes:
+            return
+        try:
+            rebuilt = self._switch_build(_verdict_signature(plan, config))
+        except Exception as error:  # noqa: BLE001  (keep the running graph and the verdicts it was built with)
+            plan.unsafe, plan.upgraded = saved
+            log.warning("loka: %s: amax guard at call %d: rebuilding failed (%s: %s); the graph keeps its decisions",
+                        record.name, self.calls, type(error).__name__, error)
+            return
+        for sid, after, why in changes:
+            plan.history.setdefault(sid, []).append(
+                {"step": self.calls + 1, "observed_at": self.calls, "graph": record.name, "from": "tensorwise",
+                 "to": after, "change": "demoted", "detail": why, "by": "amax_guard"})
+            log.warning("loka amax guard: %s site %s demoted tensorwise -> %s from call %d (%s)", record.name, sid,
+                        after, self.calls + 1, why)
+        log.info("%s: amax guard at call %d changed %d verdict(s); FP8 variant %s", record.name, self.calls,
+                 len(changes), "rebuilt" if rebuilt else "reused from an earlier build with the same verdicts")
 
     def _switch_build(self, signature) -> bool:
         """Make the FP8 variant for `signature` the running one (its pass contexts and

@@ -148,7 +148,8 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
     recipe = config.recipe_spec
     if site.role in recipe.high_precision_roles:
         return _fallback(Reason.RECIPE_HIGH_PRECISION, f"{recipe.name} keeps {site.role.value}")
-    upgrade = _upgrade_steps(_verdict(site, upgraded_sites, plan and plan.upgraded))
+    upgraded = _verdict(site, upgraded_sites, plan and plan.upgraded)
+    upgrade = _upgrade_steps(upgraded)
 
     if not hardware and not config.emulate:
         return _fallback(Reason.NO_FP8_HARDWARE, f"{site.device} has no FP8 and emulate=False")
@@ -168,6 +169,9 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
     upgrade_note = ""
     if upgrade is not None:  # unsafe in its own scaling: the first finer one within the bound that runs here
         measured = f"the Probe measured {probe.describe_steps(upgrade, config.max_probe_error, config.probe_metric)}"
+        if len(upgraded) > 2:  # moved at run time (amax_guard.py): why, then the window's finer bounds
+            measured = f"{upgraded[2]}; the Probe measured " + probe.describe_steps(
+                upgrade[1:], config.max_probe_error, config.probe_metric)
         for scaling, bound in upgrade[1:]:
             if not bound <= config.max_probe_error or scaling not in _UPGRADE_RECIPES:
                 continue
@@ -265,8 +269,9 @@ _UPGRADE_RECIPES = {"rowwise": RECIPES["rowwise"],
 
 def _upgrade_steps(entry) -> Optional[list]:
     """An upgraded verdict as [[scaling, bound], ...] (the site's own first), from
-    (target, steps), or from (tensorwise bound, rowwise bound) as plans and the backend
-    give it today; None when there is none."""
+    (target, steps) or (target, steps, why) (the amax guard's, `amax_guard.py`), or from
+    (tensorwise bound, rowwise bound) as plans and the backend give it today; None when
+    there is none."""
     if entry is None:
         return None
     if isinstance(entry[0], str):

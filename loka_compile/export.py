@@ -121,7 +121,7 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     except Exception as error:
         if not config.fallback:
             raise
-        why = f"export with loka failed: {type(error).__name__}: {error}"
+        why = f"export with loka failed: {backend._error_text(error)}"
         backend._warn_fallback(record, why)
         backend._forget_rewrite(record, why)
         written = torch._inductor.aoti_compile_and_package(
@@ -229,6 +229,8 @@ class _ExportPass(CustomGraphPass):
         return self
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if backend.in_higher_order_op_body():
+            return  # loka leaves a torch.cond branch or a loop body as it is
         self.loka_pass(graph)
         if self.fold:
             folded = _fold_weight_casts(graph.owning_module)

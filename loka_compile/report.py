@@ -281,9 +281,11 @@ class Report:
         return lines
 
     def _history_lines(self) -> list:
-        """One line per site a re-check (`recheck_every`) moved: each change with its call."""
+        """One line per site a re-check (`recheck_every`) or the amax guard moved: each
+        change with its call (the guard's with why)."""
         def change(event):
-            return f"{event['change']} {event['from']} -> {event['to']} at call {event['step']}"
+            by = f" by the amax guard ({event['detail']})" if event.get("by") == "amax_guard" else ""
+            return f"{event['change']} {event['from']} -> {event['to']} at call {event['step']}{by}"
         return [f"re-checked {s.graph} {s.id}: " + ", ".join(map(change, s.history)) for s in self.sites if s.history]
 
     def table(self) -> str:

@@ -11,9 +11,11 @@ import logging
 
 import torch
 
+from .amax_guard import amax_guard
 from .context import Decision, GraphKind, PassContext, Reason, Role, Site
 from .dispatch_sites import dispatch_sites
 from .find_sites import find_sites, graph_kind
+from .hop_sites import hop_sites
 from .lower import lower
 from .probe import probe
 
@@ -81,6 +83,8 @@ PIPELINE = (
     ("dispatch_sites", dispatch_sites),
     ("probe", probe),
     ("lower", lower),
+    ("amax_guard", amax_guard),  # after lower: the guards its casts put in the graph, as one op
+    ("hop_sites", hop_sites),  # after the rest: no pass sees the sites inside higher-order ops
 )
 
 

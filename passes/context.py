@@ -48,6 +48,7 @@ class Reason(str, enum.Enum):
     PROBE_UNSAFE = "probe_unsafe"
     SLOWER_THAN_BF16 = "slower_than_bf16"
     GRAPH_FALLBACK = "graph_fallback"
+    HIGHER_ORDER_OP = "higher_order_op"  # inside a torch.cond branch, a while_loop body, ...: not rewritten
 
 
 @dataclasses.dataclass
@@ -136,6 +137,22 @@ class PassContext:
     # The providers the config allows (`LokaConfig.providers`); empty: every registered one.
     # A Mod that moves a site onto a provider asks here first (an export allows ATen ones only).
     providers: tuple = ()
+    # An FP8 variant after a probe window: the amax guard of its tensorwise sites
+    # (`scaled_gemm.AmaxGuard`): the key prefix naming this graph to the backend, and
+    # site id -> (A's, B's) largest amax in the window (None: not measured).
+    amax_guard_prefix: str = ""
+    window_amax: dict = dataclasses.field(default_factory=dict)
+
+    def amax_guard(self, site: Site, spec):
+        """The amax guard of `site` as `spec` (a `scaled_gemm.GemmSpec`) casts it: for a
+        tensorwise site with window statistics, else None."""
+        from loka_compile.kernels.scaled_gemm import AmaxGuard, Scaling
+
+        if spec.scaling is not Scaling.TENSORWISE or site.id not in self.window_amax:
+            return None
+        a_amax, b_amax = self.window_amax[site.id]
+        return AmaxGuard.of_window(f"{self.amax_guard_prefix}/{site.id}", a_amax, b_amax, spec.a_format,
+                                   spec.b_format)
 
     def static_a_scale(self, site: Site) -> Optional[dict]:
         """The calibrated static scale of `site`'s A in this graph (inference graphs only),

@@ -561,8 +561,6 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
             continue
         if node.op != "call_function" or node.target not in GEMM_OPS:
             continue
-        a, b, _, unit = operands(node)
-        a_val, b_val = a.meta["val"], b.meta["val"]
         module, seq_nr, recomputed = module_path(node), node.meta.get("seq_nr"), False
         if ctx.kind is not GraphKind.BACKWARD:
             role = Role.FWD
@@ -576,29 +574,39 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
                 module, seq_nr = recovered_provenance(node, grads, wgrads)
         base = f"{module or '<root>'}:{role.value}{':recomputed' if recomputed else ''}"
         names_seen[base] = names_seen.get(base, 0) + 1
-        name = base if names_seen[base] == 1 else f"{base}#{names_seen[base]}"
-        ctx.sites.append(Site(
-            key=f"{ctx.graph}/{ctx.kind.value}/{node.name}",
-            name=name,
-            graph=ctx.graph,
-            kind=ctx.kind,
-            node=node,
-            op=GEMM_OPS[node.target],
-            role=role,
-            module=module,
-            shape=(as_dim(a_val.shape[-2]), as_dim(a_val.shape[-1]), as_dim(b_val.shape[-1])),
-            batch=as_dim(a_val.shape[0]) if a_val.dim() == 3 else None,
-            dtype=a_val.dtype,
-            device=a_val.device,
-            a_is_grad=a in grads,
-            b_is_grad=b in grads,
-            producers=(short_target(skip_views_up(a)), short_target(skip_views_up(b))),
-            consumers=tuple(consumers_of(node)),
-            seq_nr=seq_nr,
-            unit_scalars=unit,
-            a_major=operand_major(a_val),
-            b_major=operand_major(b_val),
-            b_is_weight=weight_source(b, weights) is not None,
-            id=site_id(ctx.kind, base, names_seen[base]),
-        ))
+        ctx.sites.append(gemm_site(node, ctx, f"{ctx.graph}/{ctx.kind.value}/{node.name}", base, names_seen[base],
+                                   role, module, seq_nr, grads, weights))
     return len(ctx.sites)
+
+
+def gemm_site(node: torch.fx.Node, ctx: PassContext, key: str, base: str, ordinal: int, role: Role, module: str,
+              seq_nr: Optional[int], grads: set, weights: dict) -> Site:
+    """The Site of GEMM `node`: `base` is "<module>:<role>[:recomputed]", `ordinal` its
+    1-based order among the graph's sites of that base; `grads`: the nodes that carry the
+    incoming gradient; `weights`: the weight placeholders (`weight_placeholders`)."""
+    a, b, _, unit = operands(node)
+    a_val, b_val = a.meta["val"], b.meta["val"]
+    return Site(
+        key=key,
+        name=base if ordinal == 1 else f"{base}#{ordinal}",
+        graph=ctx.graph,
+        kind=ctx.kind,
+        node=node,
+        op=GEMM_OPS[node.target],
+        role=role,
+        module=module,
+        shape=(as_dim(a_val.shape[-2]), as_dim(a_val.shape[-1]), as_dim(b_val.shape[-1])),
+        batch=as_dim(a_val.shape[0]) if a_val.dim() == 3 else None,
+        dtype=a_val.dtype,
+        device=a_val.device,
+        a_is_grad=a in grads,
+        b_is_grad=b in grads,
+        producers=(short_target(skip_views_up(a)), short_target(skip_views_up(b))),
+        consumers=tuple(consumers_of(node)),
+        seq_nr=seq_nr,
+        unit_scalars=unit,
+        a_major=operand_major(a_val),
+        b_major=operand_major(b_val),
+        b_is_weight=weight_source(b, weights) is not None,
+        id=site_id(ctx.kind, base, ordinal),
+    )

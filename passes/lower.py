@@ -92,6 +92,7 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         static = ctx.static_a_scale(site)
         if static is not None and spec.scaling is not Scaling.BLOCKWISE:
             spec = dataclasses.replace(spec, a_static_scale=float(static["scale"]))
+        spec = dataclasses.replace(spec, amax_guard=ctx.amax_guard(site, spec))
         row_max = per_piece_row_max("benchmarked_reductions" not in ctx.inactive_mods,
                                     "cat_casts" not in ctx.inactive_mods, spec.pad_k)
         site.casts = operand_casts(site, decision.scaling, fused_casts, a_static=spec.a_static_scale is not None,

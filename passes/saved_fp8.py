@@ -103,9 +103,9 @@ def _read_by_gemms_only(node: torch.fx.Node) -> bool:
 
 
 def find_operands(graph: torch.fx.Graph, ctx: PassContext, result: SavedFp8) -> list:
-    """The operands to save, as (site, "a" or "b", operand node, decision), counting the
-    declined ones into `result`; changes nothing. `ctx` is a backward-kind context whose
-    `decide` is Dispatch's."""
+    """The operands to save, as (site, "a" or "b", operand node, decision, the site's amax
+    guard or None), counting the declined ones into `result`; changes nothing. `ctx` is a
+    backward-kind context whose `decide` is Dispatch's."""
     found = []
     find_sites(graph, ctx)
     for site in ctx.sites:
@@ -122,15 +122,17 @@ def find_operands(graph: torch.fx.Graph, ctx: PassContext, result: SavedFp8) -> 
             if why:
                 result.declined[why] += 1
             else:
-                found.append((site, which, operand, decision))
+                guard = ctx.amax_guard(site, GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format),
+                                                      Fp8Format(decision.b_format), decision.provider, site.dtype))
+                found.append((site, which, operand, decision, guard))
     return found
 
 
 def save_fp8_operands(found: list, fused_casts: bool, result: SavedFp8) -> None:
     """Rewrite the joint graph for the operands `find_operands` found (module docstring),
     recording each into `result`."""
-    for site, which, operand, decision in found:
-        result.operands.append(_save(site, which, operand, decision, fused_casts))
+    for site, which, operand, decision, guard in found:
+        result.operands.append(_save(site, which, operand, decision, fused_casts, guard))
 
 
 def _decline(operand: torch.fx.Node, decision) -> str:
@@ -146,9 +148,9 @@ def _decline(operand: torch.fx.Node, decision) -> str:
     return ""
 
 
-def _save(site, which: str, operand: torch.fx.Node, decision, fused_casts: bool) -> SavedOperand:
+def _save(site, which: str, operand: torch.fx.Node, decision, fused_casts: bool, guard=None) -> SavedOperand:
     spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
-                    decision.provider, site.dtype, fused_casts=fused_casts)
+                    decision.provider, site.dtype, fused_casts=fused_casts, amax_guard=guard)
     producer = skip_views_up(operand)
     _, (dequantized, q, scale) = insert_traced(
         site.node, functools.partial(cast_to_save, operand=which, spec=spec), [operand], meta_from=producer)

@@ -49,3 +49,19 @@ class WukongLikeBlock(nn.Module):
         y = self.out_norm(y)
         y = self.proj(y)                              # linear over a 3-D input
         return self.head(y.reshape(b, -1))
+
+
+class RoutedTowers(nn.Module):
+    """Two towers and a shared head: each batch goes through `left` when its mean is
+    positive, else through `right` (`torch.cond` on a data-dependent predicate). Returns the
+    routed tower's output and the head's."""
+
+    def __init__(self, d_in=32, hidden=64, d_out=16):
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_in))
+        self.right = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_in))
+        self.head = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        routed = torch.cond(x.mean() > 0, self.left, self.right, (x,))
+        return routed, self.head(routed)

@@ -70,7 +70,7 @@ def _fp32_reference(model, x):
 def test_per_piece_cast_is_bit_identical_to_the_cast_of_the_concatenation():
     pieces = [torch.randn(33, k) * s for k, s in ((100, 1.0), (7, 30.0), (64, 1e-3))]
     pieces[1][3, 2] = float("nan")      # its row's scale is NaN, as for the whole row
-    pieces[2][5, 0] = float("inf")
+    pieces[2][5, 0] = float("inf")      # +inf
     pieces[0][9].zero_(); pieces[1][9].zero_(); pieces[2][9].zero_()  # an all-zero row: scale 1
     for fmt in Fp8Format:
         spec = GemmSpec(Scaling.ROWWISE, fmt, fmt, "emulated", torch.float32)
@@ -78,7 +78,7 @@ def test_per_piece_cast_is_bit_identical_to_the_cast_of_the_concatenation():
         q_ref, scale_ref = quantize_along(torch.cat(pieces, -1), -1, fmt)
         torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-        assert math.isnan(scale[3].item()) and math.isnan(scale[5].item()) and scale[9].item() == 1.0
+        assert math.isnan(scale[3].item()) and scale[5].item() == math.inf and scale[9].item() == 1.0
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])

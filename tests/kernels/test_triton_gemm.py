@@ -238,6 +238,40 @@ def test_nan_scales_propagate(impl):
     assert torch.isnan(out).all()
 
 
+def check_infinities(scaling, device="cpu", **kw):
+    """An -inf in A's row 3 and a +inf in B's column 2 (`quantize.py`'s policy: rowwise,
+    their groups' scales are +inf and each infinity's byte its sign; blockwise, each is a
+    NaN byte, e4m3 having no inf): the output is non-finite exactly where the
+    high-precision product is; rowwise with each infinity's sign (except where the two
+    meet: inf - inf may be NaN), blockwise NaN; and the same non-finite values as the
+    reference, which keeps quantized zeros zero."""
+    a = torch.randn(32, 256, device=device)
+    b = torch.randn(256, 48, device=device)
+    a[3, 130], b[5, 2] = float("-inf"), float("inf")
+    a_q, a_s, b_q, b_s = quantize_operands(a, b, scaling, E4M3, E4M3)
+    out = tg.fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=torch.float32, **kw)
+    ref = tg.reference_fp8_gemm(a_q, a_s, b_q, b_s, scaling, out_dtype=torch.float32)
+    for kind in (torch.isposinf, torch.isneginf, torch.isnan):
+        assert torch.equal(kind(out), kind(ref)), kind.__name__
+    exact = a.double() @ b.double()
+    assert torch.equal(torch.isfinite(out), torch.isfinite(exact))
+    infinite = torch.isinf(exact)
+    infinite[3, 2] = False  # where the two infinities meet
+    assert infinite.sum() == 32 + 48 - 2
+    if scaling is Scaling.ROWWISE:
+        assert torch.equal(out[infinite], exact.float()[infinite])
+    finite = torch.isfinite(exact)
+    assert sqnr_db(exact[finite], out[finite]) > 25.0
+
+
+@interpreter
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
+def test_infinities_keep_their_sign(impl):
+    # Rowwise only: blockwise casts write NaN bytes, which the interpreter's dot reads as
+    # numbers (triton 3.6); `-m cuda` covers them.
+    check_infinities(Scaling.ROWWISE, impl=impl)
+
+
 @interpreter
 @pytest.mark.parametrize("per_column", [False, True], ids=["one-scale", "per-column"])
 @pytest.mark.parametrize("impl", ["pointer", "tma"])
@@ -404,6 +438,13 @@ def test_cuda_matches_reference(shape, scaling, impl):
     operands = make_operands(*shape, scaling, device="cuda")
     check_against_reference(*operands, scaling, impl=impl, config=GPU_CONFIG)
     check_against_reference(*operands, scaling, impl=impl, config=GPU_CONFIG, out_dtype=torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", ["tma", "pointer"])
+@pytest.mark.parametrize("scaling", [Scaling.ROWWISE, Scaling.BLOCKWISE])
+def test_cuda_infinities_keep_their_sign(scaling, impl):
+    check_infinities(scaling, device="cuda", impl=impl, config=GPU_CONFIG)
 
 
 @pytest.mark.cuda

@@ -141,27 +141,56 @@ def _poisoned(rows, cols):
     return x
 
 
+ONE_BYTE = {"e4m3": 0x38, "e5m2": 0x3C}  # the bits of 1.0; 0x80 is the sign
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_non_finite_policy(fmt):
+    """A NaN makes its group NaN; an infinity (no NaN) makes its group's scale +inf, its
+    own byte its sign (+-1.0) and the group's finite bytes +-0; tensorwise each bad element
+    alone is NaN, or +-inf in e5m2."""
     x = _poisoned(13, 96)
     q, s = tq.quantize_rowwise_triton(x, fmt)
     assert_same(q, s, *quantize_along(x, -1, Fp8Format(fmt)))
-    assert s[[1, 4, 5]].isnan().all() and s[6].item() == 1.0
-    assert (q[[1, 4, 5]].view(torch.uint8) == tq.NAN_BYTE).all()
+    assert s[1].isnan() and (q[1].view(torch.uint8) == tq.NAN_BYTE).all()
+    assert s[[4, 5]].isposinf().all() and s[6].item() == 1.0
+    bits = q.view(torch.uint8)
+    assert bits[4, 0] == ONE_BYTE[fmt] and bits[5, 7] == 0x80 + ONE_BYTE[fmt]
+    others = torch.ones_like(bits[4:6], dtype=torch.bool)
+    others[0, 0] = others[1, 7] = False
+    assert ((bits[4:6][others] & 0x7F) == 0).all()  # +-0
     assert (q[6].view(torch.uint8) == 0).all()
     finite = [i for i in range(13) if i not in (1, 4, 5)]
     assert s[finite].isfinite().all()
-    # tensorwise: the scale comes from the finite values; only the bad elements are NaN
+    # tensorwise: the scale comes from the finite values; only the bad elements are NaN (+-inf in e5m2)
     q, s = tq.quantize_tensorwise_triton(x, fmt)
     bad = ~torch.isfinite(x)
-    assert s.isfinite() and (q.view(torch.uint8)[bad] == tq.NAN_BYTE).all()
+    assert s.isfinite() and q.float()[1, 3].isnan()
+    assert (q.float()[4, 0].isposinf() and q.float()[5, 7].isneginf()) if fmt == "e5m2" else q.float()[bad].isnan().all()
     assert not q.float()[~bad].isnan().any()
     assert_same(q, s, *quantize_tensorwise(x, Fp8Format(fmt)))
     # blockwise and dual-axis: only the groups that hold the bad elements
     assert_same(*tq.quantize_blockwise_triton(x, 1, 128, fmt), *quantize_blockwise(x, 1, 128, Fp8Format(fmt)))
+    assert_same(*tq.quantize_blockwise_triton(x, 16, 16, fmt), *quantize_blockwise(x, 16, 16, Fp8Format(fmt)))
     q_row, s_row, q_col, s_col = tq.quantize_dual_axis_triton(x, fmt)
+    assert_same(q_row, s_row, *quantize_along(x, -1, Fp8Format(fmt)))
     assert_same(q_col, s_col, *quantize_along(x, -2, Fp8Format(fmt)))
-    assert s_col[0, [0, 3, 7]].isnan().all() and s_col.isfinite().sum() == 93
+    assert s_col[0, 3].isnan() and s_col[0, [0, 7]].isposinf().all() and s_col.isfinite().sum() == 93
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_policy_split_reduction(fmt):
+    """The split-reduction row casts (a strided reduction axis: columnwise on a row-major
+    tensor) order NaN above inf in their atomic amax too."""
+    x = _poisoned(13, 96)  # row-major: each column's reduction is strided
+    q, s = tq.quantize_columnwise_triton(x, fmt)
+    assert_same(q, s, *quantize_along(x, -2, Fp8Format(fmt)))
+    assert s[0, 3].isnan() and s[0, [0, 7]].isposinf().all()
+    y = x.clone()
+    y[2, 3] = float("inf")  # an inf and a NaN in one group: NaN wins
+    q, s = tq.quantize_columnwise_triton(y, fmt)
+    assert_same(q, s, *quantize_along(y, -2, Fp8Format(fmt)))
+    assert s[0, 3].isnan() and (q[:, 3].view(torch.uint8) == tq.NAN_BYTE).all()
 
 
 def test_all_zero_tensor_scale_one():
