@@ -15,12 +15,15 @@ size, reads one entry.
 
 Each insert re-reads the file under a lock, merges and replaces it atomically, so
 processes compiling side by side (one per rank) keep each other's entries. A file that
-cannot be read is logged and read as empty; a directory that cannot be written is logged
-once and the database keeps its entries in memory.
+cannot be read is logged and read as empty. A cache directory loka cannot use
+(LOKA_CACHE_DIR names a file, or a directory loka may not write: `check_cache_dir`) is
+logged once, naming the variable and the path, and the database keeps its entries in
+memory: a compile never fails for want of a place to keep timings.
 
-    python -m loka_compile.perfdb list     # the entries, as a table
-    python -m loka_compile.perfdb clear    # delete the file
-    python -m loka_compile.perfdb path     # where the file is
+    python -m loka_compile perfdb list     # the entries, as a table
+    python -m loka_compile perfdb clear    # delete the file
+    python -m loka_compile perfdb path     # where the file is
+    (python -m loka_compile.perfdb ... runs the same commands)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
@@ -52,6 +56,43 @@ def cache_dir() -> Path:
         return Path(os.environ["LOKA_CACHE_DIR"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base).expanduser() / "loka"
+
+
+def _cache_dir_name() -> tuple:
+    """(how messages name the cache directory, a hint they end with): the variable that
+    set it, or where the default came from."""
+    if os.environ.get("LOKA_CACHE_DIR"):
+        return f"LOKA_CACHE_DIR={cache_dir()}", ""
+    via = "XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "the home directory"
+    return f"the cache directory {cache_dir()} (from {via})", "; set LOKA_CACHE_DIR to a writable directory"
+
+
+class CacheDirError(ValueError):
+    """loka's cache directory cannot hold its files: it is a file, lies under one, or
+    cannot be written. The message names the directory and where it came from."""
+
+
+def check_cache_dir(directory: os.PathLike, name: Optional[str] = None, hint: str = "") -> None:
+    """Raise CacheDirError unless `directory` is, or can be made, a directory loka may
+    write. `name`: how the message calls it (default: the path); `hint`: its ending."""
+    directory = Path(directory)
+    name = name or str(directory)
+    problem = None
+    if directory.exists():
+        if not directory.is_dir():
+            problem = "is a file, not a directory"
+        elif not os.access(directory, os.W_OK | os.X_OK):
+            problem = "is not writable"
+    else:
+        parent = directory.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            problem = f"cannot be made: {parent} is a file, not a directory"
+        elif not os.access(parent, os.W_OK | os.X_OK):
+            problem = f"cannot be made: {parent} is not writable"
+    if problem:
+        raise CacheDirError(f"loka: {name} {problem}{hint}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,23 +147,46 @@ def _key_id(key: dict) -> str:
 class PerfDB:
     """Timings by key, backed by one JSON file (module docstring)."""
 
-    def __init__(self, path: Optional[os.PathLike] = None):
-        self.path = Path(path) if path is not None else cache_dir() / FILE_NAME
+    def __init__(self, path: Optional[os.PathLike] = None, name: Optional[str] = None, hint: str = ""):
+        """`path`: the file (default: perfdb.json in `cache_dir()`, named after the variable
+        that set it); `name`, `hint`: how messages call its directory (`check_cache_dir`)."""
+        if path is None:
+            path, (name, hint) = cache_dir() / FILE_NAME, _cache_dir_name()
+        self.path = Path(path)
+        self.name, self.hint = name or str(self.path.parent), hint
         self._entries: dict = {}      # key id -> {"key": ..., "value": ...}
-        self._persist = True          # off once the directory proved unwritable
+        self._persist = True          # off once the directory proved unusable or unwritable
+        self._checked = False         # the directory checked (`_usable`)
+
+    def check(self) -> None:
+        """Raise CacheDirError if the file's directory is unusable (`check_cache_dir`)."""
+        check_cache_dir(self.path.parent, self.name, self.hint)
+
+    def _usable(self) -> bool:
+        """Whether to use the file; an unusable directory is logged once, and the database
+        then keeps its entries in this process alone."""
+        if not self._checked:
+            self._checked = True
+            try:
+                self.check()
+            except CacheDirError as error:
+                self._persist = False
+                log.warning("%s; loka cannot write the performance database %s: speed-check timings are kept for "
+                            "this process only", error, self.path)
+        return self._persist
 
     def get(self, key: dict) -> Optional[dict]:
         """The stored value of key, or None. A miss re-reads the file: another process may
         have timed the site since."""
         found = self._entries.get(_key_id(key))
-        if found is None and self._persist:
+        if found is None and self._usable():
             self._entries.update(self._read())
             found = self._entries.get(_key_id(key))
         return None if found is None else found["value"]
 
     def put(self, key: dict, value: dict) -> None:
         self._entries[_key_id(key)] = {"key": key, "value": value}
-        if not self._persist:
+        if not self._usable():
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,16 +202,17 @@ class PerfDB:
 
     def entries(self) -> list:
         """Every entry, as {"key": ..., "value": ...}."""
-        if self._persist:
+        if self._usable():
             self._entries = {**self._read(), **self._entries}
         return list(self._entries.values())
 
     def clear(self) -> bool:
-        """Delete the file and forget the entries; False if there was no file."""
+        """Delete the file and forget the entries; False if there was no file. OSError if
+        the file cannot be deleted."""
         self._entries.clear()
         try:
             self.path.unlink()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
         return True
 
@@ -209,29 +274,32 @@ def default_db() -> PerfDB:
     global _default
     path = cache_dir() / FILE_NAME
     if _default is None or _default.path != path:
-        _default = PerfDB(path)
+        _default = PerfDB()
     return _default
 
 
 def _table(entries: list) -> str:
     """Site timings, then `gemm_epilogue` link timings (fused vs the provider GEMM plus
-    Inductor's pointwise kernel) when there are any."""
+    Inductor's pointwise kernel) when there are any; a line counts entries of another layout."""
     from tabulate import tabulate
 
-    sites, links = [], []
+    sites, links, unreadable = [], [], 0
     for entry in entries:
-        key, value = entry["key"], entry["value"]
-        common = [key["device"], key["torch"], f"{key['m']} x {key['k']} x {key['n']}", key["dtype"],
-                  key["scaling"], f"{key['a_format']}x{key['b_format']}"]
-        if key.get("kind") == "epilogue":
-            norm = f" + {key['norm']} norm" + (" (+ pre-norm)" if key["write_pre"] else "") if "norm" in key else ""
-            links.append(common + [key["providers"][0], key["activation"] + (" + residual" if key["residual"] else "")
-                                   + norm,
-                                   round(value["unfused_us"], 1), round(value["fused_us"], 1),
-                                   f"{value['unfused_us'] / value['fused_us']:.2f}x"])
-        else:
-            sites.append(common + [value["provider"], round(value["bf16_us"], 1), round(value["fp8_us"], 1),
-                                   f"{value['bf16_us'] / value['fp8_us']:.2f}x"])
+        try:
+            key, value = entry["key"], entry["value"]
+            common = [key["device"], key["torch"], f"{key['m']} x {key['k']} x {key['n']}", key["dtype"],
+                      key["scaling"], f"{key['a_format']}x{key['b_format']}"]
+            if key.get("kind") == "epilogue":
+                norm = f" + {key['norm']} norm" + (" (+ pre-norm)" if key["write_pre"] else "") if "norm" in key else ""
+                links.append(common + [key["providers"][0], key["activation"]
+                                       + (" + residual" if key["residual"] else "") + norm,
+                                       round(value["unfused_us"], 1), round(value["fused_us"], 1),
+                                       f"{value['unfused_us'] / value['fused_us']:.2f}x"])
+            else:
+                sites.append(common + [value["provider"], round(value["bf16_us"], 1), round(value["fp8_us"], 1),
+                                       f"{value['bf16_us'] / value['fp8_us']:.2f}x"])
+        except (KeyError, TypeError, IndexError, ZeroDivisionError):
+            unreadable += 1
     head = ["device", "torch", "M x K x N", "dtype", "scaling", "formats"]
     tables = [tabulate(sorted(sites, key=lambda row: row[:3]),
                        headers=head + ["provider", "bf16 us", "fp8 us", "speedup"])] if sites else []
@@ -239,27 +307,57 @@ def _table(entries: list) -> str:
         tables.append("gemm_epilogue links:\n" + tabulate(
             sorted(links, key=lambda row: row[:3]),
             headers=head + ["unfused provider", "epilogue", "unfused us", "fused us", "speedup"]))
+    if unreadable:
+        tables.append(f"{unreadable} entries of another layout not shown")
     return "\n\n".join(tables)
+
+
+COMMANDS = ("list", "clear", "path")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The database commands' arguments (this module's CLI and `python -m loka_compile perfdb`)."""
+    parser.add_argument("command", choices=COMMANDS,
+                        help="list: the entries as a table; clear: delete the file; path: where it is")
+    parser.add_argument("--cache-dir", help="the cache directory (default: LOKA_CACHE_DIR, else the user's "
+                                            "cache directory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one database command; an unusable cache directory or a file that cannot be
+    deleted prints one line to stderr and returns 2."""
+    if args.cache_dir:
+        directory = Path(args.cache_dir).expanduser()
+        db = PerfDB(directory / FILE_NAME, name=f"--cache-dir {directory}")
+    else:
+        db = PerfDB()
+    try:
+        db.check()
+        if args.command == "path":
+            print(db.path)
+        elif args.command == "clear":
+            removed = len(db.entries())
+            print(f"deleted {db.path} ({removed} entries)" if db.clear() else f"no database at {db.path}")
+        else:
+            entries = db.entries()
+            if entries:
+                print(_table(entries))
+            print(f"{len(entries)} entries in {db.path}")
+    except CacheDirError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"loka: performance database {db.path}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loka_compile.perfdb",
-                                     description="loka's kernel performance database (speed-check timings)")
-    parser.add_argument("command", choices=("list", "clear", "path"))
-    parser.add_argument("--cache-dir", help="the cache directory (default: LOKA_CACHE_DIR, else the user's "
-                                            "cache directory)")
-    args = parser.parse_args(argv)
-    db = PerfDB(Path(args.cache_dir).expanduser() / FILE_NAME if args.cache_dir else None)
-    if args.command == "path":
-        print(db.path)
-    elif args.command == "clear":
-        print(f"deleted {db.path}" if db.clear() else f"no database at {db.path}")
-    else:
-        entries = db.entries()
-        if entries:
-            print(_table(entries))
-        print(f"{len(entries)} entries in {db.path}")
-    return 0
+                                     description="loka's kernel performance database (speed-check timings); "
+                                                 "also `python -m loka_compile perfdb`")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from loka_compile.passes import Decision, Reason
+from loka_compile.config import RECIPES
+from loka_compile.kernels.quantize import Fp8Format, Scaling
+from loka_compile.passes import Decision, GraphKind, Reason
 from loka_compile.passes.context import Candidate
 
 FORMAT_VERSION = 1
@@ -28,6 +31,9 @@ FORMAT_VERSION = 1
 # shape): a loaded plan's entry with one of these replaces the measurement. Other reasons
 # follow from the model and the config and are decided again.
 MEASURED_REASONS = frozenset({Reason.FP8, Reason.PROBE_UNSAFE, Reason.SLOWER_THAN_BF16, Reason.PROVIDER_FAILED})
+
+# A site's decision, as `Plan.diff` compares it (timings and details aside).
+DECISION_FIELDS = ("fp8", "reason", "provider", "scaling", "a_format", "b_format", "fast_accum", "pad_k", "pad_n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +68,25 @@ class SitePlan:
                    m_bucket=decision.m_bucket)
 
     @classmethod
-    def from_json(cls, entry: dict) -> "SitePlan":
-        return cls(**{**entry, "shape": tuple(entry.get("shape", ())),
-                      "candidates": tuple(Candidate(**c) for c in entry.get("candidates", ()))})
+    def from_json(cls, entry: dict, where: str = "site: ") -> "SitePlan":
+        """A saved entry, every field checked (`_SITE_FIELDS`); otherwise ValueError naming
+        `where` ("loka plan p.json is damaged: site 'forward/fc1:fwd#1': ") and the field."""
+        fields = _Fields(entry, where)
+        unknown = sorted(set(entry) - set(_SITE_FIELDS))
+        if unknown:
+            raise ValueError(f"{where}unknown field {unknown[0]!r} (a site has {', '.join(_SITE_FIELDS)})")
+        values = {name: fields.get(name, *spec) for name, spec in _SITE_FIELDS.items()}
+        values["shape"] = tuple(values["shape"])
+        values["candidates"] = tuple(_candidate(c, f"{where}candidates[{i}].")
+                                     for i, c in enumerate(values["candidates"]))
+        if values["fp8"] != (values["reason"] == Reason.FP8.value):
+            raise ValueError(f"{where}fp8 is {json.dumps(values['fp8'])} with reason {values['reason']!r}: "
+                             f"a site runs FP8 exactly when its reason is 'fp8'")
+        if values["fp8"]:
+            for name in ("scaling", "a_format", "b_format"):
+                if not values[name]:
+                    raise ValueError(f"{where}{name} is empty on an FP8 site")
+        return cls(**values)
 
     def decision(self, source: str) -> Decision:
         detail = "; ".join(filter(None, (self.detail, f"from plan {source}")))
@@ -105,20 +127,35 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> "Plan":
+        """A plan from its JSON form, every field checked against the values loka knows
+        (reasons, scalings, FP8 formats, recipes, ...): a damaged file raises ValueError
+        naming the file, the site and the field ("loka plan p.json is damaged: site
+        'forward/fc1:fwd#1': fp8 must be true or false, not 'no'"), rather than loading a
+        plan whose graphs would fall back to high precision at compile time."""
+        name = source or "(in memory)"
         if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"loka plan {source}: format version {found!r}, this loka reads version {FORMAT_VERSION}")
+            raise ValueError(f"loka plan {name}: format version {found!r}, this loka reads version {FORMAT_VERSION}")
+        where = f"loka plan {name} is damaged: "
+        top = _Fields(data, where)
         try:
-            sites = {sid: SitePlan.from_json(entry) for sid, entry in data["sites"].items()}
-            return cls(params={name: (tuple(shape), dtype) for name, (shape, dtype) in data["params"].items()},
-                       device_type=data["device_type"], recipe=data["recipe"], version=data["version"], sites=sites,
-                       unsafe={sid: float(e) for sid, e in data.get("unsafe", {}).items()},
-                       upgraded={sid: tuple(e) for sid, e in data.get("upgraded", {}).items()},
-                       a_scales={sid: _static_scale(e) for sid, e in data.get("a_scales", {}).items()},
-                       history={sid: [dict(e) for e in events] for sid, events in data.get("history", {}).items()},
+            device_type, recipe = top.get("device_type", _DEVICE_TYPE), top.get("recipe", _RECIPE)
+            params = {p: _param(value, f"{where}parameter {p!r}: ") for p, value in top.get("params", _OBJECT).items()}
+            sites = {sid: SitePlan.from_json(entry, f"{where}site {sid!r}: ")
+                     for sid, entry in top.get("sites", _OBJECT).items()}
+            unsafe = {sid: float(_Fields({"error": e}, f"{where}unsafe {sid!r}: ").get("error", _NUMBER))
+                      for sid, e in top.get("unsafe", _OBJECT, {}).items()}
+            return cls(params=params, device_type=device_type, recipe=recipe, version=data["version"], sites=sites,
+                       unsafe=unsafe,
+                       upgraded={sid: _upgraded(e, f"{where}upgraded {sid!r}: ")
+                                 for sid, e in top.get("upgraded", _OBJECT, {}).items()},
+                       a_scales={sid: _static_scale(e, f"{where}a_scales {sid!r}: ")
+                                 for sid, e in top.get("a_scales", _OBJECT, {}).items()},
+                       history={sid: _history(events, f"{where}history {sid!r}")
+                                for sid, events in top.get("history", _OBJECT, {}).items()},
                        source=source)
-        except (AttributeError, KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"loka plan {source} is damaged: {type(error).__name__}: {error}") from None
+        except (AttributeError, KeyError, TypeError) as error:  # a shape no check above foresaw
+            raise ValueError(f"loka plan {name} is damaged: {type(error).__name__}: {error}") from None
 
     def save(self, path) -> "Plan":
         """Write this plan to `path` as JSON (atomically); returns it with `source` set."""
@@ -131,6 +168,114 @@ class Plan:
 
     def digest(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
+
+    # -- reading a plan: its sites as report rows, its summary and table, a diff -----------
+
+    def site_records(self) -> list:
+        """The plan's sites as `report.SiteRecord`s, forward (or inference) sites first, by
+        id, for the report's table and summary lines. A plan keeps no graph names, operand
+        casts but static scales, or bmm batch sizes; a site the Probe found unsafe shows its
+        observed error."""
+        from loka_compile.report import SiteRecord, _candidates
+
+        records = []
+        backward_last = lambda item: (_id_parts(item[0])[0] == GraphKind.BACKWARD.value, item[0])  # noqa: E731
+        for sid, entry in sorted(self.sites.items(), key=backward_last):
+            kind, module, role = _id_parts(sid)
+            static = self.a_scales.get(sid)
+            records.append(SiteRecord(
+                name=sid, module=module, role=role, shape=entry.shape, fp8=entry.fp8,
+                provider=entry.provider if entry.fp8 else "aten", reason=entry.reason, graph="", kind=kind, op="",
+                batch=None, dtype=entry.dtype, scaling=entry.scaling if entry.fp8 else "",
+                formats=f"{entry.a_format} x {entry.b_format}" if entry.fp8 else "", producers=(), consumers=(),
+                forward_site="", key=sid,
+                probe={"max_rel_error": self.unsafe[sid]} if sid in self.unsafe else {},
+                bf16_us=entry.bf16_us, fp8_us=entry.fp8_us, detail=entry.detail,
+                casts={"a": f"static scale (calibrated {static['policy']})"} if static and entry.fp8 else {},
+                fast_accum=entry.fp8 and entry.fast_accum,
+                padding=(entry.pad_k, entry.pad_n) if entry.fp8 else (0, 0), id=sid,
+                history=tuple(self.history.get(sid, ())), candidates=_candidates(entry, entry.fp8),
+                m_bucket=entry.m_bucket))
+        return records
+
+    def _report(self):
+        """A `report.Report` whose sites are this plan's (its graph-level parts empty)."""
+        from loka_compile.report import Report
+
+        report = Report([])
+        report.sites = self.site_records()
+        return report
+
+    def summary(self, largest: int = 5) -> str:
+        """What the plan is for, its sites in FP8 (and their share of GEMM FLOPs), the
+        Probe's verdicts and static scales it holds, then the report's lines: counts by
+        reason, the largest sites left in high precision, re-check history."""
+        from loka_compile.report import _flops
+
+        report = self._report()
+        sites = report.sites
+        flops = {s.id: _flops(s) for s in sites}
+        total = sum(f for f in flops.values() if f is not None)
+        share = sum(flops[s.id] for s in sites if s.fp8 and flops[s.id] is not None) / total if total else 0.0
+        roles = {}
+        for s in sites:
+            roles.setdefault(s.role, [0, 0])
+            roles[s.role][0] += s.fp8
+            roles[s.role][1] += 1
+        lines = [f"loka plan {self.source or '(in memory)'}: recipe {self.recipe}, device type {self.device_type}, "
+                 f"format version {self.version}, {len(self.params)} parameters",
+                 f"{len(sites)} GEMM sites, {sum(s.fp8 for s in sites)} in FP8 ({100 * share:.0f}% of GEMM FLOPs, "
+                 f"sites of concrete shape)",
+                 "FP8 per role: " + ", ".join(f"{role} {n}/{all_}" for role, (n, all_) in roles.items())]
+        if self.unsafe or self.upgraded:
+            upgrades = ", ".join(f"{sid} -> {_upgrade_target(entry)}" for sid, entry in sorted(self.upgraded.items()))
+            lines.append(f"probe verdicts: {len(self.unsafe)} unsafe, {len(self.upgraded)} upgraded"
+                         + (f" ({upgrades})" if upgrades else ""))
+        if self.a_scales:
+            policies = sorted({entry["policy"] for entry in self.a_scales.values()})
+            lines.append(f"static activation scales: {len(self.a_scales)} site(s), {', '.join(policies)}")
+        return "\n".join(lines + report._kept_lines(largest) + report._history_lines())
+
+    def table(self) -> str:
+        """Every site as `report.table()` shows it (the graph column empty: a plan keeps
+        decisions by site id across graphs), then the static activation scales."""
+        from tabulate import tabulate
+
+        text = self._report().table()
+        if self.a_scales:
+            text += "\n\nstatic activation scales:\n" + tabulate(
+                [(sid, e["scale"], e["range"], e["policy"], e["error"]) for sid, e in sorted(self.a_scales.items())],
+                headers=["site id", "scale", "range", "policy", "error"])
+        return text
+
+    def diff(self, other: "Plan") -> list:
+        """What differs between this plan (A) and `other` (B), as (what, field, in A, in B)
+        rows, None where one plan lacks it: the header (version, recipe, device type),
+        parameters, sites only in one, and per site in both its decision (`DECISION_FIELDS`),
+        its Probe verdict and its static activation scale. Timings and details are not
+        compared. Empty: the plans decide the same."""
+        rows = [("plan", name, getattr(self, name), getattr(other, name))
+                for name in ("version", "recipe", "device_type") if getattr(self, name) != getattr(other, name)]
+        for name in sorted(set(self.params) | set(other.params)):
+            a, b = self.params.get(name), other.params.get(name)
+            if a != b:
+                rows.append((f"parameter {name}", "shape, dtype", _param_text(a), _param_text(b)))
+        for sid in sorted(set(self.sites) | set(other.sites)):
+            a, b = self.sites.get(sid), other.sites.get(sid)
+            if a is None or b is None:
+                rows.append((sid, "site", _decision_text(a), _decision_text(b)))
+                continue
+            rows += [(sid, name, getattr(a, name), getattr(b, name))
+                     for name in DECISION_FIELDS if getattr(a, name) != getattr(b, name)]
+            verdicts = _verdict_text(self, sid), _verdict_text(other, sid)
+            if verdicts[0] != verdicts[1]:
+                rows.append((sid, "probe verdict", *verdicts))
+            scales = self.a_scales.get(sid), other.a_scales.get(sid)
+            for field in ("scale", "policy"):
+                a_value, b_value = (None if e is None else e[field] for e in scales)
+                if a_value != b_value:
+                    rows.append((sid, f"static {field}", a_value, b_value))
+        return rows
 
     def mismatches(self, params: dict, device_type: str, recipe: str) -> list:
         """What differs between this plan and a graph it would serve (empty: none). Every
@@ -157,13 +302,200 @@ class Plan:
                              + "; ".join(found))
 
 
-def _static_scale(entry: dict) -> dict:
-    """A saved static activation scale, checked: a finite positive scale, its policy."""
-    scale = float(entry["scale"])
-    if not (scale > 0 and scale < float("inf")):
-        raise ValueError(f"static scale {scale!r} is not finite and positive")
-    return {"scale": scale, "range": float(entry["range"]), "policy": str(entry["policy"]),
-            "error": float(entry["error"])}
+def _id_parts(sid: str) -> tuple:
+    """(kind, module, role) of a site id "<kind>/<module>:<role>[:recomputed]#<n>"; "" for
+    a part an id of another form lacks."""
+    kind, _, rest = sid.partition("/") if "/" in sid else ("", "", sid)
+    base = rest.rsplit("#", 1)[0]
+    recomputed = base.endswith(":recomputed")
+    module, _, role = base.removesuffix(":recomputed").rpartition(":")
+    return kind, module, role + (":recomputed" if recomputed and role else "")
+
+
+def _decision_text(entry: Optional[SitePlan]) -> Optional[str]:
+    if entry is None:
+        return None
+    if entry.fp8:
+        return f"fp8 {entry.scaling} {entry.a_format} x {entry.b_format} on {entry.provider}"
+    return entry.reason
+
+
+def _param_text(param) -> Optional[str]:
+    return None if param is None else f"{tuple(param[0])} {param[1]}"
+
+
+def _verdict_text(plan: Plan, sid: str) -> Optional[str]:
+    """Where the Probe's verdicts put a site: unsafe, upgraded to a scaling, or none."""
+    if sid in plan.unsafe:
+        return "unsafe"
+    if sid in plan.upgraded:
+        return f"upgraded to {_upgrade_target(plan.upgraded[sid])}"
+    return None
+
+
+def _upgrade_target(entry: tuple) -> str:
+    """The scaling an upgrade verdict moves its site to (plans from before the chain: rowwise)."""
+    return entry[0] if isinstance(entry[0], str) else "rowwise"
+
+
+# -- what a loaded plan may hold: each field's check, and the messages naming it ------------
+
+_REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    ok: Callable[[object], bool]
+    must: str                 # "must be <must>, not <value>"
+
+
+# A JSON array: a list in a file, a list or tuple in `Plan.to_json()`'s dict.
+_ARRAY = (list, tuple)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """An int or float (not a bool). NaN and infinities pass: an observed error may be either."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_dtype(value) -> bool:
+    return isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)
+
+
+def _is_device_type(value) -> bool:
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        return torch.device(value).type == value
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _one_of(values, blank: bool = False) -> _Check:
+    values = tuple(values)
+    return _Check(lambda v: isinstance(v, str) and (v in values or (blank and v == "")),
+                  ("'' or " if blank else "") + "one of " + ", ".join(map(repr, values)))
+
+
+_BOOL = _Check(lambda v: isinstance(v, bool), "true or false")
+_STR = _Check(lambda v: isinstance(v, str), "a string")
+_NAME = _Check(lambda v: isinstance(v, str) and v != "", "a non-empty string")
+_INT = _Check(_is_int, "an integer")
+_OBJECT = _Check(lambda v: isinstance(v, dict), "an object")
+_LIST = _Check(lambda v: isinstance(v, _ARRAY), "a list")
+_COUNT = _Check(lambda v: _is_int(v) and v >= 0, "a non-negative integer")
+_NUMBER = _Check(_is_number, "a number")
+_TIME = _Check(lambda v: v is None or (_is_number(v) and v >= 0), "null or a non-negative number (microseconds)")
+_DTYPE = _Check(lambda v: v == "" or _is_dtype(v), "'' or a torch dtype name such as 'bfloat16'")
+_DEVICE_TYPE = _Check(_is_device_type, "a torch device type such as 'cuda' or 'cpu'")
+_RECIPE = _one_of(sorted(RECIPES))
+_SHAPE = _Check(lambda v: isinstance(v, _ARRAY) and len(v) in (0, 3)
+                and all((_is_int(d) and d >= 0) or (isinstance(d, str) and d != "") for d in v),
+                "[M, K, N], each a size or a symbol such as 's0'")
+_SCALINGS = tuple(s.value for s in Scaling)
+_FORMAT = _one_of((f.value for f in Fp8Format), blank=True)
+
+# SitePlan's fields as a file holds them: name -> (check, default); no default: required.
+_SITE_FIELDS = {
+    "fp8": (_BOOL,),
+    "reason": (_one_of(r.value for r in Reason),),
+    "shape": (_SHAPE, []),
+    "dtype": (_DTYPE, ""),
+    "provider": (_NAME, "aten"),
+    "scaling": (_one_of(_SCALINGS, blank=True), ""),
+    "a_format": (_FORMAT, ""),
+    "b_format": (_FORMAT, ""),
+    "pad_k": (_COUNT, 0),
+    "pad_n": (_COUNT, 0),
+    "fast_accum": (_BOOL, False),
+    "bf16_us": (_TIME, None),
+    "fp8_us": (_TIME, None),
+    "detail": (_STR, ""),
+    "candidates": (_LIST, []),
+    "m_bucket": (_Check(lambda v: v is None or (_is_int(v) and v > 0), "null or a positive integer"), None),
+}
+_CANDIDATE_FIELDS = {"provider": (_NAME,), "gemm_us": (_TIME,), "chosen": (_BOOL,), "lost": (_STR, "")}
+
+
+class _Fields:
+    """One JSON object of a plan file, read field by field, each checked."""
+
+    def __init__(self, entry, where: str):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}must be an object, not {_show(entry)}")
+        self.entry, self.where = entry, where   # "loka plan p.json is damaged: site 'forward/fc1:fwd#1': "
+
+    def get(self, name: str, check: _Check, default=_REQUIRED):
+        if name not in self.entry:
+            if default is _REQUIRED:
+                raise ValueError(f"{self.where}{name} is missing")
+            return default
+        value = self.entry[name]
+        if not check.ok(value):
+            raise ValueError(f"{self.where}{name} must be {check.must}, not {_show(value)}")
+        return value
+
+
+def _candidate(entry, where: str) -> Candidate:
+    fields = _Fields(entry, where)
+    unknown = sorted(set(entry) - set(_CANDIDATE_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}unknown field {unknown[0]!r} (a candidate has {', '.join(_CANDIDATE_FIELDS)})")
+    return Candidate(**{name: fields.get(name, *spec) for name, spec in _CANDIDATE_FIELDS.items()})
+
+
+def _param(value, where: str) -> tuple:
+    """A parameter's fingerprint, [shape, dtype] in the file."""
+    if not (isinstance(value, _ARRAY) and len(value) == 2 and isinstance(value[0], _ARRAY)
+            and all(_is_int(d) and d >= 0 for d in value[0]) and _is_dtype(value[1])):
+        raise ValueError(f"{where}must be [shape, dtype] such as [[64, 32], 'float32'], not {_show(value)}")
+    return tuple(value[0]), value[1]
+
+
+def _upgraded(entry, where: str) -> tuple:
+    """An upgrade verdict: (target scaling, [[scaling, bound], ...][, why]), or
+    (tensorwise bound, rowwise bound) in plans from before the chain."""
+    if isinstance(entry, _ARRAY) and len(entry) == 2 and all(map(_is_number, entry)):
+        return tuple(entry)
+    if not (isinstance(entry, _ARRAY) and len(entry) in (2, 3) and entry[0] in _SCALINGS
+            and isinstance(entry[1], _ARRAY)
+            and all(isinstance(step, _ARRAY) and len(step) == 2 and isinstance(step[0], str) and _is_number(step[1])
+                    for step in entry[1])
+            and (len(entry) == 2 or isinstance(entry[2], str))):
+        raise ValueError(f"{where}must be [target scaling, [[scaling, bound], ...]] with the target one of "
+                         f"{', '.join(map(repr, _SCALINGS))}, not {_show(entry)}")
+    return tuple(entry)
+
+
+def _static_scale(entry, where: str) -> dict:
+    """A saved static activation scale: a finite positive scale, its range, policy and error."""
+    fields = _Fields(entry, where)
+    scale = fields.get("scale", _NUMBER)
+    if not 0 < scale < math.inf:
+        raise ValueError(f"{where}scale {scale!r} is not finite and positive")
+    return {"scale": float(scale), "range": float(fields.get("range", _NUMBER)),
+            "policy": fields.get("policy", _NAME), "error": float(fields.get("error", _NUMBER))}
+
+
+def _history(events, where: str) -> list:
+    """A site's re-check verdict changes: objects with at least step, from, to and change."""
+    if not isinstance(events, _ARRAY):
+        raise ValueError(f"{where}: must be a list, not {_show(events)}")
+    for i, event in enumerate(events):
+        fields = _Fields(event, f"{where}[{i}]: ")
+        fields.get("step", _INT)
+        for name in ("from", "to", "change"):
+            fields.get(name, _STR)
+    return [dict(event) for event in events]
 
 
 def param_fingerprint(named_params) -> dict:
@@ -181,6 +513,8 @@ def load_plan(path) -> Plan:
         raise ValueError(f"loka plan {path} cannot be read: {error}") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"loka plan {path} is not JSON: {error}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"loka plan {path} is not JSON: not UTF-8 text") from None
     return Plan.from_json(data, source=path)
 
 
