@@ -115,11 +115,11 @@ class TestLower:
         assert aten.addmm.default not in targets(fwd.graph)
         # each operand's cast is its own nodes, ending in an FP8 convert
         assert len(fp8_casts(fwd.graph)) == 4
-        # the emulated GEMM reads only dequantized FP8 operands
+        # the emulated GEMM reads only dequantized FP8 operands (q * scale, zeros kept zero)
         for mm in (n for n in fwd.graph.nodes if n.target is aten.mm.default):
             for operand in mm.args:
-                assert operand.target is aten.mul.Tensor
-                assert operand.args[0].args[0].meta["val"].dtype == torch.float8_e4m3fn
+                assert operand.target is aten.where.self
+                assert operand.args[1].args[0].meta["val"].dtype == torch.float8_e4m3fn
         by_name = {s.name.split(":")[1]: s for s in ctx.sites}
         casts = [s.casts for s in ctx.sites]
         assert casts[0]["a"].startswith("standalone (graph input") and casts[1]["a"] == "fused into relu"
@@ -198,7 +198,7 @@ class TestLower:
         # the two wgrad GEMMs keep their ATen mm on high-precision operands; the dgrad's mm
         # is the emulation's, on dequantized FP8 operands
         high_precision = [n for n in bwd.graph.nodes if n.target is aten.mm.default
-                          and all(a.meta["val"].dtype == torch.float32 and a.target is not aten.mul.Tensor
+                          and all(a.meta["val"].dtype == torch.float32 and a.target is not aten.where.self
                                   for a in n.args)]
         assert len(high_precision) == 2
 
