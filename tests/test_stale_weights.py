@@ -117,7 +117,8 @@ def test_fingerprint_kernel_matches_the_reference():
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_cuda_fused_adam_and_data_writes_with_cuda_graph_replay(mode):
     model = Ranker().cuda()
-    compiled = torch.compile(model, backend="loka", mode=mode, options={"probe_steps": 0, "recipe": "rowwise"})
+    options = {"probe_steps": 0, "recipe": "rowwise", **({"mode": mode} if mode else {})}
+    compiled = torch.compile(model, backend="loka", options=options)
     opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
     x, target = torch.randn(256, 64, device="cuda"), torch.randn(256, 16, device="cuda")
     for _ in range(3):
@@ -142,3 +143,19 @@ def test_cuda_fingerprint_kernel_matches_the_reference():
     tensors = [torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(513, 77, device="cuda"),
                torch.randn(64, 32, device="cuda", dtype=torch.float16).t()]
     assert fingerprints(tensors) == [reference_fingerprint(t) for t in tensors]
+
+
+def test_a_failing_fingerprint_kernel_falls_back_to_the_reference(monkeypatch, caplog):
+    from loka_compile.kernels import fingerprint
+
+    def broken(tensors):
+        raise RuntimeError("no Triton here")
+
+    monkeypatch.setattr(fingerprint, "kernel_fingerprints", broken)
+    monkeypatch.setattr(fingerprint, "_kernel_failed", [])
+    tensors = [torch.randn(8, 8)]
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with caplog.at_level("WARNING", logger="loka"):
+        assert fingerprint.fingerprints(tensors) == [reference_fingerprint(tensors[0])]
+        assert fingerprint.fingerprints(tensors) == [reference_fingerprint(tensors[0])]
+    assert sum("fingerprint kernel failed" in r.message for r in caplog.records) == 1
