@@ -13,8 +13,8 @@ weights changed. Per model and batch size, in one process and on the same compil
 - `checked_again`: as `checked`, after `unchecked`, to expose drift between the runs;
 - `refresh_only`: the check alone (fingerprints, the host sync, no change found), timed on
   the host around 50 calls, with the weights' MiB it reads;
-- `inductor_bf16_ro` and `loka_ro_no_cached_weights` (weights cast in the graph every call),
-  the baselines the cache is there to beat.
+- `inductor_bf16_ro` and `loka_ro_no_cached_weights` (benchmarks.infer's row: every site FP8,
+  weights cast in the graph every call), the baselines the cache is there to beat.
 
 Writes <out>/<date>_<device>_weight_check.json and .md.
 """
@@ -108,7 +108,7 @@ def run_model(name: str, args, device: torch.device) -> list:
 
 def format_table(rows: list) -> str:
     base = {(r["model"], r["batch"], r["config"]): r.get("median_ms") for r in rows}
-    lines = ["| model | batch | inductor bf16 ms | loka, cast in graph ms | loka checked ms | loka unchecked ms "
+    lines = ["| model | batch | inductor bf16 ms | loka all-FP8, weights cast in the graph ms | loka checked ms | loka unchecked ms "
              "| check cost | check alone ms | weights (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["config"] != "loka_ro":
