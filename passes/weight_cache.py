@@ -7,7 +7,9 @@ linears fused by horizontal_fusion read `cat([W_1, ..., W_n])`), of concrete sha
 Becomes: two `get_attr` constants, the FP8 operand and its scales in the layout the GEMM
 reads (column-major B, padded as the site is). `lower` emits them instead of the cast.
 Declines: operands computed from anything else (weight_norm's g * v / |v|, a LoRA sum),
-symbolic shapes, training graphs (their weights change every step).
+symbolic shapes, operands whose elements share memory (a weight expanded over a batch for
+a bmm, as nn.MultiheadAttention's projection is under autocast), training graphs (their
+weights change every step).
 
 The constants are filled outside the graph by `WeightCache.refresh`, which the backend
 calls before each call of the compiled graph: a weight is (re)quantized at the first call
@@ -146,6 +148,8 @@ def cached_operand(site_node: torch.fx.Node, operand: torch.fx.Node, spec: GemmS
     shared = next((w for w in ctx.cached_weights if w.key == key), None)
     with operand_val.fake_mode:
         q_fake, scale_fake = cast_operand(operand_val, "b", spec)
+    if any(stride == 0 and size > 1 for stride, size in zip(q_fake.stride(), q_fake.shape)):
+        return None  # an expanded weight (a broadcast bmm operand): its cast stays in the graph
     if shared is not None:  # a weight two sites read alike (a shared tower) is cached once
         q, scale = shared.q, shared.scale
         scale_shape = tuple(scale.shape)

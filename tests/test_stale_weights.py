@@ -159,3 +159,24 @@ def test_a_failing_fingerprint_kernel_falls_back_to_the_reference(monkeypatch, c
         assert fingerprint.fingerprints(tensors) == [reference_fingerprint(tensors[0])]
         assert fingerprint.fingerprints(tensors) == [reference_fingerprint(tensors[0])]
     assert sum("fingerprint kernel failed" in r.message for r in caplog.records) == 1
+
+
+class BatchedProjection(nn.Module):
+    """A weight broadcast over the batch for a bmm, as attention layers project a sequence."""
+
+    def __init__(self, d=32, n=48):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d) / d ** 0.5)
+
+    def forward(self, x):
+        return torch.bmm(x, self.weight.t().expand(x.shape[0], -1, -1)).relu()
+
+
+def test_an_expanded_weight_keeps_its_cast_in_the_graph():
+    """An operand whose elements share memory (stride 0) has no dense FP8 copy to cache."""
+    model = BatchedProjection().eval()
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "fallback": False})
+    x = torch.randn(5, 16, 32)
+    assert sqnr_db(model(x), _evaluate(compiled, x)) > SQNR_FLOOR_DB
+    report = loka_compile.report(compiled)
+    assert any(s.fp8 for s in report.sites) and not report.cached_weights
