@@ -1,0 +1,526 @@
+"""Public-model benchmark: the models of benchmarks.public (deepctr-torch, torch-rechub, as
+they ship) in training and inference, one row per (model, mode, config).
+
+    python -m benchmarks.public.run --preset production --out DIR          # GPU
+    python -m benchmarks.public.run --preset tiny --steps 2 --out /tmp/pub  # CPU smoke test
+    python -m benchmarks.public.run --models sequence,torch_rechub.MMOE --modes train
+
+Configurations (`--configs`, names of benchmarks.train): eager_bf16, inductor_bf16_ro,
+torchao_tensorwise_ro, torchao_rowwise_ro, loka_ro (loka's defaults), loka_all_fp8_ro
+(loka with {"speed_check": False, "probe_steps": 0}: every eligible site FP8). Off CUDA a
+`_ro` name runs as its default-mode twin (no CUDA graphs), as in benchmarks.infer.
+torchao rows record why when torchao does not import; torchao inference (post-training
+quantization, benchmarks.infer's recipe) needs CUDA.
+
+bf16 here is autocast (torch.autocast, bf16) over the library's fp32 model: these models
+take float inputs that carry ids (deepctr-torch) and feed fp32 embeddings into their
+Linears, so casting the module, as benchmarks.train does to its zoo's dense arch, breaks
+them; the weights, their gradients and Adam's state stay fp32 (master weights), and the
+loss is computed in fp32 outside autocast. The whole model is compiled, embedding lookups
+included, with its loss in training (the unit `TrainUnit`); Adam (fused on CUDA) steps
+every parameter, tables included, as these libraries train.
+
+Per row:
+- `step_ms`: median of `--steps` timed steps (training: forward, loss, backward, Adam
+  step; inference: one forward under torch.no_grad in eval mode), timed by
+  benchmarks.infer's `_time_batch`: CUDA events around each call on GPU (CUDA graphs for
+  `_ro` configs, each call marked a new step), cycling through `--pool` distinct
+  synthetic batches made before any config, after the first steps and `--warmup` more
+  untimed calls (and half a second of calls on GPU for the clocks to settle);
+  `speedup_vs_inductor_bf16` = Inductor bf16's step_ms / the row's, Inductor in the same
+  mode where the run has it (`speedup_ref` names it);
+- `first_steps_s`: wall time of the first `--first-steps` (5) steps, from the first
+  call (compiles, loka's probe window and FP8 compile, CUDA-graph recording), and
+  `first_steps_x_inductor` against the Inductor row's;
+- `out_relerr`: after the timed steps, the prediction of a held-out batch against an fp32
+  eager copy of the row's own current weights, ||out - ref|| / ||ref|| (training: the
+  training-mode forward; inference: the untrained fp32 model, in eval mode), and
+  `out_relerr_x_bf16`, that as a multiple of eager bf16's in the same mode;
+- `fp8_flop_share`: loka rows, the FP8 sites' share of the GEMM FLOPs loka found (sites of
+  concrete shape, loka_compile.report), with the site counts and any graph loka had to
+  run in high precision (`loka_fallbacks`);
+- `graph_breaks`: Dynamo's graph breaks while the row ran (library code it cannot trace),
+  with the reasons, and `graphs` (Dynamo's unique graphs).
+
+Each row runs inside try/except: a failure (crash, missing library, budget) becomes a row
+with `error` (and `traceback`), never an abort. Results: `<out>/<stem>.json` (rows merged
+with those already there, rewritten after every row) and `<stem>.md`, a markdown table of
+every row in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.infer import _quantize_torchao, _time_batch, config_for_device
+from benchmarks.public.models import (MODEL_NAMES, PRESETS, REGISTRY, build, clone_model, count_parameters,
+                                      gemm_flops_per_sample, library_versions, prediction)
+from benchmarks.train import (BudgetExceeded, Config, _error_text, _fmt, _fp8_linear_filter, _relerr, _torchao_import,
+                              compile_unit, device_tag, log, loka_untimed_calls, release_config, resolve_config,
+                              write_json)
+
+DEFAULT_CONFIGS = ("eager_bf16", "inductor_bf16_ro", "torchao_tensorwise_ro", "torchao_rowwise_ro", "loka_ro",
+                   "loka_all_fp8_ro")
+MODES = ("train", "infer")
+FAMILIES = ("interaction", "sequence", "multi_task", "retrieval")
+# Inductor rows a row's speed is read against, in order of preference, by compile mode.
+SPEEDUP_REFS = {"reduce-overhead": ("inductor_bf16_ro", "inductor_bf16"),
+                "default": ("inductor_bf16", "inductor_bf16_ro"),
+                "eager": ("inductor_bf16_ro", "inductor_bf16")}
+ERROR_REFS = ("eager_bf16", "inductor_bf16_ro", "inductor_bf16")
+
+
+# ------------------------------------------------------------------ compiled units
+
+
+class TrainUnit(nn.Module):
+    """What a training row compiles: the library model under autocast (bf16 rows) and its
+    loss in fp32; returns (loss, prediction)."""
+
+    def __init__(self, bench, model: nn.Module, amp: bool):
+        super().__init__()
+        self.model, self.amp = model, amp
+        self.bench = bench
+        self.device_type = bench.device.type
+
+    def forward(self, inputs, labels):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.amp):
+            out = self.model(inputs)
+        return self.bench.loss(out, labels, self.model), prediction(out)
+
+
+class InferUnit(nn.Module):
+    """What an inference row compiles: the model's prediction (labels are ignored)."""
+
+    def __init__(self, bench, model: nn.Module, amp: bool):
+        super().__init__()
+        self.model, self.amp = model, amp
+        self.device_type = bench.device.type
+
+    def forward(self, inputs, labels=None):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.amp):
+            return prediction(self.model(inputs))
+
+
+# ------------------------------------------------------------------ per model
+
+
+class Setup:
+    """The fp32 master (it never runs: every row starts from a copy), the pool of training
+    batches and the held-out batch shared by every row of one model."""
+
+    def __init__(self, name: str, args, device: torch.device):
+        self.name, self.args, self.device = name, args, device
+        self.bench = build(name, args.preset, device=device, seed=args.seed)
+        self.master = self.bench.model
+        self.pool = [self.bench.batch(i, args.batch) for i in range(args.pool)]
+        self.heldout = self.bench.batch(0, args.batch, seed=args.seed + 1000)
+        self.params = count_parameters(self.master)
+        self.train_gflops = gemm_flops_per_sample(self.bench)
+        self.infer_gflops = gemm_flops_per_sample(self.bench, forward_only=True)
+
+    def fresh(self) -> nn.Module:
+        return clone_model(self.master)
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def fp8_summary(compiled) -> dict:
+    """FP8 share of the GEMM FLOPs loka found (2 M K N per site, times a bmm's batch; sites
+    with a symbolic dim left out), site counts, fallbacks and the report's first line."""
+    import loka_compile
+    report = loka_compile.report(compiled)
+    total = fp8 = 0
+    for s in report.sites:
+        dims = (*s.shape, s.batch if s.batch is not None else 1)
+        if all(isinstance(d, int) for d in dims):
+            m, k, n, b = dims
+            total += 2 * m * k * n * b
+            fp8 += 2 * m * k * n * b if s.fp8 else 0
+    return {"fp8_flop_share": fp8 / total if total else None, "fp8_sites": sum(s.fp8 for s in report.sites),
+            "sites": len(report.sites), "loka_graphs": len(report.graphs),
+            "loka_fallbacks": [f"{g.name}: {g.fallback}" for g in report.graphs if g.fallback],
+            "loka_summary": str(report).splitlines()[0] if report.sites else None}
+
+
+def graph_break_summary() -> dict:
+    from torch._dynamo.utils import counters
+    reasons = {}
+    for reason, n in counters["graph_break"].items():
+        key = reason.splitlines()[0].strip()[:120]
+        reasons[key] = reasons.get(key, 0) + n
+    return {"graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons,
+            "graphs": counters["stats"].get("unique_graphs")}
+
+
+def _base_row(setup: Setup, mode: str, cfg_name: str, args) -> dict:
+    e = setup.bench.entry
+    return {"model": setup.name, "library": e.library, "class": e.cls, "family": e.family, "preset": args.preset,
+            "batch": args.batch, "mode": mode, "config": cfg_name, "compile_mode": None, "loka_options": None,
+            "step_ms": None, "p10_ms": None, "p90_ms": None, "min_ms": None, "tflops": None,
+            "speedup_vs_inductor_bf16": None, "speedup_ref": None,
+            "first_steps": args.first_steps, "first_steps_s": None, "first_steps_x_inductor": None,
+            "out_relerr": None, "out_relerr_x_bf16": None, "error_ref": None, "out_relerr_failed": None,
+            "loss_first": None, "heldout_loss": None, "heldout_loss_fp32": None,
+            "fp8_flop_share": None, "fp8_sites": None, "sites": None, "loka_graphs": None, "loka_fallbacks": None,
+            "loka_summary": None, "graph_breaks": None, "graph_break_reasons": None, "graphs": None,
+            "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
+            "gemm_gflops_per_sample": setup.train_gflops if mode == "train" else setup.infer_gflops,
+            "skipped": False, "error": None, "traceback": None, "wall_s": None}
+
+
+def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None) -> dict:
+    """One (mode, config) row of one model; every failure is the row's error."""
+    from torch._dynamo.utils import counters
+    row = _base_row(setup, mode, cfg_name, args)
+    device, cuda = setup.device, setup.device.type == "cuda"
+    start = time.perf_counter()
+    model = unit = fn = opt = None
+    try:
+        cfg: Config = resolve_config(cfg_name)
+        row["compile_mode"] = cfg.mode
+        if cfg.kind == "loka":
+            from benchmarks.train import loka_options_for
+            row["loka_options"] = loka_options_for(cfg, args.loka_options)
+        if deadline is not None and time.perf_counter() > deadline:
+            row["skipped"] = True
+            raise BudgetExceeded("skipped: --total-seconds budget spent before this row")
+        if cfg.kind == "torchao":
+            version, why = _torchao_import()
+            if version is None:
+                row["skipped"] = True
+                raise ModuleNotFoundError(f"skipped: torchao is not importable ({why})")
+            if mode == "infer" and not cuda:
+                row["skipped"] = True
+                raise RuntimeError("skipped: torchao float8 inference needs a CUDA device with FP8 support")
+        needed = loka_untimed_calls(cfg, args.loka_options)
+        if args.first_steps + args.warmup < needed:
+            raise ValueError(f"--first-steps + --warmup = {args.first_steps + args.warmup} would time loka's "
+                             f"probe window: this row needs {needed} untimed calls")
+        torch._dynamo.reset()
+        counters.clear()
+        amp = cfg.dtype == torch.bfloat16
+        model = setup.fresh()
+        if mode == "infer":
+            model.eval()
+        if cfg.kind == "torchao":
+            if mode == "train":
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+                convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(cfg.recipe),
+                                           module_filter_fn=_fp8_linear_filter)
+            else:
+                _quantize_torchao(model, cfg.recipe)
+        unit = (TrainUnit if mode == "train" else InferUnit)(setup.bench, model, amp)
+        fn = compile_unit(unit, cfg, args.loka_options)
+        cudagraphs = cuda and cfg.mode == "reduce-overhead"
+
+        if mode == "train":
+            opt = torch.optim.Adam(model.parameters(), lr=args.lr, **({"fused": True} if cuda else {}))
+
+            def call(inputs, labels):
+                loss, _ = fn(inputs, labels)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss
+        else:
+            def call(inputs, labels):
+                return fn(inputs)
+
+        budget_end = start + args.max_seconds
+        with torch.set_grad_enabled(mode == "train"):
+            t_first = time.perf_counter()
+            for i in range(args.first_steps):
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                out = call(*setup.pool[i % len(setup.pool)])
+                if i == 0 and mode == "train":
+                    row["loss_first"] = out.item()
+                    if not math.isfinite(row["loss_first"]):
+                        raise FloatingPointError(f"loss is {row['loss_first']} at the first step")
+                if time.perf_counter() > budget_end:
+                    raise BudgetExceeded(f"--max-seconds {args.max_seconds} spent after {i + 1} steps")
+            _sync(cuda)
+            row["first_steps_s"] = round(time.perf_counter() - t_first, 3)
+            log(f"  {setup.name}/{mode}/{cfg_name}: first {args.first_steps} steps {row['first_steps_s']:.1f}s")
+            _, t = _time_batch(call, setup.pool, args.warmup, args.steps, cuda, cudagraphs)
+        row.update(step_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, min_ms=t.min_ms,
+                   tflops=row["gemm_gflops_per_sample"] * args.batch / t.median_ms)
+        log(f"  {setup.name}/{mode}/{cfg_name}: {t.median_ms:.3f} ms (p10 {t.p10_ms:.3f}, p90 {t.p90_ms:.3f})")
+        try:  # a failed error measurement costs the error columns, not the row's timing
+            row.update(_measure_error(setup, mode, model, fn, cudagraphs))
+        except Exception as e:  # noqa: BLE001
+            row["out_relerr_failed"] = _error_text(e)
+            log(f"  {setup.name}/{mode}/{cfg_name}: error measurement failed: {row['out_relerr_failed']}")
+        if cfg.kind == "loka":
+            row.update(fp8_summary(fn))
+        if cfg.kind != "eager":
+            row.update(graph_break_summary())
+    except Exception as e:  # noqa: BLE001 - every failure becomes a row
+        row["error"] = _error_text(e)
+        if not row["skipped"]:
+            row["traceback"] = traceback.format_exc(limit=-12)
+        log(f"  {setup.name}/{mode}/{cfg_name}: {'SKIPPED' if row['skipped'] else 'ERROR'} {row['error']}")
+    finally:
+        row["wall_s"] = round(time.perf_counter() - start, 2)
+        del model, unit, fn, opt
+        release_config(row, f"{setup.name}/{mode}/{cfg_name}", cuda)
+    return row
+
+
+def _measure_error(setup: Setup, mode: str, model: nn.Module, fn, cudagraphs: bool) -> dict:
+    """The row's prediction on the held-out batch against an fp32 eager copy of its weights
+    (training: its current weights, training-mode forward; inference: the master)."""
+    inputs, labels = setup.heldout
+    if cudagraphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    if mode == "train":
+        loss, pred = fn(inputs, labels)
+        out, heldout_loss = pred.detach().float().clone(), loss.item()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        ref = setup.fresh()
+        ref.load_state_dict(model.state_dict())
+        ref_out = ref(inputs)
+        ref_loss = setup.bench.loss(ref_out, labels, ref).item()
+    else:
+        with torch.no_grad():
+            out = fn(inputs).detach().float().clone()
+            ref = setup.fresh().eval()
+            ref_out = ref(inputs)
+        heldout_loss = setup.bench.loss_fn(out, labels).item() if setup.bench.entry.loss != "ctr_aux" else None
+        ref_loss = None
+    ref_pred = prediction(ref_out).detach()
+    del ref
+    return {"out_relerr": _relerr(out, ref_pred), "heldout_loss": heldout_loss, "heldout_loss_fp32": ref_loss}
+
+
+# ------------------------------------------------------------------ relative columns
+
+
+def fill_relative(rows: list[dict]) -> None:
+    """Speed and first-steps time against Inductor bf16, output error against bf16's, per
+    (model, preset, batch, mode)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["preset"], r["batch"], r["mode"]), []).append(r)
+    for group in groups.values():
+        by = {r["config"]: r for r in group}
+        err_ref = next((by[c] for c in ERROR_REFS if c in by and by[c].get("out_relerr")), None)
+        for r in group:
+            ref = next((by[c] for c in SPEEDUP_REFS.get(r.get("compile_mode") or "default", ())
+                        if c in by and by[c].get("step_ms")), None)
+            if ref is not None and r.get("step_ms"):
+                r["speedup_ref"] = ref["config"]
+                r["speedup_vs_inductor_bf16"] = ref["step_ms"] / r["step_ms"]
+                if ref.get("first_steps_s") and r.get("first_steps_s"):
+                    r["first_steps_x_inductor"] = r["first_steps_s"] / ref["first_steps_s"]
+            if err_ref is not None and r.get("out_relerr") is not None:
+                r["error_ref"] = err_ref["config"]
+                r["out_relerr_x_bf16"] = r["out_relerr"] / err_ref["out_relerr"]
+
+
+# ------------------------------------------------------------------ output
+
+
+def _row_key(r: dict) -> tuple:
+    return (r["model"], r["preset"], r["batch"], r["mode"], r["config"])
+
+
+def environment(device: torch.device, args) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = None
+    version, why = _torchao_import()
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton_version, "torchao": version, "torchao_import_error": why,
+        "libraries": library_versions(), "cuda": torch.version.cuda, "python": sys.version.split()[0],
+        "date": _dt.date.today().isoformat(), "argv": sys.argv[1:], "preset": args.preset,
+        "loka_registered": "loka" in torch._dynamo.list_backends(exclude_tags=()),
+        "notes": {
+            "bf16": "torch.autocast(bf16) over the fp32 library model; loss in fp32; Adam on fp32 weights",
+            "step_ms": "median of the timed steps (CUDA events on GPU); train: forward+loss+backward+Adam, "
+                       "infer: forward under no_grad in eval mode",
+            "speedup_vs_inductor_bf16": "speedup_ref's step_ms / this row's",
+            "first_steps_s": "wall time of the first first_steps steps, compiles included",
+            "out_relerr": "held-out batch prediction vs an fp32 eager copy of the row's weights",
+            "out_relerr_x_bf16": "out_relerr / error_ref's out_relerr",
+            "fp8_flop_share": "loka rows: FP8 sites' share of GEMM FLOPs (loka_compile.report, concrete shapes)",
+            "graph_breaks": "Dynamo graph breaks while the row ran (compiled rows)",
+        },
+    }
+
+
+def format_markdown(env: dict, rows: list[dict]) -> str:
+    from tabulate import tabulate
+    cols = ["model", "mode", "config", "step ms", "vs Inductor bf16", "out err", "err x bf16", "FP8 FLOPs",
+            "first steps s", "x Inductor", "graph breaks", "error"]
+    table = []
+    for r in rows:
+        err = r.get("error") or ""
+        share = r.get("fp8_flop_share")
+        table.append([r["model"], r["mode"], r["config"], _fmt(r.get("step_ms"), ".3f"),
+                      _fmt(r.get("speedup_vs_inductor_bf16"), ".2f"), _fmt(r.get("out_relerr"), ".2e"),
+                      _fmt(r.get("out_relerr_x_bf16"), ".2f"), "" if share is None else f"{100 * share:.0f}%",
+                      _fmt(r.get("first_steps_s"), ".2f"), _fmt(r.get("first_steps_x_inductor"), ".2f"),
+                      "" if r.get("graph_breaks") is None else str(r["graph_breaks"]),
+                      err if len(err) <= 80 else err[:77] + "..."])
+    libs = ", ".join(f"{k} {v}" for k, v in env.get("libraries", {}).items() if v)
+    head = [f"# Public-model benchmark, preset {env.get('preset')}",
+            "",
+            f"{env.get('date')}, {env.get('device')}, torch {env.get('torch')}, "
+            f"torchao {env.get('torchao') or 'not importable'}; {libs}.",
+            "",
+            "step ms: median step (train: forward + loss + backward + Adam; infer: forward); vs Inductor bf16: "
+            "Inductor bf16's step time / the row's (same mode where the run has it); out err: held-out "
+            "prediction vs an fp32 eager copy of the row's weights, err x bf16 that over eager bf16's; "
+            "FP8 FLOPs: loka's FP8 share of GEMM FLOPs; first steps s: wall time of the first steps, "
+            "compiles included, x Inductor against Inductor bf16's. bf16 = autocast.",
+            ""]
+    return "\n".join(head) + tabulate(table, headers=cols, tablefmt="github") + "\n"
+
+
+def write_outputs(path: Path, env: dict, rows: list[dict]) -> None:
+    write_json(path, env, rows, key=_row_key)
+    merged = json.loads(path.read_text())["rows"]
+    fill_relative(merged)
+    path.with_suffix(".md").write_text(format_markdown(env, merged))
+
+
+# ------------------------------------------------------------------ main
+
+
+def select_models(spec: str) -> list[str]:
+    """'all', or a comma list of names, families (interaction, sequence, multi_task,
+    retrieval) and libraries (deepctr-torch, torch-rechub)."""
+    if spec.strip() == "all":
+        return list(MODEL_NAMES)
+    out = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        if item in REGISTRY:
+            names = [item]
+        else:
+            names = [n for n, e in REGISTRY.items() if item in (e.family, e.library)]
+            if not names:
+                raise SystemExit(f"unknown model, family or library {item!r}; models: {', '.join(MODEL_NAMES)}; "
+                                 f"families: {', '.join(FAMILIES)}; libraries: deepctr-torch, torch-rechub")
+        out += [n for n in names if n not in out]
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.public.run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--models", default="all", help="'all' or a comma list of models, families, libraries")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma list of benchmarks.train configs")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of train, infer")
+    p.add_argument("--batch", type=int, default=None, help="default: the preset's (tiny 32, production 8192)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--first-steps", type=int, default=5, help="untimed steps measured as first_steps_s")
+    p.add_argument("--warmup", type=int, default=3, help="more untimed steps before timing")
+    p.add_argument("--pool", type=int, default=8, help="distinct synthetic batches cycled through")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads on CPU")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loka-options", type=json.loads, default=None, help="JSON dict of loka options for loka rows")
+    p.add_argument("--max-seconds", type=float, default=600.0, help="per-row budget for the untimed first steps")
+    p.add_argument("--total-seconds", type=float, default=None,
+                   help="whole-run budget: rows not started by then are skipped rows")
+    p.add_argument("--out", default="benchmarks/results", help="directory of the JSON and markdown")
+    p.add_argument("--name", default=None, help="file stem instead of <date>_<device>_public_<preset>")
+    p.add_argument("--list", action="store_true", help="print the registry and exit")
+    args = p.parse_args(argv)
+    if args.batch is None:
+        args.batch = PRESETS[args.preset].batch
+    if args.steps < 1 or args.first_steps < 1 or args.warmup < 0 or args.pool < 1:
+        p.error("--steps, --first-steps and --pool must be >= 1, --warmup >= 0")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not set(args.modes) <= set(MODES):
+        p.error(f"--modes: choose from {', '.join(MODES)}")
+    return args
+
+
+def main(argv=None) -> Path | None:
+    args = parse_args(argv)
+    if args.list:
+        for n, e in REGISTRY.items():
+            print(f"{n:28s} {e.family:12s} {e.cls:45s} {e.note}")
+        return None
+    if args.device == "auto":
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references are fp32
+    torch.backends.cudnn.allow_tf32 = False
+
+    models = select_models(args.models)
+    configs = []
+    for c in (c.strip() for c in args.configs.split(",") if c.strip()):
+        c = config_for_device(c, cuda)
+        resolve_config(c)  # an unknown name fails here, before any model runs
+        if c not in configs:
+            configs.append(c)
+    env = environment(device, args)
+    stem = args.name or f"{env['date']}_{device_tag(device)}_public_{args.preset}"
+    path = Path(args.out) / f"{stem}.json"
+    deadline = None if args.total_seconds is None else time.perf_counter() + args.total_seconds
+    log(f"device {env['device']}, torch {env['torch']}, torchao {env['torchao'] or 'unavailable'}, "
+        f"{env['libraries']}; preset {args.preset}, batch {args.batch}; models {models}; modes {args.modes}; "
+        f"configs {configs}; writing {path}")
+
+    rows: list[dict] = []
+    for name in models:
+        try:
+            setup = Setup(name, args, device)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be built still gets rows
+            log(f"{name}: setup failed: {_error_text(e)}")
+            for mode in args.modes:
+                for c in configs:
+                    rows.append({"model": name, "preset": args.preset, "batch": args.batch, "mode": mode,
+                                 "config": c, "error": f"setup: {_error_text(e)}",
+                                 "traceback": traceback.format_exc(limit=-8)})
+            write_outputs(path, env, rows)
+            continue
+        log(f"{name}: dense {setup.params['dense']:,} params, tables {setup.params['sparse']:,}; "
+            f"{setup.train_gflops:.4f} train GFLOP/sample")
+        for mode in args.modes:
+            for c in configs:
+                rows.append(run_row(setup, mode, c, args, deadline))
+                fill_relative(rows)
+                write_outputs(path, env, rows)
+        del setup
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    write_outputs(path, env, rows)
+    log(f"results: {path} and {path.with_suffix('.md')}")
+    print(path.with_suffix(".md").read_text(), flush=True)
+    return path
+
+
+if __name__ == "__main__":
+    main()
