@@ -78,10 +78,9 @@ def guard_amax(x: torch.Tensor, scale: torch.Tensor, operand: str, fmt: Fp8Forma
     """Hand a tensorwise cast's amax to the guard (`loka::amax_guard`): in a graph the
     finite amax its scale came from, so the guard adds no pass over x; cast eagerly (a
     cached weight's refresh), for e4m3 the amax of every value, inf or NaN where there is
-    one. (H200, a 4-layer 2048-wide MLP at batch 8192, tensorwise inference, 26 kernels
-    per call unguarded: with that reduction in the graph and one guard op per operand,
-    40 kernels and the call 0.66 -> 1.47 ms; as built, one op per graph
-    (`passes/amax_guard.py`), 32 kernels, 411 -> 420 us of them, 2026-11-27.)"""
+    one. The graph's guards are merged into one op (`passes/amax_guard.py`): one op per
+    operand, with a non-finite reduction of its own, cost more than the GEMMs saved
+    (docs/guide.md, the amax guard)."""
     limit = guard.a_limit if operand == "a" else guard.b_limit
     if limit is None:
         return

@@ -155,10 +155,9 @@ class LokaConfig:
         plan's history (`loka_compile/amax_guard.py`). Costs per graph and call one
         `loka::amax_guards` op (a running max on the device, which CUDA graphs capture)
         and a device-to-host copy read without a sync (on CUDA a trip shows at the first
-        call after the copy landed); H200, a 4-layer 2048-wide tensorwise MLP at batch
-        8192 under CUDA graphs: inference 0.595 -> 0.621 ms, training unchanged (1.86 ms).
-        And, as re-checks do, the graph's first inputs are kept for a rebuild. Needs a
-        probe window; graphs with a loaded plan have none. Off: the window decides once.
+        call after the copy landed; its measured cost is in docs/guide.md). And, as
+        re-checks do, the graph's first inputs are kept for a rebuild. Needs a probe
+        window; graphs with a loaded plan have none. Off: the window decides once.
 
     Every bad value raises ValueError naming the valid ones, here at construction. Given
     as a dict to `torch.compile`, options are parsed at the first call, inside Dynamo,

@@ -561,22 +561,31 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
             continue
         if node.op != "call_function" or node.target not in GEMM_OPS:
             continue
-        module, seq_nr, recomputed = module_path(node), node.meta.get("seq_nr"), False
-        if ctx.kind is not GraphKind.BACKWARD:
-            role = Role.FWD
-        elif node not in grads:
-            # reads no incoming gradient: a forward GEMM recomputed in the backward
-            # (activation checkpointing)
-            role, recomputed = Role.FWD, True
-        else:
-            role = Role.WGRAD if node in wgrads else Role.DGRAD
-            if seq_nr is None and not _has_module_stack(node):
-                module, seq_nr = recovered_provenance(node, grads, wgrads)
-        base = f"{module or '<root>'}:{role.value}{':recomputed' if recomputed else ''}"
+        module, seq_nr = module_path(node), node.meta.get("seq_nr")
+        role, recomputed = gemm_role(node, ctx.kind, grads, wgrads)
+        if role is not Role.FWD and seq_nr is None and not _has_module_stack(node):
+            module, seq_nr = recovered_provenance(node, grads, wgrads)
+        base = site_base(module, role, recomputed)
         names_seen[base] = names_seen.get(base, 0) + 1
         ctx.sites.append(gemm_site(node, ctx, f"{ctx.graph}/{ctx.kind.value}/{node.name}", base, names_seen[base],
                                    role, module, seq_nr, grads, weights))
     return len(ctx.sites)
+
+
+def gemm_role(node: torch.fx.Node, kind: GraphKind, grads: set, wgrads: set) -> tuple:
+    """(role, recomputed) of a GEMM node: fwd outside backward graphs; in a backward graph,
+    a GEMM that reads no incoming gradient is a forward one recomputed (activation
+    checkpointing), one whose result becomes a weight's gradient wgrad, any other dgrad."""
+    if kind is not GraphKind.BACKWARD:
+        return Role.FWD, False
+    if node not in grads:
+        return Role.FWD, True
+    return (Role.WGRAD if node in wgrads else Role.DGRAD), False
+
+
+def site_base(module: Optional[str], role: Role, recomputed: bool) -> str:
+    """A site id's name before its count: `<module>:<role>[:recomputed]`."""
+    return f"{module or '<root>'}:{role.value}{':recomputed' if recomputed else ''}"
 
 
 def gemm_site(node: torch.fx.Node, ctx: PassContext, key: str, base: str, ordinal: int, role: Role, module: str,

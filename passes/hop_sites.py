@@ -35,9 +35,9 @@ import operator
 
 import torch
 
-from .context import Decision, GraphKind, PassContext, Reason, Role
-from .find_sites import (GEMM_OPS, GRAD_ACCUMULATE, gemm_site, gradient_nodes, module_path, operands,
-                         weight_gradient_gemms)
+from .context import Decision, GraphKind, PassContext, Reason
+from .find_sites import (GEMM_OPS, GRAD_ACCUMULATE, gemm_role, gemm_site, gradient_nodes, module_path, operands,
+                         site_base, weight_gradient_gemms)
 
 # How the detail names the ops users write.
 _OP_NAMES = {"cond": "torch.cond", "while_loop": "while_loop",
@@ -145,15 +145,9 @@ def _record_calls(graph: torch.fx.Graph, module, ctx: PassContext, prefix: str, 
 
 def _record(node: torch.fx.Node, ctx: PassContext, where: str, detail: str, grads: set, wgrads: set,
             names_seen: dict) -> None:
-    recomputed = False
-    if ctx.kind is not GraphKind.BACKWARD:
-        role = Role.FWD
-    elif node not in grads:
-        role, recomputed = Role.FWD, True
-    else:
-        role = Role.WGRAD if node in wgrads else Role.DGRAD
+    role, recomputed = gemm_role(node, ctx.kind, grads, wgrads)
     module = module_path(node)
-    base = f"{module or '<root>'}:{role.value}{':recomputed' if recomputed else ''}"
+    base = site_base(module, role, recomputed)
     names_seen[base] = names_seen.get(base, 0) + 1
     # A body's nodes carry the op's sequence number, not their own: it would link them all.
     site = gemm_site(node, ctx, f"{where}{node.name}", base, names_seen[base], role, module, None, grads, {})

@@ -37,6 +37,15 @@ def _seed():
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and far faster on a shared CI box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def fresh_compile_state():
     """Forget Dynamo's compiled code and loka's graph records around a test."""
     import loka_compile

@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 from benchmarks.public.models import MODEL_NAMES, build, clone_model  # noqa: E402
 from numerics import sqnr_db  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 
 # Measured with emulated FP8 (CPU, seed 0, tiny preset, 2026-11-27): loss within 0.4% of
 # eager's, predictions 35-65 dB (deepctr-torch's DIN: 135 dB, its DNN starts at ~0),
@@ -51,15 +51,6 @@ LR = 0.1
 # DIEN packs sequences (pack_padded_sequence, masked_select, boolean-mask indexing);
 # torch-rechub's DIEN indexes rows that have a history (nonzero).
 GRAPH_BREAKS = {"deepctr_torch.DIN", "deepctr_torch.DIEN", "torch_rechub.DIEN"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster on a shared CI box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _step(bench, model, fn, inputs, labels):

@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.infer import _quantize_torchao, _time_batch, config_for_device
+from benchmarks.infer import _device as infer_device, _quantize_torchao, _time_batch, config_for_device
 from benchmarks.public.models import (MODEL_NAMES, PRESETS, REGISTRY, build, clone_model, count_parameters,
                                       gemm_flops_per_sample, library_versions, prediction)
 from benchmarks.train import (BudgetExceeded, Config, _error_text, _fmt, _fp8_linear_filter, _relerr, _torchao_import,
@@ -187,7 +187,7 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
     """One (mode, config) row of one model; every failure is the row's error."""
     from torch._dynamo.utils import counters
     row = _base_row(setup, mode, cfg_name, args)
-    device, cuda = setup.device, setup.device.type == "cuda"
+    cuda = setup.device.type == "cuda"
     start = time.perf_counter()
     model = unit = fn = opt = None
     try:
@@ -465,10 +465,7 @@ def main(argv=None) -> Path | None:
         for n, e in REGISTRY.items():
             print(f"{n:28s} {e.family:12s} {e.cls:45s} {e.note}")
         return None
-    if args.device == "auto":
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    else:
-        device = torch.device(args.device)
+    device = infer_device(args.device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
