@@ -7,12 +7,15 @@ the graph's FP8 copies are made from (`kernels/fingerprint.py`) and remakes the 
 weights changed. Per model and batch size, in one process and on the same compiled graphs
 (benchmarks.infer's setup, pools and timing: CUDA events around each call, medians):
 
-- `checked`: loka_ro as it ships;
-- `unchecked`: the same graphs with the check replaced by "quantize once, never look
-  again", the cost floor a check can approach (and the stale behaviour it prevents);
-- `checked_again`: as `checked`, after `unchecked`, to expose drift between the runs;
-- `refresh_only`: the check alone (fingerprints, the host sync, no change found), timed on
-  the host around 50 calls, with the weights' MiB it reads;
+- `checked`: loka_ro as it ships (on CUDA the check overlaps the call: the fingerprints are
+  compared on the device and read by the host while the graph runs);
+- `checked_before`: the same graphs with the weights checked before each call, the host
+  waiting for the comparison before it launches the graph;
+- `unchecked`: the same graphs with no check at all, the cost floor a check can approach
+  (and the stale behaviour it prevents);
+- `checked_again`: as `checked`, after the others, to expose drift between the runs;
+- `refresh_only`: the check before the call alone (fingerprints, the host sync, no change
+  found), timed on the host around 50 calls, with the weights' MiB it reads;
 - `inductor_bf16_ro` and `loka_ro_no_cached_weights` (benchmarks.infer's row: every site FP8,
   weights cast in the graph every call), the baselines the cache is there to beat.
 
@@ -70,37 +73,45 @@ def run_model(name: str, args, device: torch.device) -> list:
     args.warmup = max(args.warmup, loka_untimed_calls(cfg))
     torch._dynamo.reset()
     fn = compile_unit(infer.prepare_unit(setup.master, cfg, args.compile_scope, device), cfg)
-    checked = weight_cache.WeightCache.refresh
+    shipped = weight_cache.RefreshingGraph.__call__
     seen: dict = {}
 
-    def recording(cache, inputs):
-        seen[id(cache)] = (cache, list(inputs))
-        return checked(cache, inputs)
+    def recording(graph, inputs):
+        seen[id(graph)] = (graph, list(inputs))
+        return shipped(graph, inputs)
 
-    def unchecked(cache, inputs):
-        if any(w.seen is None for w in cache.weights):
-            checked(cache, inputs)
+    def before(graph, inputs):
+        graph.cache.refresh(inputs)
+        return graph.compiled(inputs)
+
+    def unchecked(graph, inputs):
+        return graph.compiled(inputs)
+
+    def timed_as(call) -> float:
+        weight_cache.RefreshingGraph.__call__ = call
+        try:
+            return _timed(fn, pool, args, cuda)
+        finally:
+            weight_cache.RefreshingGraph.__call__ = shipped
 
     with torch.no_grad():
         for b, pool in setup.pools.items():
             seen.clear()
-            weight_cache.WeightCache.refresh = recording
-            try:
-                row = {"model": name, "batch": b, "config": "loka_ro", "checked_ms": _timed(fn, pool, args, cuda)}
-                weight_cache.WeightCache.refresh = unchecked
-                row["unchecked_ms"] = _timed(fn, pool, args, cuda)
-            finally:
-                weight_cache.WeightCache.refresh = checked
-            row["checked_again_ms"] = _timed(fn, pool, args, cuda)
-            caches = [cache for cache, _ in seen.values()]
+            row = {"model": name, "batch": b, "config": "loka_ro", "checked_ms": timed_as(recording)}
+            row["checked_before_ms"] = timed_as(before)
+            row["unchecked_ms"] = timed_as(unchecked)
+            row["checked_again_ms"] = timed_as(shipped)
+            graphs = [graph for graph, _ in seen.values()]
             inputs = next(iter(seen.values()))[1] if seen else []
-            row["graphs_with_cached_weights"] = len(caches)
-            row["weights_checked"] = sum(len(c.input_indices) for c in caches)
+            row["graphs_with_cached_weights"] = len(graphs)
+            row["checked_after_call"] = [g.check_after for g in graphs]
+            row["weights_checked"] = sum(len(g.cache.input_indices) for g in graphs)
             row["weight_mib_checked"] = sum(inputs[i].numel() * inputs[i].element_size()
-                                            for c in caches for i in c.input_indices) / 2**20 if len(caches) == 1 else None
-            row["refresh_only_ms"] = _check_cost(caches, inputs, cuda) if len(caches) == 1 else None
+                                            for g in graphs for i in g.cache.input_indices) / 2**20 if len(graphs) == 1 else None
+            row["refresh_only_ms"] = _check_cost([g.cache for g in graphs], inputs, cuda) if len(graphs) == 1 else None
             checked_ms = statistics.mean([row["checked_ms"], row["checked_again_ms"]])
             row["check_cost_pct"] = 100 * (checked_ms / row["unchecked_ms"] - 1)
+            row["check_before_cost_pct"] = 100 * (row["checked_before_ms"] / row["unchecked_ms"] - 1)
             rows.append(row)
             infer.log(f"  {name}/loka_ro batch {b}: {row}")
     return rows
@@ -109,7 +120,8 @@ def run_model(name: str, args, device: torch.device) -> list:
 def format_table(rows: list) -> str:
     base = {(r["model"], r["batch"], r["config"]): r.get("median_ms") for r in rows}
     lines = ["| model | batch | inductor bf16 ms | loka all-FP8, weights cast in the graph ms | loka checked ms | loka unchecked ms "
-             "| check cost | check alone ms | weights (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| check cost | checked before the call ms (cost) | check alone ms | weights (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["config"] != "loka_ro":
             continue
@@ -119,7 +131,8 @@ def format_table(rows: list) -> str:
         lines.append(f"| {r['model']} | {r['batch']} | {base.get(key + ('inductor_bf16_ro',)):.3f} "
                      f"| {base.get(key + ('loka_ro_no_cached_weights',)):.3f} "
                      f"| {r['checked_ms']:.3f} / {r['checked_again_ms']:.3f} | {r['unchecked_ms']:.3f} "
-                     f"| {r['check_cost_pct']:+.1f}% | {'' if alone is None else f'{alone:.3f}'} "
+                     f"| {r['check_cost_pct']:+.1f}% | {r['checked_before_ms']:.3f} ({r['check_before_cost_pct']:+.1f}%) "
+                     f"| {'' if alone is None else f'{alone:.3f}'} "
                      f"| {r['weights_checked']} ({'' if mib is None else f'{mib:.1f}'}) |")
     return "\n".join(lines)
 

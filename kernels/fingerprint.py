@@ -16,6 +16,9 @@ the result is the same however the work is split.
 - `fingerprints(tensors)`: one fingerprint per tensor, as Python ints. On CUDA one Triton
   launch covers every tensor (a table of their addresses, kept while they stay put);
   elsewhere the NumPy reference runs, in bounded chunks.
+- `lane_sums(tensors)`: the same as an int32 tensor of lanes [2 * len(tensors)] on the
+  tensors' device, without waiting for the device: what a check that must not stall the
+  host compares on the device.
 - `kernel_fingerprints(tensors)`: the kernel alone (on CPU under TRITON_INTERPRET=1).
 - `reference_fingerprint(tensor)`: the NumPy reference the kernel is tested against.
 """
@@ -120,31 +123,75 @@ def _tables(addresses: tuple, word_counts: tuple, device: torch.device) -> tuple
                   (start, torch.int64)))
 
 
+def _on_one_cuda_device(tensors: list) -> bool:
+    return bool(tensors) and all(t.is_cuda and t.device == tensors[0].device for t in tensors)
+
+
+def _kernel_usable(tensors: list) -> bool:
+    return _on_one_cuda_device(tensors) and not _kernel_failed
+
+
+def _kernel_failure(error: Exception) -> None:
+    _kernel_failed.append(error)
+    log.warning("loka: the fingerprint kernel failed (%s: %s); weights are fingerprinted on the host, "
+                "which copies them there at every call", type(error).__name__, error)
+
+
+def _as_int(lanes: list) -> list:
+    lanes = [v & _MASK32 for v in lanes]
+    return [lanes[2 * i + 1] << 32 | lanes[2 * i] for i in range(len(lanes) // 2)]
+
+
+def _signed32(value: int) -> int:
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _reference_lanes(tensors: list, device: torch.device) -> torch.Tensor:
+    values = []
+    for t in tensors:
+        value = reference_fingerprint(t)
+        values += [_signed32(value & _MASK32), _signed32(value >> 32)]
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
 def fingerprints(tensors: list) -> list:
     """One fingerprint per tensor, as Python ints: on CUDA one launch for all and one sync,
     elsewhere the reference."""
-    if tensors and all(t.is_cuda and t.device == tensors[0].device for t in tensors) and not _kernel_failed:
+    if _kernel_usable(tensors):
         try:
             return kernel_fingerprints(tensors)
         except Exception as error:  # noqa: BLE001 - a broken Triton must cost speed, not the model
-            _kernel_failed.append(error)
-            log.warning("loka: the fingerprint kernel failed (%s: %s); weights are fingerprinted on the host, "
-                        "which copies them there at every call", type(error).__name__, error)
+            _kernel_failure(error)
     return [reference_fingerprint(t) for t in tensors]
 
 
-def kernel_fingerprints(tensors: list) -> list:
-    """The Triton kernel over all of `tensors` (one device; CPU under TRITON_INTERPRET=1)."""
-    if not tensors:
-        return []
-    device = tensors[0].device
+def lane_sums(tensors: list) -> torch.Tensor:
+    """Each tensor's two 32-bit lanes as int32 [2 * len(tensors)] on the tensors' device.
+    On CUDA the kernel is only enqueued: nothing waits for the device."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if _kernel_usable(tensors):
+        try:
+            return kernel_lane_sums(tensors)
+        except Exception as error:  # noqa: BLE001 - a broken Triton must cost speed, not the model
+            _kernel_failure(error)
+    return _reference_lanes(tensors, device)
+
+
+def kernel_lane_sums(tensors: list) -> torch.Tensor:
+    """The Triton kernel over all of `tensors` (one device; CPU under TRITON_INTERPRET=1),
+    as int32 lanes on that device."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    out = torch.zeros(2 * len(tensors), dtype=torch.int32, device=device)
     words = [_words(t) for t in tensors]  # views, unless a tensor is not contiguous
     counts = tuple(w.numel() for w in words)
     if not sum(counts):
-        return [0] * len(tensors)
+        return out
     addresses, word_counts, chunk_tensor, chunk_start = _tables(tuple(w.data_ptr() for w in words), counts, device)
-    out = torch.zeros(2 * len(tensors), dtype=torch.int32, device=device)
     _fingerprint_kernel[(chunk_tensor.numel(),)](addresses, word_counts, chunk_tensor, chunk_start, out,
                                                  BLOCK=WORDS_PER_PROGRAM)
-    lanes = [v & _MASK32 for v in out.tolist()]
-    return [lanes[2 * i + 1] << 32 | lanes[2 * i] for i in range(len(tensors))]
+    return out
+
+
+def kernel_fingerprints(tensors: list) -> list:
+    """`kernel_lane_sums` as Python ints (waits for the device)."""
+    return _as_int(kernel_lane_sums(tensors).tolist()) if tensors else []

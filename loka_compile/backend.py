@@ -66,7 +66,7 @@ from loka_compile.passes.transposed_linear import TransposedLinears, rewrite_tra
 from loka_compile.passes.weight_both_layouts import (WeightLayouts, check_shared, find_shared_weights,
                                                      share_weight_casts)
 from loka_compile.passes.weight_both_layouts import strip as strip_weight_layouts
-from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache
+from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache, check_after_call
 
 log = logging.getLogger("loka")
 
@@ -503,7 +503,7 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
             return compile_fx_inner(pristine, example_inputs, **kwargs)
     ctx = next((record.contexts[key] for key, module in record.graph_modules.items() if module is gm), None)
     if ctx is not None and ctx.cached_weights:
-        return RefreshingGraph(compiled, WeightCache(ctx.cached_weights))
+        return RefreshingGraph(compiled, WeightCache(ctx.cached_weights), check_after_call(gm.graph, example_inputs))
     return compiled
 
 

@@ -11,9 +11,13 @@ symbolic shapes, operands whose elements share memory (a weight expanded over a 
 a bmm, as nn.MultiheadAttention's projection is under autocast), training graphs (their
 weights change every step).
 
-The constants are filled outside the graph by `WeightCache.refresh`, which the backend
-calls before each call of the compiled graph: a weight is (re)quantized at the first call
-and whenever the content fingerprint of any weight it is made of changed. The fingerprint
+The constants are filled outside the graph by the `WeightCache` the backend wraps the
+compiled graph in (`RefreshingGraph`): a weight is (re)quantized at the first call and
+whenever the content fingerprint of any weight it is made of changed. On CUDA the check
+does not stall the host before the call: the fingerprints are compared on the device, the
+graph runs, and the host reads the comparison while the graph executes; on a change the
+weights are requantized and the graph runs again, its first outputs dropped. A graph that
+writes its inputs would write them twice, so it is checked before its call instead. The fingerprint
 hashes every byte (`kernels/fingerprint.py`, one launch for all the graph's weights), so
 every write path is seen: an optimizer step, fused optimizers, `load_state_dict`, writes
 through `.data`, a new tensor. Version counters are not enough: writes through `.data` and
@@ -31,7 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from loka_compile.kernels.fingerprint import fingerprints
+from loka_compile.kernels.fingerprint import fingerprints, lane_sums
 from loka_compile.kernels.scaled_gemm import GemmSpec, cast_operand
 
 from .context import PassContext
@@ -51,6 +55,7 @@ class CachedWeight:
     scale: torch.Tensor              # its scales; a 0-d scale is kept as [1, 1]
     seen: Optional[tuple] = None     # content fingerprint of each weight last quantized
     refreshes: int = 0               # times the weight was quantized
+    reruns: int = 0                  # calls run again because it changed while checked after the call
     key: tuple = ()                  # (inputs, views, cast): sites with equal keys share the copy
 
     @property
@@ -67,6 +72,10 @@ class CachedWeight:
         """Quantize `weights` into the constants unless their fingerprints are those last quantized."""
         if prints == self.seen:
             return
+        self.requantize(weights)
+        self.seen = prints
+
+    def requantize(self, weights: list) -> None:
         for index, weight, shape, dtype in zip(self.input_indices, weights, self.weight_shapes, self.weight_dtypes):
             if tuple(weight.shape) != shape or weight.dtype != dtype:
                 raise RuntimeError(f"loka cached weights: graph input {index} is {tuple(weight.shape)} "
@@ -75,8 +84,15 @@ class CachedWeight:
             q, scale = cast_operand(self.derive(*weights), "b", self.spec)
             self.q.copy_(q)
             self.scale.copy_(scale.reshape(self.scale.shape))
-        self.seen = prints
         self.refreshes += 1
+
+
+@dataclasses.dataclass
+class PendingCheck:
+    """A fingerprint comparison enqueued on the device: per graph input, whether it changed."""
+
+    changed: torch.Tensor                   # bool [inputs], on the host once `ready` has fired
+    ready: Optional[torch.cuda.Event]       # None when `changed` was computed on the host
 
 
 class WeightCache:
@@ -85,36 +101,116 @@ class WeightCache:
     def __init__(self, weights: list):
         self.weights = weights
         self.input_indices = sorted({i for w in weights for i in w.input_indices})
+        self.seen_lanes: Optional[torch.Tensor] = None  # the inputs' fingerprint lanes last compared
+        self._changed_host: Optional[torch.Tensor] = None  # pinned: where the comparison lands
 
-    def refresh(self, inputs) -> None:
-        """Bring every cached weight up to its graph inputs' current values."""
-        if any(inputs[i].is_cuda for i in self.input_indices) and torch.cuda.is_current_stream_capturing():
+    def _inputs(self, inputs) -> list:
+        tensors = [inputs[i] for i in self.input_indices]
+        if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "loka cached weights: the compiled model is being captured into a CUDA graph by the caller; "
                 "its FP8 weight copies are refreshed outside the graph and would go stale on replay. Use "
                 "torch.compile's mode='reduce-overhead' (loka refreshes before each replay) or "
                 "options={'disabled_mods': ('cached_weights',)}")
-        prints = dict(zip(self.input_indices, fingerprints([inputs[i] for i in self.input_indices])))
+        return tensors
+
+    def refresh(self, inputs) -> None:
+        """Bring every cached weight up to its graph inputs' current values (waits for the device)."""
+        prints = dict(zip(self.input_indices, fingerprints(self._inputs(inputs))))
         for weight in self.weights:
             weight.refresh([inputs[i] for i in weight.input_indices], tuple(prints[i] for i in weight.input_indices))
 
+    def start_check(self, inputs) -> Optional[PendingCheck]:
+        """Enqueue the comparison of the inputs' fingerprints with those last seen, without
+        waiting for the device. At the first call every weight is quantized here instead,
+        and None is returned."""
+        lanes = lane_sums(self._inputs(inputs))
+        if self.seen_lanes is None:
+            for weight in self.weights:
+                weight.requantize([inputs[i] for i in weight.input_indices])
+            self.seen_lanes = lanes
+            return None
+        changed = (lanes != self.seen_lanes).view(-1, 2).any(dim=1)
+        self.seen_lanes = lanes
+        if not changed.is_cuda:
+            return PendingCheck(changed, None)
+        if self._changed_host is None:
+            self._changed_host = torch.empty(changed.shape, dtype=torch.bool, pin_memory=True)
+        self._changed_host.copy_(changed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingCheck(self._changed_host, ready)
+
+    def finish_check(self, pending: PendingCheck, inputs: list) -> bool:
+        """Requantize the weights whose inputs changed; whether any did."""
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        changed = {i for i, flag in zip(self.input_indices, pending.changed.tolist()) if flag}
+        stale = [w for w in self.weights if changed.intersection(w.input_indices)]
+        for weight in stale:
+            weight.requantize([inputs[i] for i in weight.input_indices])
+            weight.reruns += 1
+        return bool(stale)
+
 
 class RefreshingGraph:
-    """A compiled ATen graph (Inductor's boxed callable) whose cached weights are brought
-    up to date before each call."""
+    """A compiled ATen graph (Inductor's boxed callable) whose cached weights are up to
+    date whenever its outputs are returned. With `check_after`, the check overlaps the
+    call and a change runs the graph again; otherwise the weights are checked before it."""
 
     _boxed_call = True
 
-    def __init__(self, compiled, cache: WeightCache):
+    def __init__(self, compiled, cache: WeightCache, check_after: bool):
         self.compiled = compiled
         self.cache = cache
+        self.check_after = check_after
 
     def __call__(self, inputs):
-        self.cache.refresh(inputs)
-        return self.compiled(inputs)
+        if not self.check_after:
+            self.cache.refresh(inputs)
+            return self.compiled(inputs)
+        kept = list(inputs)  # a boxed callable may clear `inputs`
+        pending = self.cache.start_check(kept)
+        out = self.compiled(inputs)
+        if pending is not None and self.cache.finish_check(pending, kept):
+            del out  # computed with the previous FP8 copies
+            out = self.compiled(list(kept))
+        return out
 
     def __getattr__(self, name):
         return getattr(self.compiled, name)
+
+
+def check_after_call(graph: torch.fx.Graph, example_inputs) -> bool:
+    """Whether a graph's cached weights may be checked while it runs: its weights are on
+    CUDA (the comparison stays on the device) and it writes none of its inputs (a second
+    run would write them twice)."""
+    on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    return on_cuda and not writes_inputs(graph)
+
+
+def writes_inputs(graph: torch.fx.Graph) -> bool:
+    """Whether an op of the graph writes one of its placeholders in place."""
+    placeholders = set(graph.find_nodes(op="placeholder"))
+    return any(_written_arguments(node) & placeholders for node in graph.nodes)
+
+
+def _written_arguments(node: torch.fx.Node) -> set:
+    """The nodes an op call writes in place (its schema's mutable arguments)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return set()
+    written = set()
+    for position, argument in enumerate(node.target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+            written.update(_nodes_in(value))
+    return written
+
+
+def _nodes_in(value) -> list:
+    found = []
+    torch.fx.node.map_arg(value, found.append)
+    return found
 
 
 def _has_symbols(args) -> bool:

@@ -10,7 +10,10 @@ import torch
 from torch import nn
 
 import loka_compile
-from loka_compile.kernels.fingerprint import fingerprints, kernel_fingerprints, reference_fingerprint
+from loka_compile import backend
+from loka_compile.kernels.fingerprint import (fingerprints, kernel_fingerprints, kernel_lane_sums, lane_sums,
+                                              reference_fingerprint)
+from loka_compile.passes.weight_cache import writes_inputs
 from numerics import sqnr_db
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -40,6 +43,19 @@ def _compiled_eval(model, **compile_kwargs):
     return torch.compile(model, backend="loka", options={"probe_steps": 0}, **compile_kwargs)
 
 
+@pytest.fixture(params=["before", "after"])
+def check(request, monkeypatch):
+    """Both ways of checking the weights: before each call (CPU's way), and while the call
+    runs with a rerun on a change (CUDA's way, here with the comparison on the host)."""
+    monkeypatch.setattr(backend, "check_after_call", lambda graph, example_inputs: request.param == "after")
+    return request.param
+
+
+def _reruns(compiled) -> int:
+    """Calls run again because a weight changed (counted per changed weight)."""
+    return sum(w.reruns for w in loka_compile.report(compiled).cached_weights)
+
+
 @pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
 def test_fused_optimizer_steps_reach_the_evaluation_graph(optimizer):
     model = Ranker()
@@ -57,7 +73,7 @@ def test_fused_optimizer_steps_reach_the_evaluation_graph(optimizer):
 
 
 @pytest.mark.parametrize("write", ["copy_", "mul_", "slice_assign", "ema"])
-def test_writes_through_data_reach_the_evaluation_graph(write):
+def test_writes_through_data_reach_the_evaluation_graph(write, check):
     model = Ranker().eval()
     compiled = _compiled_eval(model)
     x = torch.randn(32, 64)
@@ -73,9 +89,10 @@ def test_writes_through_data_reach_the_evaluation_graph(write):
         else:                          # an EMA of another model's weights
             p.data.mul_(0.9).add_(new.data, alpha=0.1)
     assert sqnr_db(model(x), _evaluate(compiled, x)) > SQNR_FLOOR_DB
+    assert (_reruns(compiled) > 0) == (check == "after")
 
 
-def test_one_changed_weight_is_requantized_alone():
+def test_one_changed_weight_is_requantized_alone(check):
     model = Ranker().eval()
     compiled = _compiled_eval(model)
     x = torch.randn(32, 64)
@@ -84,9 +101,25 @@ def test_one_changed_weight_is_requantized_alone():
     before = {id(w): w.refreshes for w in report.cached_weights}
     _evaluate(compiled, x)
     assert {id(w): w.refreshes for w in report.cached_weights} == before
+    assert _reruns(compiled) == 0
     model.head.weight.data[3, 5] += 1.0  # one element, through .data
     assert sqnr_db(model(x), _evaluate(compiled, x)) > SQNR_FLOOR_DB
     assert sum(w.refreshes for w in report.cached_weights) == sum(before.values()) + 1
+    assert (_reruns(compiled) > 0) == (check == "after")
+
+
+def test_a_graph_that_writes_its_inputs_is_checked_before_its_call():
+    """Checked after its call, a changed weight would run such a graph twice: its input written twice."""
+    def counts(x, n):
+        n.add_(1)
+        return x * 2
+
+    def pure(x, n):
+        return x * n
+
+    args = (torch.randn(4), torch.zeros(()))
+    assert writes_inputs(torch.fx.experimental.proxy_tensor.make_fx(counts)(*args).graph)
+    assert not writes_inputs(torch.fx.experimental.proxy_tensor.make_fx(pure)(*args).graph)
 
 
 def test_fingerprint_sees_every_byte():
@@ -111,6 +144,7 @@ def test_fingerprint_kernel_matches_the_reference():
                torch.randn(9000, dtype=torch.float16)]
     assert kernel_fingerprints(tensors) == [reference_fingerprint(t) for t in tensors]
     assert fingerprints(tensors) == [reference_fingerprint(t) for t in tensors]
+    assert torch.equal(kernel_lane_sums(tensors), lane_sums(tensors))  # the host's lanes, as the device's
 
 
 @pytest.mark.cuda
