@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.ceiling import profile_kernels, summarize_kernels
 from benchmarks.infer import _device as infer_device, _quantize_torchao, _time_batch, config_for_device
 from benchmarks.public.models import (MODEL_NAMES, PRESETS, REGISTRY, build, clone_model, count_parameters,
                                       gemm_flops_per_sample, library_versions, prediction)
@@ -266,6 +267,8 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
         except Exception as e:  # noqa: BLE001
             row["out_relerr_failed"] = _error_text(e)
             log(f"  {setup.name}/{mode}/{cfg_name}: error measurement failed: {row['out_relerr_failed']}")
+        if args.profile:
+            row.update(_profile_row(call, setup, cuda, cudagraphs))
         if cfg.kind == "loka":
             row.update(fp8_summary(fn))
         if cfg.kind != "eager":
@@ -280,6 +283,26 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
         del model, unit, fn, opt
         release_config(row, f"{setup.name}/{mode}/{cfg_name}", cuda)
     return row
+
+
+def _profile_row(call, setup: Setup, cuda: bool, cudagraphs: bool) -> dict:
+    """One profiled step: kernel time, GEMM share, the ceiling at 1.6x and the three largest
+    non-GEMM kernels (benchmarks.ceiling's classification)."""
+    inputs, labels = setup.pool[0]
+
+    def step():
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        call(inputs, labels)
+
+    try:
+        summary = summarize_kernels(*profile_kernels(step, cuda), top=30)
+    except Exception as e:  # noqa: BLE001 - a failed profile costs the profile columns only
+        return {"profile_failed": _error_text(e)}
+    non_gemm = [k for k in summary["top_kernels"] if not k["gemm"]][:3]
+    return {"kernel_ms": summary["total_ms"], "gemm_share": summary["gemm_share"],
+            "ceiling_1p6x": summary["ceiling_1p6x"], "top_non_gemm": non_gemm,
+            "top_kernels": summary["top_kernels"][:10]}
 
 
 def _measure_error(setup: Setup, mode: str, model: nn.Module, fn, cudagraphs: bool) -> dict:
@@ -371,7 +394,7 @@ def environment(device: torch.device, args) -> dict:
 def format_markdown(env: dict, rows: list[dict]) -> str:
     from tabulate import tabulate
     cols = ["model", "mode", "config", "step ms", "vs Inductor bf16", "out err", "err x bf16", "FP8 FLOPs",
-            "first steps s", "x Inductor", "graph breaks", "error"]
+            "first steps s", "x Inductor", "graph breaks", "GEMM share", "ceiling 1.6x", "largest non-GEMM", "error"]
     table = []
     for r in rows:
         err = r.get("error") or ""
@@ -381,6 +404,7 @@ def format_markdown(env: dict, rows: list[dict]) -> str:
                       _fmt(r.get("out_relerr_x_bf16"), ".2f"), "" if share is None else f"{100 * share:.0f}%",
                       _fmt(r.get("first_steps_s"), ".2f"), _fmt(r.get("first_steps_x_inductor"), ".2f"),
                       "" if r.get("graph_breaks") is None else str(r["graph_breaks"]),
+                      _fmt(r.get("gemm_share"), ".2f"), _fmt(r.get("ceiling_1p6x"), ".2f"), _largest_non_gemm(r),
                       err if len(err) <= 80 else err[:77] + "..."])
     libs = ", ".join(f"{k} {v}" for k, v in env.get("libraries", {}).items() if v)
     head = [f"# Public-model benchmark, preset {env.get('preset')}",
@@ -395,6 +419,11 @@ def format_markdown(env: dict, rows: list[dict]) -> str:
             "compiles included, x Inductor against Inductor bf16's. bf16 = autocast.",
             ""]
     return "\n".join(head) + tabulate(table, headers=cols, tablefmt="github") + "\n"
+
+
+def _largest_non_gemm(row: dict) -> str:
+    top = row.get("top_non_gemm") or []
+    return "; ".join(f"{k['name'][:40]} {k['ms']:.2f} ms" for k in top[:3])
 
 
 def write_outputs(path: Path, env: dict, rows: list[dict]) -> None:
@@ -447,6 +476,8 @@ def parse_args(argv=None):
                    help="whole-run budget: rows not started by then are skipped rows")
     p.add_argument("--out", default="benchmarks/results", help="directory of the JSON and markdown")
     p.add_argument("--name", default=None, help="file stem instead of <date>_<device>_public_<preset>")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one step per row: GEMM share, ceiling at 1.6x, largest non-GEMM kernels")
     p.add_argument("--list", action="store_true", help="print the registry and exit")
     args = p.parse_args(argv)
     if args.batch is None:
