@@ -90,7 +90,7 @@ def _mix32(w, position, WORD: tl.constexpr, POS: tl.constexpr, MIX: tl.constexpr
 
 @triton.jit
 def _fingerprint_kernel(addresses_ptr, words_ptr, chunk_tensor_ptr, chunk_start_ptr, out_ptr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     # one program: BLOCK words of one tensor from chunk_start; its two lane sums are added
     # to out[2 * tensor] and out[2 * tensor + 1] (int32 atomics wrap like uint32 sums)
     pid = tl.program_id(0)
@@ -98,6 +98,8 @@ def _fingerprint_kernel(addresses_ptr, words_ptr, chunk_tensor_ptr, chunk_start_
     start = tl.load(chunk_start_ptr + pid)
     n = tl.load(words_ptr + t)
     base = tl.load(addresses_ptr + t).to(tl.pointer_type(tl.uint16))
+    if ALIGNED:  # a pointer read from memory has no known alignment: without it, loads are 2 bytes wide
+        base = tl.multiple_of(base, 16)
     position = start + tl.arange(0, BLOCK).to(tl.int64)
     in_bounds = position < n
     w = tl.load(base + position, mask=in_bounds, other=0).to(tl.uint32)
@@ -186,9 +188,11 @@ def kernel_lane_sums(tensors: list) -> torch.Tensor:
     counts = tuple(w.numel() for w in words)
     if not sum(counts):
         return out
-    addresses, word_counts, chunk_tensor, chunk_start = _tables(tuple(w.data_ptr() for w in words), counts, device)
+    pointers = tuple(w.data_ptr() for w in words)
+    addresses, word_counts, chunk_tensor, chunk_start = _tables(pointers, counts, device)
     _fingerprint_kernel[(chunk_tensor.numel(),)](addresses, word_counts, chunk_tensor, chunk_start, out,
-                                                 BLOCK=WORDS_PER_PROGRAM)
+                                                 BLOCK=WORDS_PER_PROGRAM,
+                                                 ALIGNED=all(ptr % 16 == 0 for ptr in pointers))
     return out
 
 

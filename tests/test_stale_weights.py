@@ -138,10 +138,12 @@ def test_fingerprint_sees_every_byte():
 
 def test_fingerprint_kernel_matches_the_reference():
     """The Triton kernel under the interpreter, bit for bit, across dtypes, sizes that do
-    not fill a program, a non-contiguous tensor, an empty one and an odd one-byte one."""
+    not fill a program, a non-contiguous tensor, an empty one, an odd one-byte one and a
+    view off the 16-byte alignment."""
     tensors = [torch.randn(100, 37, dtype=torch.bfloat16), torch.randn(5000), torch.randn(3, 9).t(),
                torch.zeros(0), torch.randint(-100, 100, (7,), dtype=torch.int8),
                torch.randn(9000, dtype=torch.float16)]
+    tensors.append(torch.randn(5001)[1:])  # a view 4 bytes into its storage: loads without the alignment hint
     assert kernel_fingerprints(tensors) == [reference_fingerprint(t) for t in tensors]
     assert fingerprints(tensors) == [reference_fingerprint(t) for t in tensors]
     assert torch.equal(kernel_lane_sums(tensors), lane_sums(tensors))  # the host's lanes, as the device's
@@ -176,7 +178,9 @@ def test_cuda_fused_adam_and_data_writes_with_cuda_graph_replay(mode):
 def test_cuda_fingerprint_kernel_matches_the_reference():
     tensors = [torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(513, 77, device="cuda"),
                torch.randn(64, 32, device="cuda", dtype=torch.float16).t()]
-    assert fingerprints(tensors) == [reference_fingerprint(t) for t in tensors]
+    assert fingerprints(tensors) == [reference_fingerprint(t) for t in tensors]  # aligned: the hinted loads
+    unaligned = [torch.randn(5001, device="cuda")[1:], tensors[0]]
+    assert fingerprints(unaligned) == [reference_fingerprint(t) for t in unaligned]
 
 
 def test_a_failing_fingerprint_kernel_falls_back_to_the_reference(monkeypatch, caplog):
