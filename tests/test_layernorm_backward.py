@@ -254,3 +254,20 @@ def test_cuda_training_gradients(mode, precision, monkeypatch):
     assert report.mods["layernorm_backward"] == 1
     for mine, ref in zip([xl.grad] + [p.grad for p in model.parameters()], expected):
         assert rel_error(ref, mine) < 2e-2
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_benchmark_runs_on_cpu(tmp_path):
+    import json
+
+    from benchmarks import layernorm_backward as bench
+
+    path = bench.main(["--shapes", "4x8x32", "--precisions", "bf16", "--variants",
+                       "eager,loka_mod,mod_eager,bwd_aten,bwd_loka", "--steps", "2", "--warmup", "1",
+                       "--out", str(tmp_path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["eager", "loka_mod", "mod_eager", "bwd_aten", "bwd_loka"]
+    for r in rows:
+        assert r["error"] is None and r["ms"] > 0
+        assert max(r["dx_err"], r["dweight_err"], r["dbias_err"]) < 1e-2   # bf16 against fp64
+    assert path.with_suffix(".md").exists()
