@@ -89,6 +89,7 @@ class _Norm:
     module: str
     call_module: str = ""
     output: object = None        # the node whose users read y
+    reads_statistics: bool = False   # a native_layer_norm whose mean or rstd is read
 
 
 def _norm_of(gm, node) -> "_Norm | None":
@@ -99,7 +100,7 @@ def _norm_of(gm, node) -> "_Norm | None":
             outputs = {user.args[1] if user.target is operator.getitem else None: user for user in node.users}
             if not outputs:
                 return None
-            norm.output = outputs[0] if set(outputs) == {0} else "statistics_used"
+            norm.output, norm.reads_statistics = outputs.get(0), set(outputs) != {0}
         return norm
     if node.op == "call_module" and type(gm.get_submodule(node.target)) is torch.nn.LayerNorm:
         module = gm.get_submodule(node.target)
@@ -120,7 +121,7 @@ def _parameter(gm, norm: _Norm, name: str, inputs: dict):
 
 
 def _decline_reason(gm, norm: _Norm, inputs: dict) -> "str | None":
-    if norm.output == "statistics_used":
+    if norm.reads_statistics:
         return "statistics_used"
     x = inputs.get(norm.x, _value(norm.x))
     if not isinstance(x, torch.Tensor) or x.dim() < 1:

@@ -271,3 +271,44 @@ def test_benchmark_runs_on_cpu(tmp_path):
         assert r["error"] is None and r["ms"] > 0
         assert max(r["dx_err"], r["dweight_err"], r["dbias_err"]) < 1e-2   # bf16 against fp64
     assert path.with_suffix(".md").exists()
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = WukongNorm()
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+class TwoNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = WukongNorm(), WukongNorm()
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+@pytest.mark.usefixtures("on_cpu", "fresh_compile_state")
+@pytest.mark.parametrize("case", ["checkpointed", "failing_rewrite"])
+def test_checkpointed_body_and_a_failing_rewrite(case, monkeypatch):
+    from graphs import fail_second_call
+
+    model = Checkpointed() if case == "checkpointed" else TwoNorms()
+    if case == "failing_rewrite":
+        fail_second_call(monkeypatch, mod, "_rewrite")   # the graph is restored, the Mod logged as failed
+    x, g = torch.randn(8, 6, 32), torch.randn(8, 6, 32)
+    reference = copy.deepcopy(model).double()
+    xr = x.double().requires_grad_()
+    reference(xr).backward(g.double())
+    expected = [xr.grad] + [p.grad for p in reference.parameters()]
+
+    grads, report = _train(model, x, g, ENABLED)
+
+    rewritten = 1 if case == "checkpointed" else 0
+    assert report.mods["layernorm_backward"] == rewritten
+    assert _backward_ops(report).count(torch.ops.loka.layer_norm_backward.default) == rewritten
+    for mine, ref in zip(grads, expected):
+        assert rel_error(ref, mine) < 1e-5
