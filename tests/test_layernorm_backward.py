@@ -232,10 +232,15 @@ def test_cpu_keeps_inductors_backward_even_when_enabled():
 @pytest.mark.usefixtures("fresh_compile_state")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("precision", ["autocast", "bf16"])
-def test_cuda_training_gradients(mode, precision, monkeypatch):
-    monkeypatch.setattr(mod, "MIN_ROWS", 1)
+def test_cuda_training_gradients(mode, precision):
+    """autocast: a linear (kept out of FP8) makes a bf16 input, which LayerNorm normalizes in
+    fp32; bf16: public Wukong's block with bf16 weights and activations."""
     torch.manual_seed(0)
-    model, x = WukongNorm(d=128, k=32).cuda(), torch.randn(512, 64, 128, device="cuda")
+    if precision == "autocast":
+        model, options = nn.Sequential(nn.Linear(128, 128), WukongNorm(d=128).norm), dict(exclude_modules=["0"])
+    else:
+        model, options = WukongNorm(d=128, k=32), {}
+    model, x = model.cuda(), torch.randn(512, 64, 128, device="cuda")
     g = torch.randn_like(x)
     reference = copy.deepcopy(model).double()
     xr = x.double().requires_grad_()
@@ -243,7 +248,7 @@ def test_cuda_training_gradients(mode, precision, monkeypatch):
     expected = [xr.grad] + [p.grad for p in reference.parameters()]
     if precision == "bf16":
         model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
-    compiled = torch.compile(model, backend="loka", options=dict(ENABLED, mode=mode))
+    compiled = torch.compile(model, backend="loka", options=dict(ENABLED, mode=mode, **options))
     for _ in range(3):   # CUDA graphs record after warm-up calls
         model.zero_grad()
         xl = x.clone().requires_grad_()
@@ -252,6 +257,7 @@ def test_cuda_training_gradients(mode, precision, monkeypatch):
         y.float().backward(g)
     report = loka_compile.report(compiled)
     assert report.mods["layernorm_backward"] == 1
+    assert torch.ops.loka.layer_norm_backward.default in _backward_ops(report)
     for mine, ref in zip([xl.grad] + [p.grad for p in model.parameters()], expected):
         assert rel_error(ref, mine) < 2e-2
 
