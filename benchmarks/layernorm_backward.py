@@ -35,12 +35,12 @@ Writes <out>/<date>_<device>_layernorm_backward.json and .md (`benchmarks.kernel
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 CASES = [  # (B, n, d, precision)
     (8192, 64, 128, "bf16"), (8192, 64, 128, "autocast"),
@@ -81,7 +81,6 @@ def _params(model):
 
 def _compiled_step(variant: str, model: nn.Module, precision: str, device: torch.device):
     """A step function (x, dy) -> (dx, dweight, dbias) for a forward + backward variant."""
-    import loka_compile
     from loka_compile.kernels.layer_norm_backward import layer_norm
 
     if variant == "eager":
@@ -154,15 +153,10 @@ def _time_ms(step, pool, warmup: int, steps: int, device: torch.device) -> float
 
 def _reference(model: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     """(dx, dweight, dbias) by fp64 autograd of the block on the same inputs."""
-    reference = _to_precision(_copy(model), "fp64")
+    reference = _to_precision(copy.deepcopy(model), "fp64")
     xr = x.detach().double().requires_grad_()
     y = reference(xr)
     return torch.autograd.grad(y, [xr, *_params(reference)], dy.double())
-
-
-def _copy(model):
-    import copy
-    return copy.deepcopy(model)
 
 
 def _to_precision(model: nn.Module, precision: str) -> nn.Module:
@@ -190,7 +184,7 @@ def measure_case(case, variants, args, device: torch.device) -> list:
                    dx_err=None, dweight_err=None, dbias_err=None, mod_rewrites=None, error=None)
         torch._dynamo.reset()
         loka_compile.reset()
-        model = _to_precision(_copy(master), precision)
+        model = _to_precision(copy.deepcopy(master), precision)
         try:
             if variant.startswith("bwd_"):
                 if args.pattern != "plain":
