@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import loka_compile
 from loka_compile import LokaConfig
