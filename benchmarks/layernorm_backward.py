@@ -27,7 +27,8 @@ Backward alone, from saved statistics (the column reduction's share):
 Timing: CUDA events around each step, median over --steps steps after --warmup, inputs
 drawn fresh (a pool of --pool random sets, used in turn). On CPU: wall time. Errors: dx,
 dweight, dbias of each variant against fp64 autograd on the first input set (rel_error);
-mod_rewrites: how many LayerNorms the Mod rewrote in the loka rows.
+mod_rewrites: how many LayerNorms the Mod rewrote in the loka rows. `--profile`: each
+variant's three largest kernels in one step (`benchmarks.ceiling.profile_kernels`).
 
 Writes <out>/<date>_<device>_layernorm_backward.json and .md (`benchmarks.kernels.write_bench`).
 """
@@ -200,6 +201,11 @@ def measure_case(case, variants, args, device: torch.device) -> list:
                                           if r.layernorm_backward is not None)
             del grads
             row["ms"] = _time_ms(step, pool, args.warmup, args.steps, device)
+            if args.profile:
+                from benchmarks.ceiling import profile_kernels, summarize_kernels
+
+                times, source = profile_kernels(lambda: step(*pool[0]), device.type == "cuda")
+                row["top_kernels"] = summarize_kernels(times, source, top=3)["top_kernels"]
             if variant.startswith("bwd_"):
                 nbytes = 3 * x_bytes(pool[0][0])
                 row["bwd_gbs"] = nbytes / (row["ms"] * 1e-3) / 1e9
@@ -222,8 +228,10 @@ def x_bytes(x: torch.Tensor) -> int:
 
 
 def sweep(case, args, device: torch.device) -> list:
-    """bwd_loka at the first case over stage 1's launch parameters."""
+    """bwd_loka at the first case over stage 1's launch parameters, each checked against the
+    op's fp32 reference (`layer_norm_backward_reference`) on the first input set."""
     from loka_compile.kernels import layer_norm_backward as lnb
+    from loka_compile.kernels.metrics import rel_error
 
     b, n, d, precision = case
     torch.manual_seed(0)
@@ -233,6 +241,8 @@ def sweep(case, args, device: torch.device) -> list:
             for _ in range(args.pool)]
     stats = {x.data_ptr(): torch.ops.aten.native_layer_norm(x.float(), [d], weight.float(), None, EPS)[1:]
              for x, _ in pool}
+    x0, dy0 = pool[0]
+    expected = lnb.layer_norm_backward_reference(dy0, x0, weight, *stats[x0.data_ptr()])
     rows = []
     for tile in SWEEP["tile_elements"]:
         for warps in SWEEP["num_warps"]:
@@ -244,6 +254,8 @@ def sweep(case, args, device: torch.device) -> list:
                 try:
                     def step(x, dy, config=config):
                         return lnb.layer_norm_backward_triton(dy, x, weight, *stats[x.data_ptr()], config=config)
+                    grads = step(x0, dy0)
+                    row["max_err_vs_reference"] = max(rel_error(e, g) for e, g in zip(expected, grads))
                     row["ms"] = _time_ms(step, pool, args.warmup, args.steps, device)
                     row["bwd_gbs"] = 3 * x_bytes(pool[0][0]) / (row["ms"] * 1e-3) / 1e9
                 except Exception as error:  # noqa: BLE001
@@ -278,6 +290,7 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     p.add_argument("--max-autotune", action="store_true", help="add the inductor_max_autotune variant")
     p.add_argument("--sweep", action="store_true", help="sweep stage 1's launch parameters at the first case")
+    p.add_argument("--profile", action="store_true", help="record each variant's three largest kernels")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool", type=int, default=3, help="random input sets, used in turn")
@@ -309,11 +322,20 @@ def main(argv=None):
             f"{env}\n\nPattern {args.pattern}; {timing} of {args.steps} steps over {args.pool} random input sets. "
             f"`vs inductor`: Inductor's time / this one (bwd_* rows: against bwd_inductor). Errors against fp64 "
             f"autograd.\n\n{table}\n")
+    profiled = [r for r in rows if r.get("top_kernels")]
+    if profiled:
+        text += "\n## Largest kernels per step (--profile)\n\n" + tabulate(
+            [[f"{r['B']}x{r['n']}x{r['d']} {r['precision']}", r["variant"], k["name"][:90], k["ms"], k["calls"]]
+             for r in profiled for k in r["top_kernels"]],
+            headers=["case", "variant", "kernel", "ms", "calls"], floatfmt=("", "", "", ".4f", ""),
+            tablefmt="github") + "\n"
     if sweep_rows:
         best = min((r for r in sweep_rows if r["ms"]), key=lambda r: r["ms"], default=None)
         text += "\n## Stage-1 launch sweep (bwd_loka)\n\n" + tabulate(
-            [[r["config"], r["ms"], r.get("bwd_gbs"), r["error"] or ""] for r in sweep_rows],
-            headers=["config", "ms", "GB/s", "error"], floatfmt=("", ".4f", ".0f", ""), tablefmt="github")
+            [[r["config"], r["ms"], r.get("bwd_gbs"), r.get("max_err_vs_reference"), r["error"] or ""]
+             for r in sweep_rows],
+            headers=["config", "ms", "GB/s", "err vs fp32 reference", "error"], floatfmt=("", ".4f", ".0f", ".1e", ""),
+            tablefmt="github")
         text += f"\n\nBest: {best['config'] if best else None}\n"
     print(text)
     return write_bench(args.out, args.name, "layernorm_backward", env, rows + sweep_rows, text)
