@@ -34,6 +34,7 @@ and whose backward is that op: what the `layernorm_backward` Mod puts in a Dynam
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -181,11 +182,13 @@ def layer_norm_backward_triton(dy, x, weight, mean, rstd, config: Optional[dict]
     programs = min(triton.cdiv(m, cfg["BLOCK_M"]), per_sm * sm_count(x.device))
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
-    _rows_kernel[(programs,)](
-        dy2, x2, weight.contiguous(), mean.reshape(-1), rstd.reshape(-1), dx2, dw_part, db_part,
-        m, n, dy2.stride(0), x2.stride(0), dx2.stride(0), num_warps=warps, **cfg)
-    _columns_kernel[(triton.cdiv(n, _REDUCE_COLS),)](
-        dw_part, db_part, dw, db, programs, n, BLOCK_P=_REDUCE_ROWS, BLOCK_N=_REDUCE_COLS, num_warps=4)
+    # Triton launches on the current device: make it x's.
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _rows_kernel[(programs,)](
+            dy2, x2, weight.contiguous(), mean.reshape(-1), rstd.reshape(-1), dx2, dw_part, db_part,
+            m, n, dy2.stride(0), x2.stride(0), dx2.stride(0), num_warps=warps, **cfg)
+        _columns_kernel[(triton.cdiv(n, _REDUCE_COLS),)](
+            dw_part, db_part, dw, db, programs, n, BLOCK_P=_REDUCE_ROWS, BLOCK_N=_REDUCE_COLS, num_warps=4)
     return dx, dw, db
 
 
