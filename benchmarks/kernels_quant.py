@@ -1,4 +1,5 @@
-"""Bandwidth of loka's FP8 quantization and fused norm+quant kernels on the GPU.
+"""Bandwidth of loka's FP8 quantization kernels on the GPU (the LayerNorm backward has its own,
+`benchmarks/layernorm_backward.py`).
 
 Rows are dicts. GB/s counts the fewest bytes each op must move (every input read once,
 every output written once, scales included); `% copy` divides by the device-to-device
@@ -17,16 +18,13 @@ import os
 import pathlib
 
 import torch
-import torch.nn.functional as F
 import triton
 from tabulate import tabulate
 
-from loka_compile.kernels import triton_norm_quant as nq
 from loka_compile.kernels import triton_quant as tq
 from loka_compile.kernels.quantize import Fp8Format, quantize_along, quantize_blockwise, quantize_tensorwise
 
 QUANT_SHAPE = (32768, 4096)
-NORM_SHAPE = (32768, 2048)
 E4M3 = Fp8Format.E4M3
 
 
@@ -99,47 +97,6 @@ def quant_rows(copy_gbs: float, shape=QUANT_SHAPE) -> list[dict]:
     return rows
 
 
-def norm_rows(copy_gbs: float, shape=NORM_SHAPE) -> list[dict]:
-    m, k = shape
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    n = m * k
-    eps = 1e-5
-    ln = torch.compile(lambda t: F.layer_norm(t, (k,), w, b, eps))
-    ln_then_cast = torch.compile(lambda t: quantize_along(F.layer_norm(t, (k,), w, b, eps), -1, E4M3))
-    inductor_ln_ms = _bench(lambda: ln(x))
-    inductor_ln_cast_ms = _bench(lambda: ln_then_cast(x))
-    stats = m * 8  # mean and rstd, fp32
-    rows = [
-        _row("inductor LayerNorm (bf16 out)", inductor_ln_ms, n * 4, copy_gbs, shape=f"{m}x{k}"),
-        _row("inductor LayerNorm -> reference rowwise cast", inductor_ln_cast_ms, n * 3 + m * 4, copy_gbs,
-             shape=f"{m}x{k}"),
-    ]
-
-    def fused(write_y, cfg=None):
-        return lambda: nq.norm_quant_forward(x, w, b, eps, "e4m3", False, rms=False, write_y=write_y,
-                                             write_q=True, config=cfg)
-
-    for write_y, name, nbytes in ((False, "fused LayerNorm+quant, FP8 only", n * 3 + m * 4 + stats),
-                                  (True, "fused LayerNorm+quant, bf16 + FP8", n * 5 + m * 4 + stats)):
-        ms = _bench(fused(write_y))
-        rows.append(_row(name, ms, nbytes, copy_gbs, shape=f"{m}x{k}",
-                         speedup_vs_inductor_ln=round(inductor_ln_ms / ms, 2),
-                         speedup_vs_inductor_ln_then_cast=round(inductor_ln_cast_ms / ms, 2)))
-        for bm, warps in ((1, 4), (1, 8), (2, 8), (4, 8), (8, 16)):
-            cfg = dict(BLOCK_M=bm, BLOCK_N=k, num_warps=warps)
-            ms = _bench(fused(write_y, cfg))
-            rows.append(_row(name + " sweep", ms, nbytes, copy_gbs, shape=f"{m}x{k}", config=str(cfg)))
-    dy = torch.randn_like(x)
-    _, _, _, mean, rstd = nq.norm_quant_forward(x, w, b, eps, "e4m3", False, rms=False, write_y=False, write_q=True)
-    ms = _bench(lambda: nq.norm_backward(dy, x, w, mean, rstd, rms=False))
-    rows.append(_row("LayerNorm backward (dx, dw, db)", ms, n * 6 + stats, copy_gbs, shape=f"{m}x{k}"))
-    ms = _bench(lambda: nq.block_norm_forward(x, 1e-6, "e4m3", False, write_q=True))
-    rows.append(_row("BlockNorm + quant (bf16 + FP8)", ms, n * 5 + m * 4 + n // 256 * 4, copy_gbs, shape=f"{m}x{k}"))
-    return rows
-
-
 def env() -> dict:
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat())
@@ -148,7 +105,7 @@ def env() -> dict:
 def main() -> dict:
     copy_gbs = copy_bandwidth_gbs()
     rows = [dict(op="device-to-device copy (1 GiB)", gbs=round(copy_gbs, 1), pct_copy=100.0)]
-    rows += quant_rows(copy_gbs) + norm_rows(copy_gbs)
+    rows += quant_rows(copy_gbs)
     result = {"env": env(), "rows": rows}
     gpu = "H100" if "H100" in result["env"]["device"] else result["env"]["device"].replace(" ", "_")
     stem = f"{result['env']['date']}_{gpu}_kernels_quant"
@@ -159,7 +116,7 @@ def main() -> dict:
         (folder / f"{stem}.json").write_text(json.dumps(result, indent=1))
         (folder / f"{stem}.md").write_text(f"{result['env']}\n\n{table}\n")
     short = [{k: r.get(k) for k in ("op", "us", "gbs", "pct_copy", "actual_pct_copy", "speedup_vs_inductor_ref",
-                                     "speedup_vs_inductor_ln", "config")} for r in rows]
+                                     "config")} for r in rows]
     print(tabulate(short, headers="keys", tablefmt="github"))
     return result
 

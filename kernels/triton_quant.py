@@ -62,7 +62,7 @@ MAX_SINGLE_PASS_COLS = 16384
 
 
 # ---------------------------------------------------------------------------------------
-# shared device helpers (also used by triton_norm_quant.py)
+# shared device helpers
 # ---------------------------------------------------------------------------------------
 
 @triton.jit
@@ -407,11 +407,16 @@ def _cuda_fp8_conversion(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether Triton kernels can run on t's device at all: CUDA, or CPU under the interpreter."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels can run on t's device (else the op runs the reference)."""
+    """Whether the FP8 Triton kernels can run on t's device (else the op runs the reference)."""
     if t.device.type == "cuda":
         return interpreting() or _cuda_fp8_conversion(t.device.index or 0)
-    return t.device.type == "cpu" and interpreting()
+    return triton_runs_on(t)
 
 
 @functools.lru_cache(maxsize=None)

@@ -60,6 +60,7 @@ from loka_compile.passes.conv1x1 import Conv1x1Linears, rewrite_conv1x1
 from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenance
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.passes.horizontal_fusion import HorizontalFusion, fuse_sibling_linears
+from loka_compile.passes.layernorm_backward import LayerNormBackwards, rewrite_layer_norm_backwards
 from loka_compile.passes.rewrite import all_or_nothing
 from loka_compile.passes.saved_fp8 import SavedFp8, check_saves, find_operands, save_fp8_operands
 from loka_compile.passes.transposed_linear import TransposedLinears, rewrite_transposed_linears
@@ -100,6 +101,7 @@ class GraphRecord:
     horizontal: Optional[HorizontalFusion] = None  # what the horizontal Mod did, when it ran
     conv1x1: Optional[Conv1x1Linears] = None  # what the conv1x1 Mod did, when it ran
     transposed_linear: Optional[TransposedLinears] = None  # what the transposed_linear Mod did, when it ran
+    layernorm_backward: Optional[LayerNormBackwards] = None  # what the layernorm_backward Mod did, when it ran
     saved_fp8: Optional[SavedFp8] = None  # the last training compile: what the saved_fp8 Mod did, what is saved
     weight_layouts: Optional[WeightLayouts] = None  # the last training compile: the weight_both_layouts Mod
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
@@ -1227,6 +1229,12 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
     if record.transposed_linear is not None:
         log.info("%s: transposed_linear: %d linears as W @ x, declined %s", record.name,
                  record.transposed_linear.rewritten, dict(record.transposed_linear.declined))
+    record.layernorm_backward = _dynamo_graph_mod(
+        "layernorm_backward", record, "those LayerNorms keep Inductor's backward",
+        lambda: rewrite_layer_norm_backwards(gm, example_inputs, exclude_modules=config.exclude_modules))
+    if record.layernorm_backward is not None:
+        log.info("%s: layernorm_backward: %d LayerNorms with loka's backward, declined %s", record.name,
+                 record.layernorm_backward.rewritten, dict(record.layernorm_backward.declined))
     compiled = LokaCompiledGraph(gm, example_inputs, record)
     GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
     return compiled

@@ -19,7 +19,7 @@ import os
 from typing import Any, Mapping, Optional
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
-from loka_compile.passes import MODS
+from loka_compile.passes import MODS, OFF_BY_DEFAULT_MODS
 from loka_compile.passes.arch_mods import ARCH_MODS
 from loka_compile.passes.context import Role
 
@@ -108,6 +108,8 @@ class LokaConfig:
     mode: Inductor's mode (`reduce-overhead` = CUDA graphs). `torch.compile` refuses
         `mode=` together with `options=`, so it can be given here too.
     disabled_mods: names in `loka_compile.passes.MODS` of Mods switched off (ablations).
+    enabled_mods: names in `loka_compile.passes.OFF_BY_DEFAULT_MODS` of Mods switched on
+        (off by default until a GPU measurement shows them faster: `layernorm_backward`).
     arch_mods: names in ARCH_MODS of opt-in architecture changes applied to the Dynamo
         graph (they change the model): `blocknorm` (LayerNorm -> BlockNorm), `no_bias`
         (linears lose their bias, except the heads), `hardswish` (SiLU -> hard-swish).
@@ -176,6 +178,7 @@ class LokaConfig:
     fallback: bool = True
     mode: str = "default"
     disabled_mods: tuple = ()
+    enabled_mods: tuple = ()
     arch_mods: tuple = ()
     plan: Optional[str] = None
     probe_metric: str = "row_rel_error"
@@ -205,6 +208,10 @@ class LokaConfig:
         self._set("providers", _check_names("providers", self.providers, provider_registry.names()))
         self._set("exclude_modules", _check_names("exclude_modules", self.exclude_modules))
         self._set("disabled_mods", _check_names("disabled_mods", self.disabled_mods, MODS))
+        self._set("enabled_mods", _check_names("enabled_mods", self.enabled_mods, OFF_BY_DEFAULT_MODS))
+        both = sorted(set(self.disabled_mods) & set(self.enabled_mods))
+        if both:
+            raise ValueError(f"Mods {both} are both in disabled_mods and in enabled_mods; name each in one")
         self._set("arch_mods", _check_names("arch_mods", self.arch_mods, ARCH_MODS))
         self._set("plan", _check_plan_path(self.plan))
 
@@ -217,10 +224,11 @@ class LokaConfig:
 
     @property
     def inactive_mods(self) -> frozenset:
-        """The Mods that do not run in this compile: `disabled_mods`, and outside CUDA-graph
-        modes the ones in CUDA_GRAPH_ONLY_MODS."""
+        """The Mods that do not run in this compile: `disabled_mods`, the off-by-default ones
+        not in `enabled_mods`, and outside CUDA-graph modes the ones in CUDA_GRAPH_ONLY_MODS."""
         graph_only = frozenset() if uses_cuda_graphs(self.mode) else CUDA_GRAPH_ONLY_MODS
-        return frozenset(self.disabled_mods) | graph_only
+        not_enabled = frozenset(OFF_BY_DEFAULT_MODS) - frozenset(self.enabled_mods)
+        return frozenset(self.disabled_mods) | not_enabled | graph_only
 
     @classmethod
     def from_options(cls, options: "LokaConfig | Mapping[str, Any] | None") -> "LokaConfig":

@@ -170,6 +170,9 @@ class Report:
             transposed = getattr(r, "transposed_linear", None)
             if transposed is not None:
                 self._graph_mods.update({"transposed_linear": transposed.rewritten})
+            norms = getattr(r, "layernorm_backward", None)
+            if norms is not None:
+                self._graph_mods.update({"layernorm_backward": norms.rewritten})
             saved = getattr(r, "saved_fp8", None)
             if saved is not None:
                 self._graph_mods.update({"saved_for_backward_bytes": saved.saved_bytes})
@@ -196,7 +199,8 @@ class Report:
         the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
         replaced, per Dynamo graph), the 1x1 convolutions written as linears (`conv1x1`, per
         Dynamo graph), the linears of a transposed input computed as W @ x
-        (`transposed_linear`, per Dynamo graph), the backward GEMM operands whose FP8 copy
+        (`transposed_linear`, per Dynamo graph), the LayerNorms given loka's Triton backward
+        (`layernorm_backward`, per Dynamo graph), the backward GEMM operands whose FP8 copy
         the forward saved (`saved_fp8`) and what the forward graphs keep for the backward
         with that Mod on (`saved_for_backward_bytes`, at compile-time sizes: compare it
         with the Mod off for the memory it saves), the training weights cast once per step
@@ -217,6 +221,7 @@ class Report:
                                    for s in self.sites if s.fp8),
                   "horizontal": self._graph_mods["horizontal"], "horizontal_linears": self._graph_mods["horizontal_linears"],
                   "conv1x1": self._graph_mods["conv1x1"], "transposed_linear": self._graph_mods["transposed_linear"],
+                  "layernorm_backward": self._graph_mods["layernorm_backward"],
                   "weight_both_layouts": self._graph_mods["weight_both_layouts"]}
         counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})
         return counts

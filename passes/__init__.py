@@ -74,9 +74,18 @@ log = logging.getLogger("loka.passes")
 #                (rowwise) is cast once, in the forward, by one kernel pair that writes both
 #                layouts (loka.quantize_dual_axis), and the dgrad reads the copy the forward
 #                saved, instead of each GEMM casting the weight itself (joint graph)
+#   layernorm_backward  training graphs on CUDA: a LayerNorm over a last dim <= 512 with an
+#                affine weight and many rows keeps ATen's forward and gets loka's Triton
+#                backward (dx, and dw/db as per-program partials summed by a second kernel)
+#                instead of Inductor's decomposed backward, whose dw/db column reduction over
+#                all rows is the suspect in public Wukong's largest kernel (Dynamo graph).
+#                Off unless named in `enabled_mods` (OFF_BY_DEFAULT_MODS) until a GPU run shows
+#                it faster: docs/mods/layernorm_backward.md
 MODS = ("fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
         "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm",
-        "weight_both_layouts")
+        "weight_both_layouts", "layernorm_backward")
+# Mods in MODS that run only when named in `LokaConfig.enabled_mods`.
+OFF_BY_DEFAULT_MODS = ("layernorm_backward",)
 
 PIPELINE = (
     ("find_sites", find_sites),

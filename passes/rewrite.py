@@ -104,6 +104,10 @@ def all_or_nothing(gm: torch.fx.GraphModule):
     """The rewrites of `gm`'s graph made inside either all land (the graph linted, the module
     recompiled) or, on any error, none: the graph is restored and the error raised."""
     pristine = copy.deepcopy(gm.graph)
+    # Dynamo tags its placeholders with an attribute AOTAutograd reads; a deep copy drops it.
+    for original, kept in zip(gm.graph.find_nodes(op="placeholder"), pristine.find_nodes(op="placeholder")):
+        if hasattr(original, "_dynamo_source"):
+            kept._dynamo_source = original._dynamo_source
     try:
         yield
         gm.graph.lint()
