@@ -20,8 +20,8 @@ if not _os.path.isdir(_os.path.join(__path__[0], "kernels")) and \
 from loka_compile.config import MODES, RECIPES, LokaConfig, Recipe
 from loka_compile.passes import Reason, Role
 from loka_compile.backend import loka_backend, reset
-from loka_compile.report import Report, SiteRecord, report
-from loka_compile.plan import Plan, load_plan, save_plan
+from loka_compile.report import Report, SiteRecord, report, save_plan
+from loka_compile.plan import Plan, load_plan
 from loka_compile.calibrate import calibrate
 from loka_compile.export import InferencePackage, export_inference
 from loka_compile.modules import BlockNorm, apply_arch_mods

@@ -26,7 +26,8 @@ from loka_compile.kernels import metrics
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
 from loka_compile.kernels.scaled_gemm import quantize_static
 from loka_compile.passes import GraphKind, Reason
-from loka_compile.plan import Plan, plan_of
+from loka_compile.plan import Plan
+from loka_compile.report import plan_of
 
 log = logging.getLogger("loka")
 

@@ -19,8 +19,7 @@ import os
 from typing import Any, Mapping, Optional
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
-from loka_compile.passes import MODS
-from loka_compile.passes.arch_mods import ARCH_MODS
+from loka_compile.passes import mods
 from loka_compile.passes.context import Role
 
 
@@ -107,8 +106,8 @@ class LokaConfig:
         precision instead of raising.
     mode: Inductor's mode (`reduce-overhead` = CUDA graphs). `torch.compile` refuses
         `mode=` together with `options=`, so it can be given here too.
-    disabled_mods: names in `loka_compile.passes.MODS` of Mods switched off (ablations).
-    arch_mods: names in ARCH_MODS of opt-in architecture changes applied to the Dynamo
+    disabled_mods: names of default Mods switched off (ablations; `loka_compile.passes.mods.MODS`).
+    arch_mods: names of opt-in architecture Mods (`loka_compile.passes.mods.ARCH_MODS`) applied to the Dynamo
         graph (they change the model): `blocknorm` (LayerNorm -> BlockNorm), `no_bias`
         (linears lose their bias, except the heads), `hardswish` (SiLU -> hard-swish).
     plan: path (str or os.PathLike) of a plan written by `loka_compile.save_plan`: its
@@ -204,8 +203,8 @@ class LokaConfig:
         self._set("max_output_error", _check_off_or_positive("max_output_error", self.max_output_error))
         self._set("providers", _check_names("providers", self.providers, provider_registry.names()))
         self._set("exclude_modules", _check_names("exclude_modules", self.exclude_modules))
-        self._set("disabled_mods", _check_names("disabled_mods", self.disabled_mods, MODS))
-        self._set("arch_mods", _check_names("arch_mods", self.arch_mods, ARCH_MODS))
+        self._set("disabled_mods", _check_names("disabled_mods", self.disabled_mods, mods.MODS))
+        self._set("arch_mods", _check_names("arch_mods", self.arch_mods, mods.ARCH_MODS))
         self._set("plan", _check_plan_path(self.plan))
 
     def _set(self, name: str, value) -> None:
@@ -218,8 +217,8 @@ class LokaConfig:
     @property
     def inactive_mods(self) -> frozenset:
         """The Mods that do not run in this compile: `disabled_mods`, and outside CUDA-graph
-        modes the ones in CUDA_GRAPH_ONLY_MODS."""
-        graph_only = frozenset() if uses_cuda_graphs(self.mode) else CUDA_GRAPH_ONLY_MODS
+        modes the ones that run only under CUDA graphs (`Mod.cuda_graphs_only`)."""
+        graph_only = frozenset() if uses_cuda_graphs(self.mode) else mods.CUDA_GRAPH_ONLY_MODS
         return frozenset(self.disabled_mods) | graph_only
 
     @classmethod
@@ -235,13 +234,6 @@ class LokaConfig:
         if unknown:
             raise ValueError(f"unknown loka options {unknown}; valid options: {valid}")
         return cls(**options)
-
-
-# Mods that run only where CUDA graphs replay the step. Inductor's multi-kernel (the
-# `benchmarked_reductions` Mod) picks a reduction's variant in Python at every call; without
-# CUDA graphs that host work shows in the step: H100, MaskNet training, batch 8192, default
-# mode, every site FP8: 21.97 ms with it, 19.66 ms without (Inductor bf16 18.64 ms).
-CUDA_GRAPH_ONLY_MODS = frozenset({"benchmarked_reductions"})
 
 
 def uses_cuda_graphs(mode: str) -> bool:

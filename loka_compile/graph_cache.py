@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from loka_compile.passes import GraphKind
+from loka_compile.passes.mods import cached_weights
 
 log = logging.getLogger("loka")
 
@@ -45,7 +46,7 @@ def bypass_reason(phase: str, kind: GraphKind, inactive_mods, param_input_indice
     """Why a graph must not use the FX graph cache, or None."""
     if torch._inductor.config.freezing:
         return "freezing: its weights are constants taken from this process's parameters"
-    if phase == "fp8" and kind is GraphKind.INFERENCE and "cached_weights" not in inactive_mods \
+    if phase == "fp8" and kind is GraphKind.INFERENCE and cached_weights.MOD.on(inactive_mods) \
             and param_input_indices:
         # Its FP8 weight copies are constants taken from this process's parameters, and
         # the compiled graph is wrapped to refresh them; a cached entry holds neither.

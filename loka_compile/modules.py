@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from loka_compile.kernels.block_norm import DEFAULT_BLOCK, block_norm
-from loka_compile.passes.arch_mods import ARCH_MODS
+from loka_compile.passes.mods import ARCH_MODS
 
 
 class BlockNorm(nn.Module):

@@ -78,6 +78,12 @@ from typing import Optional
 
 import torch
 
+from loka_compile.kernels.providers import has_fp8_hardware
+from loka_compile.passes.mods.benchmarked_reductions import PERSISTENT_ROW_MAX, persistent_row_max
+from loka_compile.passes.mods.cat_casts import per_piece_row_max
+from loka_compile.passes.mods.gemm_epilogue import MOD as GEMM_EPILOGUE
+from loka_compile.passes.shapes import size_hint
+
 log = logging.getLogger("loka")
 
 TIMING_REPEATS = 5
@@ -211,32 +217,6 @@ def _time_runs_us(fn, device: torch.device) -> list:
             end.synchronize()
             runs.append(start.elapsed_time(end) * 1e3 / CALLS_PER_RUN)
         return runs
-
-
-# Longest row Inductor reduces in one persistent pass (inner reductions, torch 2.11-2.13),
-# and the longest a fused cast is charged only its byte for with Inductor's multi-kernel
-# (the `benchmarked_reductions` Mod), which builds persistent variants up to 16x that and
-# keeps them where faster. Measured on the H100, MaskNet inference, batch 8192: at K = 3456
-# relu + rowwise cast took 0.047 ms per call persistent, the bf16 relu alone 0.049 ms; at
-# K = 8192 the cast fused into cat + 8 LayerNorms took 0.67 ms, against about 0.1 ms for
-# those kernels in bf16. Charging rows up to 16384 a byte let the speed check put every
-# MaskNet site in FP8: loka_ro measured 1.01x of bf16, where with 9 sites it had 1.10x.
-PERSISTENT_ROW_MAX = 1024
-MULTI_KERNEL_PERSISTENT_ROW_MAX = 4096
-
-
-def persistent_row_max(benchmarked_reductions: bool) -> int:
-    """The longest row a fused cast reduces in one pass, with or without the
-    `benchmarked_reductions` Mod."""
-    return MULTI_KERNEL_PERSISTENT_ROW_MAX if benchmarked_reductions else PERSISTENT_ROW_MAX
-
-
-def per_piece_row_max(benchmarked_reductions: bool, cat_casts: bool, pad_k: int) -> Optional[int]:
-    """`row_max` for `find_sites.per_piece_cast`: the persistent row length when the
-    `cat_casts` Mod is on and K is not padded (a padded A keeps the whole-row cast), else
-    None. Dispatch's timing and the lowering ask alike, so the report's label, the charge
-    and the graph agree."""
-    return persistent_row_max(benchmarked_reductions) if cat_casts and not pad_k else None
 
 
 def _fused_fraction(dtype: torch.dtype, row: int, persistent_row_max: int = PERSISTENT_ROW_MAX,
@@ -538,19 +518,6 @@ def batch_hint(site) -> Optional[int]:
     return None if out is None else size_hint(out.shape[0])
 
 
-def size_hint(dim) -> Optional[int]:
-    if not isinstance(dim, torch.SymInt):
-        return int(dim)
-    node = dim.node
-    if node.hint is not None:
-        return int(node.hint)
-    shape_env = node.shape_env
-    if not hasattr(shape_env, "has_guarding_hint"):  # torch < 2.13, before size_hint's deprecation
-        hint = shape_env.size_hint(node.expr, allow_none=True)
-        return None if hint is None else int(hint)
-    return int(shape_env.guarding_hint_or_throw(node.expr)) if shape_env.has_guarding_hint(node.expr) else None
-
-
 def m_bucket(m: int) -> int:
     """The M a symbolic-M site is timed at: the next power of two at or above m (module
     docstring)."""
@@ -586,3 +553,21 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
                      b_cached=b_cached or casts["b"] in PRECAST, a_saved=casts["a"] == SAVED_IN_FP8,
                      a_static=a_static, pad_k=pad_k, pad_n=pad_n,
                      persistent_row_max=persistent_row_max(benchmarked_reductions), batch=batch)
+
+
+def chain_timing(chain, ctx):
+    """`epilogue_timing` of a gemm_epilogue chain's producer (`PassContext.time_chain`) on an
+    FP8 GPU; None elsewhere, or where its shape has no concrete size to time at (the chain is
+    then fused)."""
+    site = chain.producer
+    decision = ctx.decisions[site.key]
+    if not has_fp8_hardware(site.device):
+        return None
+    shape = site_shape(site, decision.scaling)
+    if shape is None:
+        log.info("loka: %s: %s fused untimed (no concrete size to time at)", site.name, GEMM_EPILOGUE)
+        return None
+    norm = chain.norm
+    return epilogue_timing(shape, decision.scaling, decision.a_format, decision.b_format, decision.provider,
+                           decision.fast_accum, chain.activation, chain.residual is not None, chain.out_format.value,
+                           norm=None if norm is None else norm.kind, write_pre=norm is not None and norm.write_pre)

@@ -65,7 +65,7 @@ BAD_OPTIONS = [
     ({"fallback": "no"}, "fallback must be a bool"),
     ({"mode": "turbo"}, "valid modes"),
     ({"mode": None}, "valid modes"),
-    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cached_weights', 'horizontal', 'benchmarked_reductions', 'cat_casts', 'conv1x1', 'transposed_linear', 'aligned_gemms', 'saved_fp8', 'gemm_epilogue', 'gemm_norm', 'weight_both_layouts'\]"),
+    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cat_casts', 'cached_weights', 'gemm_epilogue', 'gemm_norm', 'weight_both_layouts', 'saved_fp8', 'horizontal', 'conv1x1', 'transposed_linear', 'benchmarked_reductions', 'aligned_gemms'\]"),
     ({"disabled_mods": "pad"}, r"disabled_mods must be a list or tuple of names from \['fused_casts'"),
     ({"disabled_mods": None}, "disabled_mods must be a list or tuple"),
     ({"arch_mods": ["layernorm"]}, r"valid arch_mods: \['blocknorm', 'no_bias', 'hardswish'\]"),

@@ -284,7 +284,7 @@ def _rank(rank, world_size, store_dir):
                 ids = {s.key: s.id for s in GRAPHS[0].contexts[("probe", GraphKind.INFERENCE)].sites}
                 own = loka_compile.backend._verdicts_by_id(ids, GRAPHS[0].config)  # what this rank alone would decide
                 compiled(x)
-            plan = loka_compile.plan.plan_of(compiled)
+            plan = loka_compile.report.plan_of(compiled)
             result = {"own": own, "upgraded": plan.upgraded, "unsafe": plan.unsafe,
                       "scalings": {sid: e.scaling for sid, e in plan.sites.items()}}
         finally:

@@ -42,12 +42,13 @@ import torch
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import GemmSpec, cast_to_save
-from loka_compile.speed import size_hint
+from ..shapes import size_hint
 
-from .context import PassContext, Role
-from .find_sites import (GEMM_OPS, VIEW_LIKE, find_sites, forward_output_count, operands, saved_operand,
+from ..context import PassContext, Role
+from ..find_sites import (GEMM_OPS, SAVED_IN_FP8, VIEW_LIKE, find_sites, forward_output_count, operands, saved_operand,
                          skip_views_up)
-from .rewrite import insert_traced
+from ..rewrite import insert_traced
+from .mod import Evidence, Mod, Stage, total
 
 # What lays the FP8 copy out for the GEMM without converting it (`_views_down`)
 _VIEWS = VIEW_LIKE - {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
@@ -182,3 +183,14 @@ def check_saves(forward: torch.fx.Graph, saved: SavedFp8) -> None:
         activation = entry.activation in returned
         entry.outcome = {(True, False): "fp8", (False, False): "recomputed", (True, True): "both",
                          (False, True): "activation"}[(fp8, activation)]
+
+
+def _count(evidence: Evidence) -> dict:
+    # saved_for_backward_bytes is measured with the Mod off too, to compare against.
+    return {"saved_fp8": sum(c == SAVED_IN_FP8 for c in evidence.fp8_casts),
+            "saved_for_backward_bytes": total(evidence.results_of(MOD), "saved_bytes")}
+
+
+MOD = Mod("saved_fp8", Stage.JOINT_GRAPH, True,
+          "the backward's FP8 copy of an activation saved by the forward instead of the bf16 activation",
+          counters=("saved_fp8", "saved_for_backward_bytes"), count=_count)

@@ -48,9 +48,10 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from loka_compile.kernels.quantize import Scaling
 
-from .context import GraphKind, PassContext, Role
-from .find_sites import find_sites, operands, site_id, weight_placeholders, weight_source
-from .rewrite import insert_traced
+from ..context import GraphKind, PassContext, Role
+from ..find_sites import find_sites, operands, site_id, weight_placeholders, weight_source
+from ..rewrite import insert_traced
+from .mod import Mod, Stage
 
 aten = torch.ops.aten
 
@@ -298,3 +299,9 @@ def check_shared(forward: torch.fx.Graph, result: WeightLayouts) -> None:
     returned = {n.name for n in output.args[0] if isinstance(n, torch.fx.Node)}
     for entry in result.weights:
         entry.outcome = "fp8" if {entry.q_col, entry.scale_col} <= returned else "not_saved"
+
+
+MOD = Mod("weight_both_layouts", Stage.JOINT_GRAPH, True,
+          "a weight cast once per step, both FP8 layouts by one kernel pair, for its forward GEMM and dgrad",
+          counters=("weight_both_layouts",),
+          count=lambda evidence: {"weight_both_layouts": sum(len(r.weights) for r in evidence.results_of(MOD))})

@@ -82,8 +82,9 @@ import logging
 import torch
 from torch._inductor import config as inductor_config
 
-from .horizontal_fusion import _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
-from .rewrite import rewrite_graph_and_bodies
+from ..dynamo_graph import arg, excluded, fake_mode, module_of, set_example_values, tensor_of
+from ..rewrite import rewrite_graph_and_bodies
+from .mod import Mod, Stage, total
 
 log = logging.getLogger("loka.passes")
 
@@ -130,12 +131,12 @@ def _all_equal(value, expected: int, spatial: int) -> bool:
 
 def _conv_of(gm, node) -> "_Conv | None":
     if node.op == "call_function" and node.target in _CONVS:
-        x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
         if not isinstance(x, torch.fx.Node):
             return None
-        return _Conv(node, x, w, b, _CONVS[node.target], _module_of(node))
+        return _Conv(node, x, w, b, _CONVS[node.target], module_of(node))
     if node.op == "call_module" and type(gm.get_submodule(node.target)) in _CONV_MODULES:
-        x = _arg(node, 0, "input")
+        x = arg(node, 0, "input")
         if not isinstance(x, torch.fx.Node):
             return None
         return _Conv(node, x, None, None, _CONV_MODULES[type(gm.get_submodule(node.target))], node.target,
@@ -149,8 +150,8 @@ def _hyperparameters(gm, conv: _Conv) -> tuple:
         m = gm.get_submodule(conv.call_module)
         return m.stride, m.padding, m.dilation, m.groups, m.padding_mode
     node = conv.node
-    return (_arg(node, 3, "stride", 1), _arg(node, 4, "padding", 0), _arg(node, 5, "dilation", 1),
-            _arg(node, 6, "groups", 1), "zeros")
+    return (arg(node, 3, "stride", 1), arg(node, 4, "padding", 0), arg(node, 5, "dilation", 1),
+            arg(node, 6, "groups", 1), "zeros")
 
 
 def _weight(gm, conv: _Conv, inputs: dict):
@@ -159,7 +160,7 @@ def _weight(gm, conv: _Conv, inputs: dict):
         return gm.get_submodule(conv.call_module).weight
     if not isinstance(conv.weight, torch.fx.Node):
         return None
-    weight = _tensor_of(gm, conv.weight, inputs)[0]
+    weight = tensor_of(gm, conv.weight, inputs)[0]
     return _value(conv.weight) if weight is None else weight
 
 
@@ -201,7 +202,7 @@ def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modu
         conv = _conv_of(gm, node)
         if conv is None:
             continue
-        reason = "excluded_module" if _excluded(conv.module, exclude_modules) else _decline_reason(gm, conv, inputs)
+        reason = "excluded_module" if excluded(conv.module, exclude_modules) else _decline_reason(gm, conv, inputs)
         if reason is not None:
             result.declined[reason] += 1
             log.debug("conv1x1: %s (%s) declined: %s", node.name, conv.module or "<root>", reason)
@@ -243,6 +244,13 @@ def _rewrite(gm, conv: _Conv) -> None:
     kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
     for new_node in new:
         new_node.meta.update(kept)
-    _set_example_values(gm, new, _fake_mode([x, node]))
+    set_example_values(gm, new, fake_mode([x, node]))
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+
+
+MOD = Mod("conv1x1", Stage.DYNAMO_GRAPH, True, "1x1 convolutions written as linears, so their GEMMs can go FP8",
+          counters=("conv1x1",), count=lambda evidence: {"conv1x1": total(evidence.results_of(MOD), "rewritten")},
+          if_failed="those convolutions stay as written",
+          run=lambda gm, example_inputs, config: rewrite_conv1x1(gm, example_inputs,
+                                                                 exclude_modules=config.exclude_modules))

@@ -34,8 +34,9 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from loka_compile.kernels.fingerprint import fingerprints
 from loka_compile.kernels.scaled_gemm import GemmSpec, cast_operand
 
-from .context import PassContext
-from .find_sites import weight_placeholders, weight_source
+from ..context import PassContext
+from ..find_sites import weight_placeholders, weight_source
+from .mod import Mod, Stage
 
 
 @dataclasses.dataclass
@@ -188,3 +189,10 @@ def _chain_key(source) -> tuple:
 
 def _cast_key(spec: GemmSpec) -> tuple:
     return spec.scaling, spec.b_format, spec.pad_k, spec.pad_n, spec.fused_casts
+
+
+MOD = Mod("cached_weights", Stage.INFERENCE, True,
+          "each weight's FP8 copy read as a constant, remade whenever the weight's content changes",
+          # the weight_both_layouts Mod's copies are cached weights too, and count here
+          counters=("cached_weights",),
+          count=lambda evidence: {"cached_weights": sum(c.startswith("cached") for c in evidence.fp8_casts)})

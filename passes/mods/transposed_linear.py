@@ -67,8 +67,9 @@ import logging
 
 import torch
 
-from .horizontal_fusion import _LINEARS, _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
-from .rewrite import rewrite_graph_and_bodies
+from ..dynamo_graph import LINEARS, arg, excluded, fake_mode, module_of, set_example_values, tensor_of
+from ..rewrite import rewrite_graph_and_bodies
+from .mod import Mod, Stage, total
 
 log = logging.getLogger("loka.passes")
 
@@ -108,7 +109,7 @@ def _transposed_source(node) -> "torch.fx.Node | None":
         return x
     if (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims")) \
             or (node.op == "call_function" and node.target in _TRANSPOSES):
-        dims = [_arg(node, 1, "dim0"), _arg(node, 2, "dim1")]
+        dims = [arg(node, 1, "dim0"), arg(node, 2, "dim1")]
         swapped = sorted(d % rank for d in dims) if all(isinstance(d, int) for d in dims) else None
         return x if swapped == [rank - 2, rank - 1] else None
     if (node.op == "call_method" and node.target == "permute") \
@@ -154,30 +155,30 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
     inputs = dict(zip(placeholders, example_inputs))
     todo = []
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _LINEARS:
-            x_t, w_node, b_node = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if node.op == "call_function" and node.target in LINEARS:
+            x_t, w_node, b_node = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
             call_module = ""
         elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-            x_t, w_node, b_node, call_module = _arg(node, 0, "input"), None, None, node.target
+            x_t, w_node, b_node, call_module = arg(node, 0, "input"), None, None, node.target
         else:
             continue
         x = _transposed_source(x_t)
         if x is None:
             continue
-        module = node.target if call_module else _module_of(node)
-        if _excluded(module, exclude_modules):
+        module = node.target if call_module else module_of(node)
+        if excluded(module, exclude_modules):
             reason = "excluded_module"
         else:
             if call_module:
                 linear = gm.get_submodule(call_module)
                 weight, bias = linear.weight, linear.bias
             else:
-                weight = _tensor_of(gm, w_node, inputs)[0] if isinstance(w_node, torch.fx.Node) else None
+                weight = tensor_of(gm, w_node, inputs)[0] if isinstance(w_node, torch.fx.Node) else None
                 if weight is None:
                     weight = _value(w_node)
                 bias = None
                 if b_node is not None:
-                    bias = _tensor_of(gm, b_node, inputs)[0] if isinstance(b_node, torch.fx.Node) else None
+                    bias = tensor_of(gm, b_node, inputs)[0] if isinstance(b_node, torch.fx.Node) else None
                     bias = _value(b_node) if bias is None else bias
             reason = _decline_reason(x, weight, bias)
         if reason is not None:
@@ -217,7 +218,7 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str) -> None:
     kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
     for new_node in new:
         new_node.meta.update(kept)
-    _set_example_values(gm, new, _fake_mode([x, node]))
+    set_example_values(gm, new, fake_mode([x, node]))
     x_t = node.args[0] if node.args else node.kwargs.get("input")
     node.replace_all_uses_with(result)
     graph.erase_node(node)
@@ -226,3 +227,11 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str) -> None:
         graph.erase_node(x_t)
         x_t = source
 
+
+MOD = Mod("transposed_linear", Stage.DYNAMO_GRAPH, True,
+          "`linear(x.transpose(1, 2), W)` computed as W @ x, with no transposed copies",
+          counters=("transposed_linear",),
+          count=lambda evidence: {"transposed_linear": total(evidence.results_of(MOD), "rewritten")},
+          if_failed="those linears stay as written",
+          run=lambda gm, example_inputs, config: rewrite_transposed_linears(gm, example_inputs,
+                                                                            exclude_modules=config.exclude_modules))
