@@ -41,7 +41,6 @@ import triton
 import triton.language as tl
 
 from .quantize import (
-    AMAX_EPS,
     Fp8Format,
     quantize_along,
     quantize_blockwise as reference_quantize_blockwise,

@@ -74,7 +74,7 @@ def _passes_digest() -> str:
     digest = hashlib.sha256()
     for folder in (pathlib.Path(passes.__file__).parent, pathlib.Path(loka_ops.__file__).parent,
                    pathlib.Path(dispatch.__file__).parent):
-        for path in sorted(folder.glob("*.py")):
+        for path in sorted(folder.rglob("*.py")):  # passes/mods/ too
             digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -29,10 +29,9 @@ class Recipe:
     backward roles the gradient operand takes `grad_format`), the roles kept in high
     precision, and the roles whose GEMMs accumulate in the tensor cores' fast mode.
 
-    Fast accumulation for the forward only, as torchao's float8 recipes do: on the H100 it
-    makes rowwise FP8 GEMMs 1.50-1.81x bf16 instead of 1.30-1.63x at LRM shapes
-    (benchmarks/results/2026-11-23_H100_gemm_variants.json); gradients, whose sums over
-    the batch are longer and hold smaller values, keep precise accumulation."""
+    Fast accumulation for the forward only, as torchao's float8 recipes do: gradients, whose
+    sums over the batch are longer and hold smaller values, keep precise accumulation
+    (docs/guide.md, "Accumulation", has what it gains)."""
 
     name: str
     scaling: Scaling

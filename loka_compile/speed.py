@@ -493,10 +493,6 @@ def clear_cache() -> None:
     _epilogue_cache.clear()
 
 
-def cached_timings() -> dict:
-    return dict(_cache)
-
-
 def m_hint(site) -> Optional[int]:
     """M of a site at the sizes its graph was compiled for: M itself when concrete, else
     the size hint of the symbolic M (the example inputs' size), None when it has none."""

@@ -262,7 +262,8 @@ def test_xdeepfm_cin_gemms_are_fp8_sites():
     torch.manual_seed(0)
     report = _assert_trains_in_fp8(XDeepFM(cin_sizes=CIN_WIDTHS), _field_ids)
     (record,) = backend.GRAPHS
-    assert record.conv1x1.rewritten == 2 and record.conv1x1.modules == ["cin.0", "cin.1"]
+    conv = record.mod_results["conv1x1"]
+    assert conv.rewritten == 2 and conv.modules == ["cin.0", "cin.1"]
     assert dict(record.mod_results["transposed_linear"].declined) == {"wide_weight_gradient": 2}
     assert report.mods["conv1x1"] == 2 and "conv1x1 2" in report.summary()
     for layer, k in (("cin.0", 8 * 8), ("cin.1", 8 * 32)):
@@ -357,7 +358,8 @@ def test_the_backend_runs_the_model_as_written_when_the_mod_fails(monkeypatch, c
     def fails(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(backend, "rewrite_conv1x1", fails)
+    from loka_compile.passes.mods import conv1x1
+    monkeypatch.setattr(conv1x1, "rewrite_conv1x1", fails)
     model, x = CIN(), torch.randn(8, 4, 16)
     compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "min_gemm_dim": 10 ** 6})
     with caplog.at_level("WARNING", logger="loka"):

@@ -322,7 +322,8 @@ def test_the_backend_runs_the_model_as_written_when_the_mod_fails(monkeypatch, f
     def fails(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(backend, "rewrite_transposed_linears", fails)
+    from loka_compile.passes.mods import transposed_linear
+    monkeypatch.setattr(transposed_linear, "rewrite_transposed_linears", fails)
     model, x = FeatureMix(), torch.randn(8, 12, 32)
     compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "fallback": fallback})
     if not fallback:

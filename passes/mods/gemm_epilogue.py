@@ -106,11 +106,7 @@ _ACTIVATIONS = {
 }
 # A chain fuses only at this size and above (us: the unfused link as timed, or its sites as
 # decided where the chain would take sites kept in high precision): below it, a link timed
-# faster fused is not faster in the model's graph. H100, calibrated inference
-# (2026-11-26_H100_infer_chain_dispatch.md): DLRM-DCNv2 at batch 8192, links of 15-25 us,
-# ran 2.5-3.1% slower fused in four runs (0.8068 vs 0.7816 ms); fused links of 35 us and
-# more gained: Wukong at 8192 1.0%, DLRM-DCNv2 at 65536 1.5%, MaskNet with every site FP8
-# 3.5% (2026-11-25_H100_infer_gemm_epilogue.md).
+# faster fused is not faster in the model's graph (docs/mods/gemm_epilogue.md: how it was set).
 MIN_CHAIN_US = 30.0
 _MAX_ACTIVATION_NODES = 16  # the longest decomposition (gelu tanh in bf16) is 11 nodes
 

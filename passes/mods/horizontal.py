@@ -1,4 +1,4 @@
-"""horizontal_fusion: sibling linears that read the same input become one GEMM. A Mod that
+"""horizontal: sibling linears that read the same input become one GEMM. A Mod that
 is on by default (`disabled_mods=["horizontal"]` switches it off); it runs on the Dynamo
 graph (torch-level IR), before AOTAutograd, so the backward follows from the forward.
 
@@ -165,7 +165,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
     def decline(lins, reason):
         for lin in lins:
             result.declined[reason] += 1
-            log.debug("horizontal_fusion: %s (%s) declined: %s", lin.node.name, lin.module or "<root>", reason)
+            log.debug("horizontal: %s (%s) declined: %s", lin.node.name, lin.module or "<root>", reason)
 
     groups, repeats = [], []
     for x, lins in by_input.items():
@@ -223,7 +223,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             result.groups += 1
             result.linears += len(members)
             result.modules.append(joined_module_path([lin.module for lin in members]))
-            log.debug("horizontal_fusion: fused %d linears into %s", len(members), result.modules[-1])
+            log.debug("horizontal: fused %d linears into %s", len(members), result.modules[-1])
     return result
 
 

@@ -2,6 +2,7 @@
 of 16, its operands zero-padded inside their casts and C sliced back (docs/mods/pad.md).
 
 Dispatch decides the padding (`Decision.pad_k`, `pad_n`); `lower` writes it into the casts.
+No subgraph to match: the site's shape decides.
 """
 
 from __future__ import annotations

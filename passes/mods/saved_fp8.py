@@ -30,6 +30,9 @@ operand as "saved in FP8 by the forward". The dequantization is an opaque op
 the cost of saving a value only fusible ops read) kept the bf16 activation instead. What
 the partitioner does is checked in the forward graph it made (`check_saves`,
 `SavedOperand.outcome`), and `saved_bytes` is what that graph keeps for the backward.
+
+A walk from each FP8 site, not the pattern matcher: what matches is decided by Dispatch's
+decision and by every reader of the operand, not by the shape of a subgraph.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """transposed_linear: a linear over the middle axis of a 3-D input, written as a linear of
 its transpose, becomes a batched GEMM that reads the input as it is and writes its output
 in the input's layout. A Mod that is on by default (`disabled_mods=["transposed_linear"]`
-switches it off); it runs on the Dynamo graph (torch-level IR) after horizontal_fusion, so
+switches it off); it runs on the Dynamo graph (torch-level IR) after the horizontal Mod, so
 the backward follows from the forward.
 
 Matches, in a Dynamo graph, a linear (`torch._C._nn.linear`, `F.linear`, `aten.linear`,
@@ -20,9 +20,7 @@ transposed by every consumer that works in x's layout (Wukong: the LayerNorm ove
 cat(FMB, LCB) + residual), in the forward and again in the backward. W @ x needs neither.
 Each output element is the same dot product over n; only the GEMM's summation order
 changes, and the weight gradient is summed over the batch from per-sample bmm products.
-Measured (H100, Inductor bf16, 8 Wukong layers at paper sizes, batch 8192, forward +
-backward, fm_proj and lcb already fused by horizontal_fusion): 30.6 ms as
-written, 26.5 ms as W @ x (`benchmarks/results/2026-11-24_H100_transposed_linear.md`).
+docs/mods/transposed_linear.md has the measured effect.
 
 Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
@@ -56,7 +54,7 @@ transposed copy moves there instead of disappearing.
 
 Inductor's pattern matcher (DESIGN convention 5) rewrites ATen graphs after AOTAutograd,
 where a forward rewrite no longer changes the backward; this rewrite must reach the
-backward's transposes too, so it walks the Dynamo graph, as horizontal_fusion does.
+backward's transposes too, so it walks the Dynamo graph, as the horizontal Mod does.
 """
 
 from __future__ import annotations
