@@ -17,8 +17,8 @@ candidate provider, on fresh random operands of the site's shape, dtype and layo
              under which Inductor also tries longer rows persistent). Longer rows take a looped
              reduction that re-reads the row
              for the cast after the amax pass: the standalone cast's bytes, so its time
-             (measured on the H100: MaskNet's K = 3456 casts fused into threshold_backward
-             and relu added 0.6-0.9x of a standalone cast, not 1/3). A weight whose
+             (docs/guide.md, "The speed check and its database", has the measurement).
+             A weight whose
              FP8 copy is cached (inference, the `cached_weights` Mod), or an activation
              whose FP8 copy the forward saved (the `saved_fp8` Mod), costs nothing here.
              An A with a calibrated static scale (an inference site of a plan from
@@ -31,14 +31,11 @@ How it times (medians of `TIMING_REPEATS` runs of `CALLS_PER_RUN` back-to-back c
 CUDA each run replays a CUDA graph of the calls, so the timing is the device work, in every
 compile mode. Without CUDA graphs a training or inference step of an LRM keeps the GPU busy
 while the host launches ahead, so host work is hidden, and in the compiled graph a fused
-cast adds no launch at all; timing eager calls charged the dispatcher's host work instead.
-Measured on the H100 (Wukong training, batch 8192, default mode): timed as plain calls, the
-fused casts of 2048 x 2048 GEMMs were charged 461 us and every one of the 158 sites stayed
-bf16; the model's step was 40.4 ms, of which 35.6 ms were kernels. A step that is host
-bound without CUDA graphs is not modelled: there each FP8 site's extra launches (a
-standalone weight cast) cost host time the timing leaves out (MaskNet training with every
-site FP8, default mode: 26.9 ms per step for 16.4 ms of kernels); such models want
-`reduce-overhead`. On CPU: wall time.
+cast adds no launch at all; timing eager calls charged the dispatcher's host work instead,
+enough to keep every site of a model in bf16. A step that is host bound without CUDA graphs
+is not modelled: there each FP8 site's extra launches (a standalone weight cast) cost host
+time the timing leaves out; such models want `reduce-overhead`. On CPU: wall time. The
+measurements behind both are in docs/guide.md ("The speed check and its database").
 Timings are cached per (shape, layouts, casts, a static A, dtype, device, recipe, providers)
 for the life of the process, and kept across processes in the performance database
 (`perfdb.py`), keyed also by the GPU and the torch and triton versions; so are the
@@ -180,8 +177,8 @@ def _time_calls_us(fn, device: torch.device) -> float:
 @functools.lru_cache(maxsize=None)
 def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
     """One capture stream per device for every timing: cuBLAS keeps a workspace per stream
-    for the life of the process (32 MB on the H100), so a new stream per timed GEMM left
-    32 MB allocated each (MaskNet training: 0.6 GB held by the speed check's timings)."""
+    for the life of the process, so a new stream per timed GEMM would leave one workspace
+    allocated per timing."""
     return torch.cuda.Stream(device)
 
 
@@ -234,11 +231,8 @@ def _static_cast(x: torch.Tensor, scaling: str, fmt: str):
     Inductor compiles `quantize_static` to one pointwise kernel that reads A and writes its
     FP8 copy K-major (the divide and clamp move no bytes); eager, each of its ops would be
     a kernel of its own, so the timed call is that one pass: a converting copy into a
-    K-major FP8 tensor. Measured on the H100 (torch 2.11, bf16 A, M = 8192, rowwise, in
-    CUDA graphs), at K = 1024 / 3456 / 8192: the copy 8.8 / 31.3 / 70.4 us, Inductor's
-    compiled `quantize_static` 14.1 / 50.3 / 114.5 us, eager `quantize_static` 196 / 656 /
-    1517 us, the dynamic `loka.quantize_operand` 11.5 / 48.9 / 75.9 us: the copy is the
-    pass's bytes at full bandwidth, Inductor's kernel up to 1.6x that."""
+    K-major FP8 tensor, the pass's bytes at full bandwidth (docs/guide.md, "The speed check
+    and its database", compares it with Inductor's kernel)."""
     from loka_compile.kernels.quantize import Fp8Format, Scaling, scale_from_amax
     from loka_compile.kernels.scaled_gemm import quantize_static
 
