@@ -11,9 +11,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
-pytest.importorskip("importlinter")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Where each installed package's files come from (pyproject.toml's package-dir).

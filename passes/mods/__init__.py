@@ -1,6 +1,7 @@
 """The Mod registry: every Mod loka knows, one file each in this folder, in one ordered list per
-stage (the order they run in). `LokaConfig.disabled_mods` names default Mods, `arch_mods` opt-in
-ones; `report.mods` shows each Mod's counters, stage by stage.
+stage (the order they run in where the stage runs them one after another, the Dynamo and joint
+graphs; elsewhere the pass named below drives them). `LokaConfig.disabled_mods` names default
+Mods, `arch_mods` opt-in ones; `report.mods` shows each Mod's counters, stage by stage.
 
 Where each stage runs:
     DYNAMO_GRAPH  `loka_backend`, on the graph Dynamo hands it, before AOTAutograd: the opt-in
