@@ -87,3 +87,19 @@ def test_report_mods_are_the_registry_counters(one_thread, fresh_compile_state):
     # the LayerNorm's output is the second linear's A: its cast fuses; the input's cannot
     assert counts["fused_casts"] == 1 and counts["standalone_casts"] >= 1, report.table()
     assert counts["cached_weights"] == 2  # an inference graph reads both weights' FP8 copies
+
+
+def test_no_mod_imports_another_modules_private_names():
+    """What Mods share lives under a public name (`passes/dynamo_graph.py`, `passes/shapes.py`,
+    another Mod's public API), never a `_helper` reached into."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "passes" / "mods").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] != "__future__":
+                found += [f"{path.name}: from {'.' * node.level}{node.module} import {alias.name}"
+                          for alias in node.names if alias.name.startswith("_")]
+    assert not found, found
+    leak = ast.parse("from .horizontal import _arg")
+    assert any(a.name.startswith("_") for n in ast.walk(leak) if isinstance(n, ast.ImportFrom) for a in n.names)
