@@ -75,7 +75,7 @@ from typing import Optional
 
 import torch
 
-from loka_compile.kernels.providers import has_fp8_hardware
+from loka_compile.kernels import providers as provider_registry
 from loka_compile.passes.mods.benchmarked_reductions import PERSISTENT_ROW_MAX, persistent_row_max
 from loka_compile.passes.mods.cat_casts import per_piece_row_max
 from loka_compile.passes.mods.gemm_epilogue import MOD as GEMM_EPILOGUE
@@ -551,7 +551,7 @@ def chain_timing(chain, ctx):
     then fused)."""
     site = chain.producer
     decision = ctx.decisions[site.key]
-    if not has_fp8_hardware(site.device):
+    if not provider_registry.has_fp8_hardware(site.device):
         return None
     shape = site_shape(site, decision.scaling)
     if shape is None:
