@@ -7,7 +7,7 @@
 
 In the inference graph compiled with that plan, each planned site casts A with its
 constant scale (clamp(A / s) -> e4m3, no amax reduction), while its weight stays
-cached per output channel (`passes/weight_cache.py`). Calibration decides what it can
+cached per output channel (`passes/mods/cached_weights.py`). Calibration decides what it can
 measure, safety; whether FP8 pays is decided when the served model compiles, in its mode.
 """
 

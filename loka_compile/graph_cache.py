@@ -14,7 +14,7 @@ matches; otherwise the entry is dropped and the graph compiled again.
 
 Not cached (`bypass_reason`): inference graphs that may read cached FP8 weights, whose
 constants are made from this process's parameters and refreshed through them
-(`passes/weight_cache.py`), and graphs compiled with Inductor's freezing (weights as
+(`passes/mods/cached_weights.py`), and graphs compiled with Inductor's freezing (weights as
 constants too). AOTAutograd's cache is off for loka compiles (`autograd_cache_off`).
 """
 

@@ -26,13 +26,13 @@ reads that copy.
 
 In inference graphs with the `cached_weights` Mod on, a B operand that is a weight is
 not cast in the graph: the GEMM reads its FP8 copy and scales as constants, made once
-and refreshed when the weight changes (`weight_cache.py`).
+and refreshed when the weight changes (`mods/cached_weights.py`).
 
 In inference graphs compiled with a calibrated plan (`loka_compile.calibrate`), A of a
 tensorwise or rowwise site is cast with its constant scale: clamp(A / s) -> fp8, no amax
 (`scaled_gemm.quantize_static`); training graphs ignore static scales. With the
 `gemm_epilogue` Mod, a GEMM whose output reaches such an A through an activation and a
-residual add writes that FP8 operand from its epilogue (`gemm_epilogue.py`).
+residual add writes that FP8 operand from its epilogue (`mods/gemm_epilogue.py`).
 
 Records on each lowered site how each operand is cast (`site.casts`, from
 `find_sites.cast_origin`): "fused into <op>" where Inductor computes the cast in the
