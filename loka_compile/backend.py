@@ -65,6 +65,7 @@ from loka_compile.passes.mods.weight_both_layouts import (WeightLayouts, check_s
 from loka_compile.passes.mods.weight_both_layouts import strip as strip_weight_layouts
 from loka_compile.passes.rewrite import all_or_nothing
 from loka_compile.plan import Plan, load_plan, param_fingerprint
+
 log = logging.getLogger("loka")
 
 @functools.lru_cache(maxsize=None)
