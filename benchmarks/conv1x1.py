@@ -83,7 +83,7 @@ def _inductor_after(*rewrites):
 
 
 def _transposed_linear_as_untrained(gm, example_inputs):
-    from loka_compile.passes.transposed_linear import rewrite_transposed_linears
+    from loka_compile.passes.mods.transposed_linear import rewrite_transposed_linears
     with torch.no_grad():
         return rewrite_transposed_linears(gm, example_inputs)
 
@@ -91,7 +91,7 @@ def _transposed_linear_as_untrained(gm, example_inputs):
 def compile_variant(block: nn.Module, variant: str):
     """`block` compiled as `variant`, and how many untimed calls it needs first."""
     from loka_compile import LokaConfig
-    from loka_compile.passes.conv1x1 import rewrite_conv1x1
+    from loka_compile.passes.mods.conv1x1 import rewrite_conv1x1
 
     if variant == "inductor_conv":
         return torch.compile(block), 0

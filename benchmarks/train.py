@@ -382,7 +382,7 @@ def compile_unit(unit: nn.Module, cfg: Config, loka_options: dict | None = None)
     if cfg.kind in ("inductor", "torchao"):
         if cfg.benchmarked_reductions:  # torch.compile takes mode or options, not both
             from torch._inductor import list_mode_options
-            from loka_compile.backend import BENCHMARKED_REDUCTIONS
+            from loka_compile.passes.mods.benchmarked_reductions import BENCHMARKED_REDUCTIONS
             return torch.compile(unit, options={**list_mode_options(cfg.mode), **BENCHMARKED_REDUCTIONS})
         return torch.compile(unit, mode=mode)
     if cfg.kind == "loka":

@@ -57,7 +57,7 @@ def _check_cost(caches: list, inputs: list, cuda: bool, calls: int = 50) -> floa
 
 
 def run_model(name: str, args, device: torch.device) -> list:
-    from loka_compile.passes import weight_cache
+    from loka_compile.passes.mods import cached_weights as weight_cache
 
     cuda = device.type == "cuda"
     setup = infer.ModelSetup(name, args, device, args.batch_list)

@@ -124,8 +124,8 @@ def amax_along(x: torch.Tensor, dim=None, finite_only: bool = False) -> torch.Te
     if not finite_only:
         # The NaN flag as a max of 0/1 floats compared to 0, not `any`: Inductor's Triton code
         # keeps an `any` result as int8, and triton 3.6 warns that a `where` on an int8
-        # condition will be an error (H100: compiling this with `any` warned; amax, or any
-        # alone, did not).
+        # condition will be an error (compiling this with `any` warned; amax, or any alone,
+        # did not).
         has_nan = _max_along(torch.isnan(xf).to(torch.float32), dim) > 0
         amax = torch.where(has_nan, torch.full_like(amax, float("nan")), amax)
     return amax.reshape(()) if whole else amax

@@ -234,8 +234,8 @@ def cast_a_pieces(pieces: list, spec: GemmSpec, dtype: torch.dtype, flatten: boo
     scale = row_scale_of_pieces(pieces, spec.a_format)
     # More parts than Inductor concatenates pointwise (`max_pointwise_cat_inputs`): it then
     # computes each part's cast into its slice of the output (a ConcatKernel). A pointwise
-    # cat evaluates every part's cast for each output element, masked: over MaskNet's 8
-    # LayerNorm outputs (65536 x 8192, H100) that one kernel took 5.8 ms.
+    # cat evaluates every part's cast for each output element, masked (docs/mods/cat_casts.md:
+    # what that one kernel cost).
     chunks = -(-(_pointwise_cat_limit() + 1) // len(pieces))
     parts = [part for p in pieces for part in (p.chunk(chunks, -1) if chunks > 1 else (p,))]
     return torch.cat([cast_with_scale(part, scale, spec.a_format) for part in parts], -1), scale

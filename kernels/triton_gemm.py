@@ -21,9 +21,9 @@ Layouts: each operand may be row-major or column-major (a transposed view); the 
 take strides, so the forward (A row-major, B = W^T column-major), grad-input and
 grad-weight GEMMs run without transposed copies. FP8 tensor cores read K-major operands
 only, so a non-K-major operand is transposed on chip, which is slow: the grad-weight
-layout (A = dY^T view, B = X row-major) ran at 54-115 TFLOP/s on the H100, 0.28-0.41x of
-`_scaled_mm` even counting its two layout copies. Producers should emit wgrad operands
-K-major (quantize into a transposed buffer) and call this in the forward layout.
+layout (A = dY^T view, B = X row-major) runs well below `_scaled_mm` even counting its two
+layout copies (docs/kernels.md). Producers should emit wgrad operands K-major (quantize into
+a transposed buffer) and call this in the forward layout.
 
 Epilogue (in this order, in fp32): scales, + bias [N], activation, + residual [M, N],
 cast. Activations: none, relu, silu, gelu (exact, erf), gelu_tanh (tanh approximation,
@@ -49,9 +49,9 @@ On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1 set befo
 is first imported); without it, on CPU, the op computes `reference_fp8_gemm` so it works
 everywhere. Autotuning is bypassed under the interpreter (a fixed small config).
 
-Host time: ~100 us per call on the H100 machine's CPU (Python checks, three TMA
-descriptors, Triton's launcher) against 17 us for `_scaled_mm`; GEMMs under ~100 us of
-GPU time are host-bound unless captured in a CUDA graph (mode="reduce-overhead").
+Host time: several times `_scaled_mm`'s per call (Python checks, three TMA descriptors,
+Triton's launcher; docs/kernels.md), so short GEMMs are host-bound unless captured in a CUDA
+graph (mode="reduce-overhead").
 """
 
 from __future__ import annotations
@@ -101,11 +101,9 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 ACCUM_FAST = 0          # no promotion (cuBLAS use_fast_accum=True)
 ACCUM_PROMOTE_ADD = 1   # partial sum of each BLOCK_K step added in fp32 by the kernel
 ACCUM_PROMOTE_MMA = 2   # the same through tl.dot(max_num_imprecise_acc=BLOCK_K)
-# Measured on the H100 (gemm_explore, rowwise, 128x128 tiles): the two promotions cost the
-# same (8192^3: 1208 vs 1211 us; 8192x4096x4096: 310 vs 302 us); fast accumulation takes
-# 892 us at 8192^3, so promotion costs about a quarter of the throughput. Promoting once
-# per two steps inside one loop iteration (two tile loads per stage) was slower (1528 us,
-# only 2 stages fit) and was dropped.
+# The two promotions cost the same, about a quarter of fast accumulation's throughput;
+# promoting once per two steps inside one loop iteration was slower and was dropped
+# (docs/kernels.md).
 ACCUM_MODES = {"fast": ACCUM_FAST, "promote_add": ACCUM_PROMOTE_ADD, "promote_mma": ACCUM_PROMOTE_MMA}
 
 
@@ -208,8 +206,8 @@ def _output_values(acc, offs_n, N, out_scale_ptr, stride_os, OUT_DTYPE: tl.const
     `quantize.cast_with_scale(..., non_finite_to_nan=True)`; out_scale is one value
     (stride 0) or one per column. The division is a multiply by each column's reciprocal
     (within an fp32 ulp of acc / out_scale before the FP8 rounding): a correctly rounded
-    division per element made the GEMM with FP8 output 3x slower than with bf16 output on
-    the H100 (8192 x 1024 x 1024: 67 us against 23; with the reciprocal 27 us).
+    division per element made the GEMM with FP8 output several times slower than with bf16
+    output (docs/kernels.md).
     SOFTWARE_CAST: the interpreter's own fp8 conversion rounds half up and turns NaN into
     a number (triton 3.6), so the bits are computed."""
     if OUT_FP8 == 0:
@@ -419,34 +417,25 @@ class GemmConfig:
                              pre_hook=_set_descriptor_blocks if tma else None)
 
 
-# Candidates for the H100 (132 SMs, 228 KB shared memory and 64K registers per SM).
-# Build figures: sm90 builds by triton 3.6, read with cuobjdump (all issue QGMMA, none
-# spills). Times: benchmarks/results/2026-11-22_H100_kernels_gemm.json ("autotune_us":
-# every candidate per shape; "wins" = shapes of the 22 LRM shapes x scalings where the
-# tuner chose it) and ..._gemm_explore.md (CUDA-graph medians at fixed configs).
+# Candidates for sm90 (132 SMs, 228 KB shared memory and 64K registers per SM). Each earns
+# its place by the shapes the tuner picks it for; docs/kernels.md has its build figures,
+# times and wins.
 TMA_CONFIGS = [
     # Fast accumulation, large M and N (pruned for precise and blockwise: two fp32
-    # accumulators of 128x256 spill). 8192^3 fast: 730 us vs 802 for 128x128; 10 wins.
-    # Epilogue in two 128x128 halves: 161-194 registers. (A 256-deep-K twin never won:
-    # 8192^3 fast 1004 us; dropped.)
+    # accumulators of 128x256 spill); epilogue in two 128x128 halves.
     GemmConfig(128, 256, 128, num_warps=8, num_stages=3, ctas_per_sm=1, epilogue_subtile=True, flatten=True),
-    # 256-deep K steps: promotion every 256 of K, half the promotion adds of BLOCK_K 128.
-    # 3 stages = 229 KB (limit 227 KiB), 188 registers. Precise 8192^3: 969-998 us vs
-    # 1085-1103 for BLOCK_K 128; 8192x4096x4096 258 vs 321; 48 wins (31 precise).
+    # 256-deep K steps: promotion every 256 of K, half the promotion adds of BLOCK_K 128
+    # (3 stages fill the shared memory).
     GemmConfig(128, 128, 256, num_warps=8, num_stages=3, ctas_per_sm=1, flatten=True),
-    # The largest 128-deep tile holding two accumulators without spills (187 registers).
-    # Flattened tile loop (next tile's loads overlap this tile's epilogue): fast
-    # 8192x4096x4096 216 us vs 225 for BLOCK_K 256; 14 wins.
+    # The largest 128-deep tile holding two accumulators without spills; flattened tile
+    # loop (next tile's loads overlap this tile's epilogue).
     GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1, flatten=True),
-    # Unflattened twin, for blockwise (flattened blockwise spills 23 LDL): blockwise
-    # 8192^3 1227 us vs 1295 for 64x128; 9 wins.
+    # Unflattened twin, for blockwise (flattened blockwise spills).
     GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1),
-    # Mid shapes: 88 KB and 159 registers let two CTAs share an SM, so one's promotion
-    # overlaps the other's MMA. Blockwise 2048x4096x1024: 25.7 us vs 27.2; 15 wins.
+    # Mid shapes: two CTAs share an SM, so one's promotion overlaps the other's MMA.
     GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
-    GemmConfig(128, 64, 128, num_warps=4, num_stages=3),  # 6 wins (2048x256x256 rowwise)
-    # Small shapes: 2048x256x256 tensorwise 6.2 us (tuner's time, with launch) vs 6.6-8.0
-    # for the others; 74 KB, 110-127 registers; 8 wins.
+    GemmConfig(128, 64, 128, num_warps=4, num_stages=3),
+    # Small shapes.
     GemmConfig(64, 64, 128, num_warps=4, num_stages=4),
 ]
 
@@ -474,9 +463,8 @@ _PTR_AUTOTUNE_KEY = _AUTOTUNE_KEY + ["BATCH_BUCKET"]
 
 def _autotune_bench(kernel_call, quantiles):
     # Short runs per candidate: tuning a new (M bucket, N, K) costs well under a second.
-    # Known limit: each timed call includes ~100 us of host launch work, more than the L2
-    # flush between calls hides, so below ~50 us of GPU time the picks are noisy (8192x256x256
-    # fast: 8 to 708 us over candidates whose CUDA-graph times are 4-6 us). Timing
+    # Known limit: each timed call includes the host's launch work, more than the L2 flush
+    # between calls hides, so for short GEMMs the picks are noisy (docs/kernels.md). Timing
     # candidates inside a CUDA graph (triton.testing.do_bench_cudagraph) would fix it; not
     # yet run on a GPU.
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
@@ -919,8 +907,8 @@ def reference_fp8_gemm(a, a_scale, b, b_scale, scaling="tensorwise", bias=None, 
 # ---------------------------------------------------------------------------------------
 
 # Defined through torch.library.Library rather than custom_op: custom_op wraps every call
-# in a Python autograd layer, 30 us of host time per call here (45 us vs 15 us for an
-# empty op on this CPU). The op has no autograd formula; FP8 operands carry no gradient.
+# in a Python autograd layer, host time per call that this op does not need (docs/kernels.md).
+# The op has no autograd formula; FP8 operands carry no gradient.
 _LIB = torch.library.Library("loka", "FRAGMENT")
 _LIB.define(
     "triton_fp8_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, str scaling, Tensor? bias=None, "

@@ -18,10 +18,9 @@ partial sums and a second pass); the Mod declines them.
 
 A and B: 2-D FP8 operands, tensorwise or rowwise scaled (the scalings of the static A
 scales that feed this Mod), each row- or column-major; K any size (masked). Pointer loads,
-no TMA variant built: H100 (2026-11-25_H100_gemm_norm.md), with fast accumulation the kernel
-beats `_scaled_mm` + Inductor's norm kernel at all five chains measured (1.13-1.91x); with
-precise accumulation it trails at 532480 x 256 x 256 (0.90x) and 65536 x 1024 x 256
-(0.97x), where the speed check leaves the chain unfused.
+no TMA variant built: with fast accumulation the kernel beats `_scaled_mm` + Inductor's norm
+kernel at every chain measured; with precise accumulation it trails at some shapes, where the
+speed check leaves the chain unfused (docs/mods/gemm_norm.md).
 
 On CPU without the interpreter the op computes `reference_fp8_gemm_norm`.
 """
@@ -118,7 +117,7 @@ class NormConfig:
 
 # Autotuning candidates, not tuned one by one (the Mod's speed check times the tuner's pick
 # against the unfused GEMM + norm at each shape, so a poor pick costs the fusion, never a
-# slowdown; the picks' times are in 2026-11-25_H100_gemm_norm.md). Row tiles of 32-128
+# slowdown; docs/mods/gemm_norm.md has the picks' results). Row tiles of 32-128
 # rows: a BLOCK_N of 256 with 128 rows holds 128 fp32 accumulator values per thread at 8 warps.
 NORM_CONFIGS = [
     NormConfig(32, 128, num_warps=4, num_stages=3),

@@ -41,7 +41,6 @@ import triton
 import triton.language as tl
 
 from .quantize import (
-    AMAX_EPS,
     Fp8Format,
     quantize_along,
     quantize_blockwise as reference_quantize_blockwise,
@@ -508,9 +507,8 @@ def _rows_config(view_stride_c: int, n_cols: int, out_stride_c: int = 1) -> Opti
     long rows there: the grad-weight operand of a [32768, 256] activation has 256 rows."""
     if view_stride_c == 1 and out_stride_c == 1 and triton.next_power_of_2(n_cols) <= MAX_SINGLE_PASS_COLS:
         block_c = triton.next_power_of_2(n_cols)
-        # H100, 32768x4096 bf16 (2026-11-22): one 4096-wide row per program with 4 warps
-        # ran 144 us (93% of copy bandwidth); 1 row/8 warps 155 us, 2 rows/8 warps 161 us,
-        # 4 rows/8 warps 194 us. So about 2048+ elements per program, 4 warps up to 4096.
+        # About 2048+ elements per program, 4 warps up to 4096: the fastest of the tilings
+        # timed (docs/kernels.md).
         block_r = max(1, min(64, 2048 // block_c))
         return dict(BLOCK_R=block_r, BLOCK_C=block_c, SINGLE_PASS=True,
                     num_warps=4 if block_c <= 4096 else 8)
@@ -589,9 +587,8 @@ def quantize_columnwise_triton(x: torch.Tensor, fmt, power_of_two: bool = False,
     return q, scale
 
 
-# Tensorwise: 4096 elements per program (8 warps, 16 per thread) in both kernels; on H100
-# at 32768x4096 bf16 this moved the 5 bytes/element it reads and writes at 91% of copy
-# bandwidth (246 us, 2026-11-22).
+# Tensorwise: 4096 elements per program (8 warps, 16 per thread) in both kernels: near copy
+# bandwidth for the 5 bytes/element it reads and writes (docs/kernels.md).
 TENSORWISE_BLOCK = 4096
 
 
@@ -654,12 +651,11 @@ def quantize_blockwise_triton(x: torch.Tensor, block_rows: int, block_cols: int,
 
 # Dual-axis defaults: amax tiles 32x128 walking 8 tiles (256 rows) per program; cast
 # tiles 64x64 (each fp8 output is written coalesced along its own contiguous axis).
-# H100, 32768x4096 bf16 (2026-11-22), whole op: cast 64x64/4 warps 470 us, 32x128/4 warps
-# 465 us, 64x128/8 warps 514 us, 128x64/8 warps 521 us.
+# The cast tiles tie for fastest of those timed (docs/kernels.md).
 DUAL_AMAX_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, ROW_TILES=8, num_warps=4)
 # Programs per SM the amax pass keeps before it walks several row tiles per program: a
 # program's tiles load one after another, so on a small grid the walk is all latency
-# (H100, 8 tiles per program: 10 us at 256x256 and at 2048x2048 alike).
+# (docs/kernels.md).
 DUAL_AMAX_PROGRAMS_PER_SM = 2
 
 

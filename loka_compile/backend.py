@@ -49,25 +49,22 @@ from torch._inductor import fx_utils
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from loka_compile import dispatch, graph_cache, output_budget, passes, probe
+from loka_compile import dispatch, graph_cache, output_budget, passes, probe, speed
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.output_budget import OutputBudget
 from loka_compile.passes import Decision, GraphKind, PassContext, Reason, Role, graph_kind, run_passes
-from loka_compile.passes.arch_mods import apply_arch_mods
-from loka_compile.passes.conv1x1 import Conv1x1Linears, rewrite_conv1x1
+from loka_compile.passes import mods
 from loka_compile.passes.find_sites import clean_module_path, keep_gemm_provenance
-from loka_compile.plan import Plan, load_plan, param_fingerprint
-from loka_compile.passes.horizontal_fusion import HorizontalFusion, fuse_sibling_linears
-from loka_compile.passes.layernorm_backward import LayerNormBackwards, rewrite_layer_norm_backwards
+from loka_compile.passes.mods import fused_casts, saved_fp8, weight_both_layouts
+from loka_compile.passes.mods.cached_weights import RefreshingGraph, WeightCache, check_after_call
+from loka_compile.passes.mods.saved_fp8 import SavedFp8, check_saves, find_operands, save_fp8_operands
+from loka_compile.passes.mods.weight_both_layouts import (WeightLayouts, check_shared, find_shared_weights,
+                                                          share_weight_casts)
+from loka_compile.passes.mods.weight_both_layouts import strip as strip_weight_layouts
 from loka_compile.passes.rewrite import all_or_nothing
-from loka_compile.passes.saved_fp8 import SavedFp8, check_saves, find_operands, save_fp8_operands
-from loka_compile.passes.transposed_linear import TransposedLinears, rewrite_transposed_linears
-from loka_compile.passes.weight_both_layouts import (WeightLayouts, check_shared, find_shared_weights,
-                                                     share_weight_casts)
-from loka_compile.passes.weight_both_layouts import strip as strip_weight_layouts
-from loka_compile.passes.weight_cache import RefreshingGraph, WeightCache, check_after_call
+from loka_compile.plan import Plan, load_plan, param_fingerprint
 
 log = logging.getLogger("loka")
 
@@ -78,7 +75,7 @@ def _passes_digest() -> str:
     digest = hashlib.sha256()
     for folder in (pathlib.Path(passes.__file__).parent, pathlib.Path(loka_ops.__file__).parent,
                    pathlib.Path(dispatch.__file__).parent):
-        for path in sorted(folder.glob("*.py")):
+        for path in sorted(folder.rglob("*.py")):  # passes/mods/ too
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -97,13 +94,8 @@ class GraphRecord:
     phase: str = "fp8"
     plan: Plan = dataclasses.field(default_factory=Plan)  # the graph's own: verdicts by site id, loaded sites
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
-    arch_mod_counts: dict = dataclasses.field(default_factory=dict)  # opt-in Mod -> rewrites made
-    horizontal: Optional[HorizontalFusion] = None  # what the horizontal Mod did, when it ran
-    conv1x1: Optional[Conv1x1Linears] = None  # what the conv1x1 Mod did, when it ran
-    transposed_linear: Optional[TransposedLinears] = None  # what the transposed_linear Mod did, when it ran
-    layernorm_backward: Optional[LayerNormBackwards] = None  # what the layernorm_backward Mod did, when it ran
-    saved_fp8: Optional[SavedFp8] = None  # the last training compile: what the saved_fp8 Mod did, what is saved
-    weight_layouts: Optional[WeightLayouts] = None  # the last training compile: the weight_both_layouts Mod
+    # Mod name -> what it returned on this graph, where it ran (a joint-graph Mod: its last run)
+    mod_results: dict = dataclasses.field(default_factory=dict)
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     output_budget: Optional[OutputBudget] = None  # what max_output_error measured and kept, when it acted
     amax_guards: Optional[AmaxGuards] = None  # the tensorwise sites' run-time amax check (amax_guard.py)
@@ -142,15 +134,17 @@ class LokaPostGradPass(CustomGraphPass):
                           param_input_indices=self.param_input_indices, decide=decide,
                           inactive_mods=record.config.inactive_mods, static_a_scales=static,
                           perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error),
-                          speed_check=record.config.speed_check, providers=tuple(record.config.providers or ()))
+                          speed_check=record.config.speed_check, time_chain=speed.chain_timing,
+                          providers=tuple(record.config.providers or ()))
         if self.phase == "fp8" and record.amax_guards is not None:
             ctx.amax_guard_prefix, ctx.window_amax = record.amax_guards.prefix, record.amax_guards.window_amax
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
-        if kind is passes.GraphKind.FORWARD and record.saved_fp8 is not None:
-            check_saves(graph, record.saved_fp8)  # as partitioned, before lower renames what it rewrites
-        if kind is passes.GraphKind.FORWARD and record.weight_layouts is not None:
-            check_shared(graph, record.weight_layouts)
+        saved, layouts = (record.mod_results.get(mod.name) for mod in (saved_fp8.MOD, weight_both_layouts.MOD))
+        if kind is passes.GraphKind.FORWARD and saved is not None:
+            check_saves(graph, saved)  # as partitioned, before lower renames what it rewrites
+        if kind is passes.GraphKind.FORWARD and layouts is not None:
+            check_shared(graph, layouts)
         run_passes(graph, ctx)
         if ctx.amax_guard_prefix:
             record.amax_guards.register(graph)  # the guard op's buffer, before the graph first runs
@@ -194,29 +188,30 @@ class LokaJointPass(CustomGraphPass):
         if graph_kind(graph) is not passes.GraphKind.BACKWARD or in_higher_order_op_body():
             return  # Inductor runs its joint-graph passes on inference graphs and on bodies too
         record, phase = self.post_grad.record, self.post_grad.phase
-        record.saved_fp8 = SavedFp8.of_joint_graph(graph)
-        record.weight_layouts = None
+        inactive = record.config.inactive_mods
+        # What the forward saves is measured with saved_fp8 off too (the report compares it).
+        saved = record.mod_results[saved_fp8.MOD.name] = SavedFp8.of_joint_graph(graph)
+        record.mod_results.pop(weight_both_layouts.MOD.name, None)
         if phase == "probe":
             return
-        if "weight_both_layouts" not in record.config.inactive_mods:
+        if weight_both_layouts.MOD.on(inactive):
             self._share_weight_casts(graph)
-        if "saved_fp8" in record.config.inactive_mods:
+        if not saved_fp8.MOD.on(inactive):
             return
         ctx = self._joint_context(graph)
         try:
-            found = find_operands(graph, ctx, record.saved_fp8)
+            found = find_operands(graph, ctx, saved)
             if found:  # the copy all_or_nothing keeps costs compile time: only when rewriting
                 with all_or_nothing(graph.owning_module):
-                    save_fp8_operands(found, "fused_casts" not in record.config.inactive_mods, record.saved_fp8)
+                    save_fp8_operands(found, fused_casts.MOD.on(inactive), saved)
         except Exception as error:
             if not record.config.fallback:
                 raise
-            record.saved_fp8 = SavedFp8.of_joint_graph(graph)
+            record.mod_results[saved_fp8.MOD.name] = SavedFp8.of_joint_graph(graph)
             log.warning("loka: %s: the saved_fp8 Mod failed on the joint graph (%s); the backward casts its "
                         "operands itself", record.name, _error_text(error))
             return
-        log.info("%s: saved_fp8: %d operands, declined %s", record.name, len(record.saved_fp8.operands),
-                 dict(record.saved_fp8.declined))
+        log.info("%s: saved_fp8: %d operands, declined %s", record.name, len(saved.operands), dict(saved.declined))
 
     def _joint_context(self, graph: torch.fx.Graph) -> PassContext:
         record, phase = self.post_grad.record, self.post_grad.phase
@@ -244,7 +239,7 @@ class LokaJointPass(CustomGraphPass):
             log.warning("loka: %s: the weight_both_layouts Mod failed on the joint graph (%s); each GEMM casts "
                         "its weight itself", record.name, _error_text(error))
             return
-        record.weight_layouts = layouts
+        record.mod_results[weight_both_layouts.MOD.name] = layouts
         log.info("%s: weight_both_layouts: %s", record.name, layouts.summary())
 
     def uuid(self) -> str:
@@ -341,19 +336,6 @@ class LokaProvenancePass(CustomGraphPass):
         return hashlib.sha256(f"{_passes_digest()}|{user}".encode()).hexdigest()
 
 
-# The benchmarked_reductions Mod's Inductor setting (Triton kernels only; CPU code generation
-# ignores it). Also what the benchmarks' `inductor_bf16_mk` baseline compiles with.
-BENCHMARKED_REDUCTIONS = {"triton.multi_kernel": 1}
-
-
-# The aligned_gemms Mod's Inductor setting: every GEMM whose M, K or N is not a multiple of
-# the 16-byte alignment is padded in the joint graph (Inductor's pad_mm, CUDA only). Left
-# to its benchmark, Inductor pads only compute-bound GEMMs, and HSTU's attention bmms over
-# 65 positions ran on an unaligned cuBLAS kernel (`..._align1`, 4.43 of 43.0 ms of kernels):
-# H100, HSTU training, batch 8192, CUDA graphs, Inductor bf16: 45.16 ms, 42.97 ms padded.
-ALIGNED_GEMMS = {"force_shape_pad": True}
-
-
 def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]) -> dict:
     """Inductor's config for a loka compile (`custom_pass` None: a plain compile, as a
     fallback)."""
@@ -369,14 +351,7 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
         patches["post_grad_custom_post_pass"] = custom_pass
         if isinstance(custom_pass, LokaPostGradPass):  # not an export's (inference) pass
             patches["joint_custom_post_pass"] = LokaJointPass(custom_pass)
-        if "aligned_gemms" not in config.inactive_mods and hasattr(inductor_config, "force_shape_pad"):
-            patches.update(ALIGNED_GEMMS)
-        if "benchmarked_reductions" not in config.inactive_mods:  # CUDA-graph modes only
-            patches.update(BENCHMARKED_REDUCTIONS)
-            # In a CUDA-graph partition a multi-kernel call passed its sub-kernels two
-            # tensors more than they take (H100, torch 2.11: TypeError at the first call
-            # of MaskNet variants compiled after a probe window); unpartitioned, they run.
-            patches["graph_partition"] = False
+        patches.update(mods.inductor_settings(config.inactive_mods, lambda name: hasattr(inductor_config, name)))
     return patches
 
 
@@ -1177,20 +1152,19 @@ def _graph_fingerprint(gm: torch.fx.GraphModule, example_inputs) -> tuple[dict, 
     return param_fingerprint(named), (tensors[0].device.type if tensors else "cpu")
 
 
-def _dynamo_graph_mod(name: str, record: GraphRecord, left_as: str, run):
-    """`run()` (a Mod on the Dynamo graph, which restores the graph when it fails) unless the
-    Mod is off; its failure is raised without `fallback`, else logged, the graph left as
-    written (None)."""
-    if name in record.config.inactive_mods:
-        return None
+def _run_dynamo_graph_mod(mod: mods.Mod, gm: torch.fx.GraphModule, example_inputs, record: GraphRecord) -> None:
+    """A Mod on the Dynamo graph (which its rewrite restores when it fails): its failure
+    is raised without `fallback`, else logged, the graph left as written."""
     try:
-        return run()
+        result = mod.run(gm, example_inputs, record.config)
     except Exception as error:
         if not record.config.fallback or _is_dynamo_control(error):
             raise
-        log.warning("loka: the %s Mod failed on %s (%s: %s); %s", name, record.name, type(error).__name__, error,
-                    left_as)
-        return None
+        log.warning("loka: the %s Mod failed on %s (%s: %s); %s", mod, record.name, type(error).__name__, error,
+                    mod.if_failed)
+        return
+    record.mod_results[mod.name] = result
+    log.info("%s: %s: %s", record.name, mod, result)
 
 
 def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode: Optional[str] = None):
@@ -1209,32 +1183,11 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
     record = GraphRecord(name=f"g{next(_graph_ids)}", config=config, params=params,
                          param_shapes=tuple(sorted(tuple(ref().shape) for ref in params.values())), plan=plan)
     if config.arch_mods:
-        record.arch_mod_counts = apply_arch_mods(gm, config.arch_mods)
-        log.info("%s: architecture Mods %s", record.name, record.arch_mod_counts)
-    record.horizontal = _dynamo_graph_mod(
-        "horizontal", record, "its linears stay apart",
-        lambda: fuse_sibling_linears(gm, example_inputs, exclude_modules=config.exclude_modules))
-    if record.horizontal is not None:
-        log.info("%s: horizontal fusion: %d GEMMs from %d linears, declined %s", record.name,
-                 record.horizontal.groups, record.horizontal.linears, dict(record.horizontal.declined))
-    record.conv1x1 = _dynamo_graph_mod(
-        "conv1x1", record, "those convolutions stay as written",
-        lambda: rewrite_conv1x1(gm, example_inputs, exclude_modules=config.exclude_modules))
-    if record.conv1x1 is not None:
-        log.info("%s: conv1x1: %d convolutions as linears, declined %s", record.name,
-                 record.conv1x1.rewritten, dict(record.conv1x1.declined))
-    record.transposed_linear = _dynamo_graph_mod(
-        "transposed_linear", record, "those linears stay as written",
-        lambda: rewrite_transposed_linears(gm, example_inputs, exclude_modules=config.exclude_modules))
-    if record.transposed_linear is not None:
-        log.info("%s: transposed_linear: %d linears as W @ x, declined %s", record.name,
-                 record.transposed_linear.rewritten, dict(record.transposed_linear.declined))
-    record.layernorm_backward = _dynamo_graph_mod(
-        "layernorm_backward", record, "those LayerNorms keep Inductor's backward",
-        lambda: rewrite_layer_norm_backwards(gm, example_inputs, exclude_modules=config.exclude_modules))
-    if record.layernorm_backward is not None:
-        log.info("%s: layernorm_backward: %d LayerNorms with loka's backward, declined %s", record.name,
-                 record.layernorm_backward.rewritten, dict(record.layernorm_backward.declined))
+        record.mod_results.update(mods.apply_arch_mods(gm, config.arch_mods))
+        log.info("%s: architecture Mods %s", record.name, {name: record.mod_results[name] for name in config.arch_mods})
+    for mod in mods.dynamo_graph_mods():
+        if mod.on(config.inactive_mods):
+            _run_dynamo_graph_mod(mod, gm, example_inputs, record)
     compiled = LokaCompiledGraph(gm, example_inputs, record)
     GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
     return compiled

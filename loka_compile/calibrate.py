@@ -7,7 +7,7 @@
 
 In the inference graph compiled with that plan, each planned site casts A with its
 constant scale (clamp(A / s) -> e4m3, no amax reduction), while its weight stays
-cached per output channel (`passes/weight_cache.py`). Calibration decides what it can
+cached per output channel (`passes/mods/cached_weights.py`). Calibration decides what it can
 measure, safety; whether FP8 pays is decided when the served model compiles, in its mode.
 """
 
@@ -26,7 +26,8 @@ from loka_compile.kernels import metrics
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
 from loka_compile.kernels.scaled_gemm import quantize_static
 from loka_compile.passes import GraphKind, Reason
-from loka_compile.plan import Plan, plan_of
+from loka_compile.plan import Plan
+from loka_compile.report import plan_of
 
 log = logging.getLogger("loka")
 

@@ -16,13 +16,14 @@ from typing import Optional
 
 from loka_compile import perfdb
 from loka_compile.plan import load_plan
+from loka_compile.report import plan_summary, plan_table
 
 
 def _report(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
-    print(plan.summary(largest=args.largest))
+    print(plan_summary(plan, largest=args.largest))
     print()
-    print(plan.table())
+    print(plan_table(plan))
     return 0
 
 

@@ -19,8 +19,7 @@ import os
 from typing import Any, Mapping, Optional
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
-from loka_compile.passes import MODS, OFF_BY_DEFAULT_MODS
-from loka_compile.passes.arch_mods import ARCH_MODS
+from loka_compile.passes import mods
 from loka_compile.passes.context import Role
 
 
@@ -30,10 +29,9 @@ class Recipe:
     backward roles the gradient operand takes `grad_format`), the roles kept in high
     precision, and the roles whose GEMMs accumulate in the tensor cores' fast mode.
 
-    Fast accumulation for the forward only, as torchao's float8 recipes do: on the H100 it
-    makes rowwise FP8 GEMMs 1.50-1.81x bf16 instead of 1.30-1.63x at LRM shapes
-    (benchmarks/results/2026-11-23_H100_gemm_variants.json); gradients, whose sums over
-    the batch are longer and hold smaller values, keep precise accumulation."""
+    Fast accumulation for the forward only, as torchao's float8 recipes do: gradients, whose
+    sums over the batch are longer and hold smaller values, keep precise accumulation
+    (docs/guide.md, "Accumulation", has what it gains)."""
 
     name: str
     scaling: Scaling
@@ -107,10 +105,10 @@ class LokaConfig:
         precision instead of raising.
     mode: Inductor's mode (`reduce-overhead` = CUDA graphs). `torch.compile` refuses
         `mode=` together with `options=`, so it can be given here too.
-    disabled_mods: names in `loka_compile.passes.MODS` of Mods switched off (ablations).
-    enabled_mods: names in `loka_compile.passes.OFF_BY_DEFAULT_MODS` of Mods switched on
-        (off by default until a GPU measurement shows them faster: `layernorm_backward`).
-    arch_mods: names in ARCH_MODS of opt-in architecture changes applied to the Dynamo
+    disabled_mods: names of default Mods switched off (ablations; `loka_compile.passes.mods.MODS`).
+    enabled_mods: names of opt-in Mods that keep the model's math, switched on
+        (`loka_compile.passes.mods.OPT_IN_MODS`: `layernorm_backward`, off until measured faster).
+    arch_mods: names of opt-in architecture Mods (`loka_compile.passes.mods.ARCH_MODS`) applied to the Dynamo
         graph (they change the model): `blocknorm` (LayerNorm -> BlockNorm), `no_bias`
         (linears lose their bias, except the heads), `hardswish` (SiLU -> hard-swish).
     plan: path (str or os.PathLike) of a plan written by `loka_compile.save_plan`: its
@@ -207,12 +205,9 @@ class LokaConfig:
         self._set("max_output_error", _check_off_or_positive("max_output_error", self.max_output_error))
         self._set("providers", _check_names("providers", self.providers, provider_registry.names()))
         self._set("exclude_modules", _check_names("exclude_modules", self.exclude_modules))
-        self._set("disabled_mods", _check_names("disabled_mods", self.disabled_mods, MODS))
-        self._set("enabled_mods", _check_names("enabled_mods", self.enabled_mods, OFF_BY_DEFAULT_MODS))
-        both = sorted(set(self.disabled_mods) & set(self.enabled_mods))
-        if both:
-            raise ValueError(f"Mods {both} are both in disabled_mods and in enabled_mods; name each in one")
-        self._set("arch_mods", _check_names("arch_mods", self.arch_mods, ARCH_MODS))
+        self._set("disabled_mods", _check_names("disabled_mods", self.disabled_mods, mods.MODS))
+        self._set("enabled_mods", _check_names("enabled_mods", self.enabled_mods, mods.OPT_IN_MODS))
+        self._set("arch_mods", _check_names("arch_mods", self.arch_mods, mods.ARCH_MODS))
         self._set("plan", _check_plan_path(self.plan))
 
     def _set(self, name: str, value) -> None:
@@ -224,10 +219,11 @@ class LokaConfig:
 
     @property
     def inactive_mods(self) -> frozenset:
-        """The Mods that do not run in this compile: `disabled_mods`, the off-by-default ones
-        not in `enabled_mods`, and outside CUDA-graph modes the ones in CUDA_GRAPH_ONLY_MODS."""
-        graph_only = frozenset() if uses_cuda_graphs(self.mode) else CUDA_GRAPH_ONLY_MODS
-        not_enabled = frozenset(OFF_BY_DEFAULT_MODS) - frozenset(self.enabled_mods)
+        """The Mods that do not run in this compile: `disabled_mods`, the opt-in ones not in
+        `enabled_mods`, and outside CUDA-graph modes the ones that run only under CUDA graphs
+        (`Mod.cuda_graphs_only`)."""
+        graph_only = frozenset() if uses_cuda_graphs(self.mode) else mods.CUDA_GRAPH_ONLY_MODS
+        not_enabled = frozenset(mods.OPT_IN_MODS) - frozenset(self.enabled_mods)
         return frozenset(self.disabled_mods) | not_enabled | graph_only
 
     @classmethod
@@ -243,13 +239,6 @@ class LokaConfig:
         if unknown:
             raise ValueError(f"unknown loka options {unknown}; valid options: {valid}")
         return cls(**options)
-
-
-# Mods that run only where CUDA graphs replay the step. Inductor's multi-kernel (the
-# `benchmarked_reductions` Mod) picks a reduction's variant in Python at every call; without
-# CUDA graphs that host work shows in the step: H100, MaskNet training, batch 8192, default
-# mode, every site FP8: 21.97 ms with it, 19.66 ms without (Inductor bf16 18.64 ms).
-CUDA_GRAPH_ONLY_MODS = frozenset({"benchmarked_reductions"})
 
 
 def uses_cuda_graphs(mode: str) -> bool:

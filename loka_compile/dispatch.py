@@ -57,6 +57,7 @@ from loka_compile.kernels.scaled_gemm import padding_for
 from loka_compile.plan import MEASURED_REASONS
 from loka_compile.passes import Decision, GraphKind, Reason, Site
 from loka_compile.passes.context import Candidate
+from loka_compile.passes.mods import benchmarked_reductions, cached_weights, cat_casts, pad
 
 log = logging.getLogger("loka")
 
@@ -74,7 +75,7 @@ def _alignment(site: Site, config: LokaConfig, hardware: bool):
     if hardware and not (isinstance(k, int) and isinstance(n, int)):
         return _fallback(Reason.SYMBOLIC_K_OR_N, f"K={k}, N={n}")
     k_pad, n_pad = padding_for(k if isinstance(k, int) else 0, n if isinstance(n, int) else 0, FP8_ALIGNMENT)
-    if (k_pad or n_pad) and ("pad" in config.inactive_mods or site.batch is not None):
+    if (k_pad or n_pad) and (not pad.MOD.on(config.inactive_mods) or site.batch is not None):
         if k_pad:
             return _fallback(Reason.K_NOT_MULTIPLE_OF_16, f"K={k}")
         return _fallback(Reason.N_NOT_MULTIPLE_OF_16, f"N={n}")
@@ -201,11 +202,11 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
                         **chosen)
     if phase == "probe":
         return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
-    b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and "cached_weights" not in config.inactive_mods
+    b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and cached_weights.MOD.on(config.inactive_mods)
     a_static = a_static and chosen["scaling"] != Scaling.BLOCKWISE.value
     shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached,
-                             "benchmarked_reductions" not in config.inactive_mods, a_static,
-                             "cat_casts" not in config.inactive_mods) if hardware else None
+                             benchmarked_reductions.MOD.on(config.inactive_mods), a_static,
+                             cat_casts.MOD.on(config.inactive_mods)) if hardware else None
     if shape is not None and not config.speed_check:
         try:
             chosen["provider"] = speed.runnable_providers(shape, chosen["scaling"], chosen["a_format"],

@@ -36,6 +36,7 @@ from loka_compile.config import LokaConfig
 from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format
 from loka_compile.passes.find_sites import VIEW_LIKE
+from loka_compile.passes.mods import cached_weights, fused_casts
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.report import Report
 
@@ -114,7 +115,7 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
         log.warning("loka export: torch.export fixed the batch size at %d (the model specializes dim 0 of "
                     "its first input); the package takes that batch size only", _first_tensor(args).shape[0])
     loka_pass = _ExportPass(backend.LokaPostGradPass(record, "fp8", frozenset()),
-                            fold="cached_weights" not in config.inactive_mods)
+                            fold=cached_weights.MOD.on(config.inactive_mods))
     try:
         written = torch._inductor.aoti_compile_and_package(
             program, package_path=path, inductor_configs=_patches(config, loka_pass))
@@ -145,7 +146,7 @@ def _export_config(options) -> LokaConfig:
     if config.arch_mods:
         raise ValueError(f"export_inference does not apply arch_mods {list(config.arch_mods)}: apply them to the "
                          f"model first (loka_compile.apply_arch_mods(model, {list(config.arch_mods)}))")
-    if "fused_casts" in config.inactive_mods:
+    if not fused_casts.MOD.on(config.inactive_mods):
         raise ValueError("export_inference needs the fused_casts Mod: without it each cast is a loka:: op, which "
                          "a package loaded without loka_compile cannot run")
     chosen = config.providers or tuple(providers.names())

@@ -14,7 +14,7 @@ matches; otherwise the entry is dropped and the graph compiled again.
 
 Not cached (`bypass_reason`): inference graphs that may read cached FP8 weights, whose
 constants are made from this process's parameters and refreshed through them
-(`passes/weight_cache.py`), and graphs compiled with Inductor's freezing (weights as
+(`passes/mods/cached_weights.py`), and graphs compiled with Inductor's freezing (weights as
 constants too). AOTAutograd's cache is off for loka compiles (`autograd_cache_off`).
 """
 
@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from loka_compile.passes import GraphKind
+from loka_compile.passes.mods import cached_weights
 
 log = logging.getLogger("loka")
 
@@ -45,7 +46,7 @@ def bypass_reason(phase: str, kind: GraphKind, inactive_mods, param_input_indice
     """Why a graph must not use the FX graph cache, or None."""
     if torch._inductor.config.freezing:
         return "freezing: its weights are constants taken from this process's parameters"
-    if phase == "fp8" and kind is GraphKind.INFERENCE and "cached_weights" not in inactive_mods \
+    if phase == "fp8" and kind is GraphKind.INFERENCE and cached_weights.MOD.on(inactive_mods) \
             and param_input_indices:
         # Its FP8 weight copies are constants taken from this process's parameters, and
         # the compiled graph is wrapped to refresh them; a cached entry holds neither.

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from loka_compile.kernels.block_norm import DEFAULT_BLOCK, block_norm
-from loka_compile.passes.arch_mods import ARCH_MODS
+from loka_compile.passes.mods import ARCH_MODS, blocknorm, hardswish, no_bias
 
 
 class BlockNorm(nn.Module):
@@ -74,10 +74,10 @@ def apply_arch_mods(module: nn.Module, mods, *, heads: Optional[Iterable[str]] =
         raise ValueError(f"heads {sorted(missing)} are not nn.Linear submodules; linears: {linears}")
     replaced: dict[int, nn.Module] = {}
     for name, child in list(module.named_modules()):
-        if "no_bias" in counts and isinstance(child, nn.Linear) and name not in head_names \
+        if no_bias.MOD.name in counts and isinstance(child, nn.Linear) and name not in head_names \
                 and child.bias is not None:
             child.register_parameter("bias", None)
-            counts["no_bias"] += 1
+            counts[no_bias.MOD.name] += 1
     for parent in list(module.modules()):
         for child_name, child in list(parent.named_children()):
             if id(child) not in replaced:
@@ -92,11 +92,11 @@ def apply_arch_mods(module: nn.Module, mods, *, heads: Optional[Iterable[str]] =
 
 def _swap(child: nn.Module, counts: dict):
     """(replacement, Mod name), or (None, None) when no named Mod applies to `child`."""
-    if "blocknorm" in counts and type(child) is nn.LayerNorm and len(child.normalized_shape) == 1:
+    if blocknorm.MOD.name in counts and type(child) is nn.LayerNorm and len(child.normalized_shape) == 1:
         norm = BlockNorm(child.normalized_shape, eps=child.eps, elementwise_affine=False)
         norm.elementwise_affine = child.elementwise_affine
         norm.weight, norm.bias = child.weight, child.bias
-        return norm, "blocknorm"
-    if "hardswish" in counts and type(child) is nn.SiLU:
-        return nn.Hardswish(inplace=child.inplace), "hardswish"
+        return norm, blocknorm.MOD.name
+    if hardswish.MOD.name in counts and type(child) is nn.SiLU:
+        return nn.Hardswish(inplace=child.inplace), hardswish.MOD.name
     return None, None

@@ -22,7 +22,7 @@ import torch
 
 from loka_compile.config import RECIPES
 from loka_compile.kernels.quantize import Fp8Format, Scaling
-from loka_compile.passes import Decision, GraphKind, Reason
+from loka_compile.passes import Decision, Reason
 from loka_compile.passes.context import Candidate
 
 FORMAT_VERSION = 1
@@ -169,84 +169,7 @@ class Plan:
     def digest(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
 
-    # -- reading a plan: its sites as report rows, its summary and table, a diff -----------
-
-    def site_records(self) -> list:
-        """The plan's sites as `report.SiteRecord`s, forward (or inference) sites first, by
-        id, for the report's table and summary lines. A plan keeps no graph names, operand
-        casts but static scales, or bmm batch sizes; a site the Probe found unsafe shows its
-        observed error."""
-        from loka_compile.report import SiteRecord, _candidates
-
-        records = []
-        backward_last = lambda item: (_id_parts(item[0])[0] == GraphKind.BACKWARD.value, item[0])  # noqa: E731
-        for sid, entry in sorted(self.sites.items(), key=backward_last):
-            kind, module, role = _id_parts(sid)
-            static = self.a_scales.get(sid)
-            records.append(SiteRecord(
-                name=sid, module=module, role=role, shape=entry.shape, fp8=entry.fp8,
-                provider=entry.provider if entry.fp8 else "aten", reason=entry.reason, graph="", kind=kind, op="",
-                batch=None, dtype=entry.dtype, scaling=entry.scaling if entry.fp8 else "",
-                formats=f"{entry.a_format} x {entry.b_format}" if entry.fp8 else "", producers=(), consumers=(),
-                forward_site="", key=sid,
-                probe={"max_rel_error": self.unsafe[sid]} if sid in self.unsafe else {},
-                bf16_us=entry.bf16_us, fp8_us=entry.fp8_us, detail=entry.detail,
-                casts={"a": f"static scale (calibrated {static['policy']})"} if static and entry.fp8 else {},
-                fast_accum=entry.fp8 and entry.fast_accum,
-                padding=(entry.pad_k, entry.pad_n) if entry.fp8 else (0, 0), id=sid,
-                history=tuple(self.history.get(sid, ())), candidates=_candidates(entry, entry.fp8),
-                m_bucket=entry.m_bucket))
-        return records
-
-    def _report(self):
-        """A `report.Report` whose sites are this plan's (its graph-level parts empty)."""
-        from loka_compile.report import Report
-
-        report = Report([])
-        report.sites = self.site_records()
-        return report
-
-    def summary(self, largest: int = 5) -> str:
-        """What the plan is for, its sites in FP8 (and their share of GEMM FLOPs), the
-        Probe's verdicts and static scales it holds, then the report's lines: counts by
-        reason, the largest sites left in high precision, re-check history."""
-        from loka_compile.report import _flops
-
-        report = self._report()
-        sites = report.sites
-        flops = {s.id: _flops(s) for s in sites}
-        total = sum(f for f in flops.values() if f is not None)
-        share = sum(flops[s.id] for s in sites if s.fp8 and flops[s.id] is not None) / total if total else 0.0
-        roles = {}
-        for s in sites:
-            roles.setdefault(s.role, [0, 0])
-            roles[s.role][0] += s.fp8
-            roles[s.role][1] += 1
-        lines = [f"loka plan {self.source or '(in memory)'}: recipe {self.recipe}, device type {self.device_type}, "
-                 f"format version {self.version}, {len(self.params)} parameters",
-                 f"{len(sites)} GEMM sites, {sum(s.fp8 for s in sites)} in FP8 ({100 * share:.0f}% of GEMM FLOPs, "
-                 f"sites of concrete shape)",
-                 "FP8 per role: " + ", ".join(f"{role} {n}/{all_}" for role, (n, all_) in roles.items())]
-        if self.unsafe or self.upgraded:
-            upgrades = ", ".join(f"{sid} -> {_upgrade_target(entry)}" for sid, entry in sorted(self.upgraded.items()))
-            lines.append(f"probe verdicts: {len(self.unsafe)} unsafe, {len(self.upgraded)} upgraded"
-                         + (f" ({upgrades})" if upgrades else ""))
-        if self.a_scales:
-            policies = sorted({entry["policy"] for entry in self.a_scales.values()})
-            lines.append(f"static activation scales: {len(self.a_scales)} site(s), {', '.join(policies)}")
-        return "\n".join(lines + report._kept_lines(largest) + report._history_lines())
-
-    def table(self) -> str:
-        """Every site as `report.table()` shows it (the graph column empty: a plan keeps
-        decisions by site id across graphs), then the static activation scales."""
-        from tabulate import tabulate
-
-        text = self._report().table()
-        if self.a_scales:
-            text += "\n\nstatic activation scales:\n" + tabulate(
-                [(sid, e["scale"], e["range"], e["policy"], e["error"]) for sid, e in sorted(self.a_scales.items())],
-                headers=["site id", "scale", "range", "policy", "error"])
-        return text
+    # -- comparing plans (`loka_compile.report` shows one: `plan_summary`, `plan_table`) -----
 
     def diff(self, other: "Plan") -> list:
         """What differs between this plan (A) and `other` (B), as (what, field, in A, in B)
@@ -302,7 +225,7 @@ class Plan:
                              + "; ".join(found))
 
 
-def _id_parts(sid: str) -> tuple:
+def id_parts(sid: str) -> tuple:
     """(kind, module, role) of a site id "<kind>/<module>:<role>[:recomputed]#<n>"; "" for
     a part an id of another form lacks."""
     kind, _, rest = sid.partition("/") if "/" in sid else ("", "", sid)
@@ -329,11 +252,11 @@ def _verdict_text(plan: Plan, sid: str) -> Optional[str]:
     if sid in plan.unsafe:
         return "unsafe"
     if sid in plan.upgraded:
-        return f"upgraded to {_upgrade_target(plan.upgraded[sid])}"
+        return f"upgraded to {upgrade_target(plan.upgraded[sid])}"
     return None
 
 
-def _upgrade_target(entry: tuple) -> str:
+def upgrade_target(entry: tuple) -> str:
     """The scaling an upgrade verdict moves its site to (plans from before the chain: rowwise)."""
     return entry[0] if isinstance(entry[0], str) else "rowwise"
 
@@ -516,55 +439,3 @@ def load_plan(path) -> Plan:
     except UnicodeDecodeError:
         raise ValueError(f"loka plan {path} is not JSON: not UTF-8 text") from None
     return Plan.from_json(data, source=path)
-
-
-def plan_of(compiled) -> Plan:
-    """The plan of a compiled model (or function): every graph `loka_compile.report`
-    finds for it, each site's decision in its active phase under the site's id. Raises
-    ValueError while a graph is still in its probe window, or when it has none."""
-    from loka_compile.report import records_for
-
-    records = records_for(compiled)
-    if not records:
-        raise ValueError("loka has compiled no graph for this model: run it once before saving its plan")
-    probing = [r.name for r in records if r.phase == "probe"]
-    if probing:
-        raise ValueError(f"graphs {probing} are still in their probe window: save the plan after it closes")
-    plan = Plan(device_type=records[0].plan.device_type, recipe=records[0].config.recipe)
-    module = getattr(compiled, "_orig_mod", compiled)
-    if isinstance(module, torch.nn.Module):
-        plan.params = param_fingerprint(module.named_parameters())
-    # A recompile (another batch size) has the sites of the graph it recompiles, under the
-    # same ids: the later graph, the more general one, wins. Graphs with other site sets
-    # (graph breaks) that share an id but not its decision leave it to be decided at load.
-    owner, conflicts = {}, set()
-    for record in records:
-        if not isinstance(module, torch.nn.Module):
-            plan.params.update(record.plan.params)
-        plan.unsafe.update(record.plan.unsafe)
-        plan.upgraded.update(record.plan.upgraded)
-        plan.a_scales.update(record.plan.a_scales)
-        for sid, events in record.plan.history.items():
-            plan.history.setdefault(sid, []).extend(events)
-        ids = frozenset(s.id for (phase, _), ctx in record.contexts.items() if phase == record.phase
-                        for s in ctx.sites)
-        for (phase, kind), ctx in record.contexts.items():
-            if phase != record.phase or record.fallback or record.fallen_back.get(kind):
-                continue
-            for site in ctx.sites:
-                decision = ctx.decisions.get(site.key)
-                if decision is None or decision.reason in (Reason.GRAPH_FALLBACK, Reason.PROBING):
-                    continue
-                entry = SitePlan.from_decision(decision, site.shape, site.dtype)
-                if site.id in plan.sites and owner[site.id] != ids and plan.sites[site.id] != entry:
-                    conflicts.add(site.id)
-                plan.sites[site.id], owner[site.id] = entry, ids
-    for sid in conflicts:
-        plan.sites.pop(sid)
-    return plan
-
-
-def save_plan(compiled, path) -> Plan:
-    """Write the plan of `compiled` (see `plan_of`) to `path` as JSON; returns it. Load it
-    with `torch.compile(model, backend="loka", options={"plan": path})`."""
-    return plan_of(compiled).save(path)

@@ -10,10 +10,9 @@ import torch
 from tabulate import tabulate
 
 from loka_compile import backend, probe
+from loka_compile.plan import Plan, SitePlan, id_parts, param_fingerprint, upgrade_target
 from loka_compile.passes import GraphKind, Reason
-from loka_compile.passes.find_sites import SAVED_IN_FP8
-from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
-from loka_compile.passes.gemm_norm import NORMALIZED
+from loka_compile.passes import mods as mod_registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,28 +156,11 @@ class Report:
                                    {kind.value: gm for (phase, kind), gm in r.graph_modules.items() if phase == r.phase},
                                    r.config, getattr(r, "output_budget", None)) for r in records]
         self.sites = [row for r in records for row in _site_records(r)]
-        self._arch_mods = collections.Counter()
-        self._graph_mods = collections.Counter()
+        results = collections.defaultdict(list)
         for r in records:
-            self._arch_mods.update(r.arch_mod_counts)
-            fusion = getattr(r, "horizontal", None)
-            if fusion is not None:
-                self._graph_mods.update({"horizontal": fusion.groups, "horizontal_linears": fusion.linears})
-            conv = getattr(r, "conv1x1", None)
-            if conv is not None:
-                self._graph_mods.update({"conv1x1": conv.rewritten})
-            transposed = getattr(r, "transposed_linear", None)
-            if transposed is not None:
-                self._graph_mods.update({"transposed_linear": transposed.rewritten})
-            norms = getattr(r, "layernorm_backward", None)
-            if norms is not None:
-                self._graph_mods.update({"layernorm_backward": norms.rewritten})
-            saved = getattr(r, "saved_fp8", None)
-            if saved is not None:
-                self._graph_mods.update({"saved_for_backward_bytes": saved.saved_bytes})
-            layouts = getattr(r, "weight_layouts", None)
-            if layouts is not None:
-                self._graph_mods.update({"weight_both_layouts": len(layouts.weights)})
+            for name, result in r.mod_results.items():
+                results[name].append(result)
+        self._mod_results = {name: tuple(found) for name, found in results.items()}
         self.cached_weights = [w for r in records for (phase, kind), ctx in r.contexts.items()
                                 if phase == r.phase and not (r.fallback or r.fallen_back.get(kind))
                                 for w in ctx.cached_weights]
@@ -191,39 +173,11 @@ class Report:
 
     @property
     def mods(self) -> dict:
-        """What each Mod did across the FP8 sites: operand casts fused into their producer,
-        standalone, or replaced by a cached FP8 weight (`cached_weights`), sites padded, GEMMs with fast accumulation,
-        A operands cast per piece of their concatenation (`cat_casts`), A operands written
-        in FP8 by the epilogue of the GEMM that produced them (`gemm_epilogue`), of those
-        the ones normalized there too (`gemm_norm`),
-        the sibling linears fused (`horizontal`: fused GEMMs, `horizontal_linears`: the linears they
-        replaced, per Dynamo graph), the 1x1 convolutions written as linears (`conv1x1`, per
-        Dynamo graph), the linears of a transposed input computed as W @ x
-        (`transposed_linear`, per Dynamo graph), the LayerNorms given loka's Triton backward
-        (`layernorm_backward`, per Dynamo graph), the backward GEMM operands whose FP8 copy
-        the forward saved (`saved_fp8`) and what the forward graphs keep for the backward
-        with that Mod on (`saved_for_backward_bytes`, at compile-time sizes: compare it
-        with the Mod off for the memory it saves), the training weights cast once per step
-        for their forward GEMMs and dgrads (`weight_both_layouts`; their GEMMs' operands
-        count among `cached_weights`),
-        and the opt-in architecture Mods' rewrites."""
-        casts = [c for s in self.sites if s.fp8 for c in s.casts.values()]
-        fused = sum(c.startswith("fused") for c in casts)
-        cached = sum(c.startswith("cached") for c in casts)
-        saved = sum(c == SAVED_IN_FP8 for c in casts)
-        counts = {"fused_casts": fused, "standalone_casts": len(casts) - fused - cached - saved,
-                  "cached_weights": cached, "saved_fp8": saved,
-                  "saved_for_backward_bytes": self._graph_mods["saved_for_backward_bytes"],
-                  "pad": sum(any(s.padding) for s in self.sites), "fast_accum": sum(s.fast_accum for s in self.sites),
-                  "cat_casts": sum("per piece" in s.casts.get("a", "") for s in self.sites),
-                  "gemm_epilogue": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in self.sites if s.fp8),
-                  "gemm_norm": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) and f"{NORMALIZED} (" in s.casts["a"]
-                                   for s in self.sites if s.fp8),
-                  "horizontal": self._graph_mods["horizontal"], "horizontal_linears": self._graph_mods["horizontal_linears"],
-                  "conv1x1": self._graph_mods["conv1x1"], "transposed_linear": self._graph_mods["transposed_linear"],
-                  "layernorm_backward": self._graph_mods["layernorm_backward"],
-                  "weight_both_layouts": self._graph_mods["weight_both_layouts"]}
-        counts.update({f"arch:{name}": n for name, n in sorted(self._arch_mods.items())})
+        """What each Mod did, by the counters it declares (`loka_compile.passes.mods`, stage by
+        stage; docs/mods/ says what each counts), and the FP8 sites whose GEMMs accumulate in
+        the fast mode (`fast_accum`: the recipe's choice, not a Mod's)."""
+        counts = mod_registry.counts(mod_registry.Evidence(tuple(self.sites), self._mod_results))
+        counts["fast_accum"] = sum(s.fast_accum for s in self.sites)
         return counts
 
     @property
@@ -362,3 +316,129 @@ def records_for(compiled: Optional[object] = None) -> list:
 def report(compiled: Optional[object] = None) -> Report:
     """The report for a compiled model (the graphs `records_for` finds)."""
     return Report(records_for(compiled))
+
+
+# -- plans: a compiled model's, and a saved one's report ---------------------------------
+
+
+def plan_of(compiled) -> Plan:
+    """The plan of a compiled model (or function): every graph `loka_compile.report`
+    finds for it, each site's decision in its active phase under the site's id. Raises
+    ValueError while a graph is still in its probe window, or when it has none."""
+    records = records_for(compiled)
+    if not records:
+        raise ValueError("loka has compiled no graph for this model: run it once before saving its plan")
+    probing = [r.name for r in records if r.phase == "probe"]
+    if probing:
+        raise ValueError(f"graphs {probing} are still in their probe window: save the plan after it closes")
+    plan = Plan(device_type=records[0].plan.device_type, recipe=records[0].config.recipe)
+    module = getattr(compiled, "_orig_mod", compiled)
+    if isinstance(module, torch.nn.Module):
+        plan.params = param_fingerprint(module.named_parameters())
+    # A recompile (another batch size) has the sites of the graph it recompiles, under the
+    # same ids: the later graph, the more general one, wins. Graphs with other site sets
+    # (graph breaks) that share an id but not its decision leave it to be decided at load.
+    owner, conflicts = {}, set()
+    for record in records:
+        if not isinstance(module, torch.nn.Module):
+            plan.params.update(record.plan.params)
+        plan.unsafe.update(record.plan.unsafe)
+        plan.upgraded.update(record.plan.upgraded)
+        plan.a_scales.update(record.plan.a_scales)
+        for sid, events in record.plan.history.items():
+            plan.history.setdefault(sid, []).extend(events)
+        ids = frozenset(s.id for (phase, _), ctx in record.contexts.items() if phase == record.phase
+                        for s in ctx.sites)
+        for (phase, kind), ctx in record.contexts.items():
+            if phase != record.phase or record.fallback or record.fallen_back.get(kind):
+                continue
+            for site in ctx.sites:
+                decision = ctx.decisions.get(site.key)
+                if decision is None or decision.reason in (Reason.GRAPH_FALLBACK, Reason.PROBING):
+                    continue
+                entry = SitePlan.from_decision(decision, site.shape, site.dtype)
+                if site.id in plan.sites and owner[site.id] != ids and plan.sites[site.id] != entry:
+                    conflicts.add(site.id)
+                plan.sites[site.id], owner[site.id] = entry, ids
+    for sid in conflicts:
+        plan.sites.pop(sid)
+    return plan
+
+
+def save_plan(compiled, path) -> Plan:
+    """Write the plan of `compiled` (see `plan_of`) to `path` as JSON; returns it. Load it
+    with `torch.compile(model, backend="loka", options={"plan": path})`."""
+    return plan_of(compiled).save(path)
+
+
+def plan_site_records(plan: Plan) -> list:
+    """The plan's sites as `report.SiteRecord`s, forward (or inference) sites first, by
+    id, for the report's table and summary lines. A plan keeps no graph names, operand
+    casts but static scales, or bmm batch sizes; a site the Probe found unsafe shows its
+    observed error."""
+    records = []
+    backward_last = lambda item: (id_parts(item[0])[0] == GraphKind.BACKWARD.value, item[0])  # noqa: E731
+    for sid, entry in sorted(plan.sites.items(), key=backward_last):
+        kind, module, role = id_parts(sid)
+        static = plan.a_scales.get(sid)
+        records.append(SiteRecord(
+            name=sid, module=module, role=role, shape=entry.shape, fp8=entry.fp8,
+            provider=entry.provider if entry.fp8 else "aten", reason=entry.reason, graph="", kind=kind, op="",
+            batch=None, dtype=entry.dtype, scaling=entry.scaling if entry.fp8 else "",
+            formats=f"{entry.a_format} x {entry.b_format}" if entry.fp8 else "", producers=(), consumers=(),
+            forward_site="", key=sid,
+            probe={"max_rel_error": plan.unsafe[sid]} if sid in plan.unsafe else {},
+            bf16_us=entry.bf16_us, fp8_us=entry.fp8_us, detail=entry.detail,
+            casts={"a": f"static scale (calibrated {static['policy']})"} if static and entry.fp8 else {},
+            fast_accum=entry.fp8 and entry.fast_accum,
+            padding=(entry.pad_k, entry.pad_n) if entry.fp8 else (0, 0), id=sid,
+            history=tuple(plan.history.get(sid, ())), candidates=_candidates(entry, entry.fp8),
+            m_bucket=entry.m_bucket))
+    return records
+
+
+def plan_report(plan: Plan) -> Report:
+    """A `report.Report` whose sites are this plan's (its graph-level parts empty)."""
+    report = Report([])
+    report.sites = plan_site_records(plan)
+    return report
+
+
+def plan_summary(plan: Plan, largest: int = 5) -> str:
+    """What the plan is for, its sites in FP8 (and their share of GEMM FLOPs), the
+    Probe's verdicts and static scales it holds, then the report's lines: counts by
+    reason, the largest sites left in high precision, re-check history."""
+    report = plan_report(plan)
+    sites = report.sites
+    flops = {s.id: _flops(s) for s in sites}
+    total = sum(f for f in flops.values() if f is not None)
+    share = sum(flops[s.id] for s in sites if s.fp8 and flops[s.id] is not None) / total if total else 0.0
+    roles = {}
+    for s in sites:
+        roles.setdefault(s.role, [0, 0])
+        roles[s.role][0] += s.fp8
+        roles[s.role][1] += 1
+    lines = [f"loka plan {plan.source or '(in memory)'}: recipe {plan.recipe}, device type {plan.device_type}, "
+             f"format version {plan.version}, {len(plan.params)} parameters",
+             f"{len(sites)} GEMM sites, {sum(s.fp8 for s in sites)} in FP8 ({100 * share:.0f}% of GEMM FLOPs, "
+             f"sites of concrete shape)",
+             "FP8 per role: " + ", ".join(f"{role} {n}/{all_}" for role, (n, all_) in roles.items())]
+    if plan.unsafe or plan.upgraded:
+        upgrades = ", ".join(f"{sid} -> {upgrade_target(entry)}" for sid, entry in sorted(plan.upgraded.items()))
+        lines.append(f"probe verdicts: {len(plan.unsafe)} unsafe, {len(plan.upgraded)} upgraded"
+                     + (f" ({upgrades})" if upgrades else ""))
+    if plan.a_scales:
+        policies = sorted({entry["policy"] for entry in plan.a_scales.values()})
+        lines.append(f"static activation scales: {len(plan.a_scales)} site(s), {', '.join(policies)}")
+    return "\n".join(lines + report._kept_lines(largest) + report._history_lines())
+
+
+def plan_table(plan: Plan) -> str:
+    """Every site as `report.table()` shows it (the graph column empty: a plan keeps
+    decisions by site id across graphs), then the static activation scales."""
+    text = plan_report(plan).table()
+    if plan.a_scales:
+        text += "\n\nstatic activation scales:\n" + tabulate(
+            [(sid, e["scale"], e["range"], e["policy"], e["error"]) for sid, e in sorted(plan.a_scales.items())],
+            headers=["site id", "scale", "range", "policy", "error"])
+    return text

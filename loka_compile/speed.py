@@ -17,8 +17,8 @@ candidate provider, on fresh random operands of the site's shape, dtype and layo
              under which Inductor also tries longer rows persistent). Longer rows take a looped
              reduction that re-reads the row
              for the cast after the amax pass: the standalone cast's bytes, so its time
-             (measured on the H100: MaskNet's K = 3456 casts fused into threshold_backward
-             and relu added 0.6-0.9x of a standalone cast, not 1/3). A weight whose
+             (docs/guide.md, "The speed check and its database", has the measurement).
+             A weight whose
              FP8 copy is cached (inference, the `cached_weights` Mod), or an activation
              whose FP8 copy the forward saved (the `saved_fp8` Mod), costs nothing here.
              An A with a calibrated static scale (an inference site of a plan from
@@ -31,14 +31,11 @@ How it times (medians of `TIMING_REPEATS` runs of `CALLS_PER_RUN` back-to-back c
 CUDA each run replays a CUDA graph of the calls, so the timing is the device work, in every
 compile mode. Without CUDA graphs a training or inference step of an LRM keeps the GPU busy
 while the host launches ahead, so host work is hidden, and in the compiled graph a fused
-cast adds no launch at all; timing eager calls charged the dispatcher's host work instead.
-Measured on the H100 (Wukong training, batch 8192, default mode): timed as plain calls, the
-fused casts of 2048 x 2048 GEMMs were charged 461 us and every one of the 158 sites stayed
-bf16; the model's step was 40.4 ms, of which 35.6 ms were kernels. A step that is host
-bound without CUDA graphs is not modelled: there each FP8 site's extra launches (a
-standalone weight cast) cost host time the timing leaves out (MaskNet training with every
-site FP8, default mode: 26.9 ms per step for 16.4 ms of kernels); such models want
-`reduce-overhead`. On CPU: wall time.
+cast adds no launch at all; timing eager calls charged the dispatcher's host work instead,
+enough to keep every site of a model in bf16. A step that is host bound without CUDA graphs
+is not modelled: there each FP8 site's extra launches (a standalone weight cast) cost host
+time the timing leaves out; such models want `reduce-overhead`. On CPU: wall time. The
+measurements behind both are in docs/guide.md ("The speed check and its database").
 Timings are cached per (shape, layouts, casts, a static A, dtype, device, recipe, providers)
 for the life of the process, and kept across processes in the performance database
 (`perfdb.py`), keyed also by the GPU and the torch and triton versions; so are the
@@ -77,6 +74,12 @@ import time
 from typing import Optional
 
 import torch
+
+from loka_compile.kernels import providers as provider_registry
+from loka_compile.passes.mods.benchmarked_reductions import PERSISTENT_ROW_MAX, persistent_row_max
+from loka_compile.passes.mods.cat_casts import per_piece_row_max
+from loka_compile.passes.mods.gemm_epilogue import MOD as GEMM_EPILOGUE
+from loka_compile.passes.shapes import size_hint
 
 log = logging.getLogger("loka")
 
@@ -174,8 +177,8 @@ def _time_calls_us(fn, device: torch.device) -> float:
 @functools.lru_cache(maxsize=None)
 def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
     """One capture stream per device for every timing: cuBLAS keeps a workspace per stream
-    for the life of the process (32 MB on the H100), so a new stream per timed GEMM left
-    32 MB allocated each (MaskNet training: 0.6 GB held by the speed check's timings)."""
+    for the life of the process, so a new stream per timed GEMM would leave one workspace
+    allocated per timing."""
     return torch.cuda.Stream(device)
 
 
@@ -213,32 +216,6 @@ def _time_runs_us(fn, device: torch.device) -> list:
         return runs
 
 
-# Longest row Inductor reduces in one persistent pass (inner reductions, torch 2.11-2.13),
-# and the longest a fused cast is charged only its byte for with Inductor's multi-kernel
-# (the `benchmarked_reductions` Mod), which builds persistent variants up to 16x that and
-# keeps them where faster. Measured on the H100, MaskNet inference, batch 8192: at K = 3456
-# relu + rowwise cast took 0.047 ms per call persistent, the bf16 relu alone 0.049 ms; at
-# K = 8192 the cast fused into cat + 8 LayerNorms took 0.67 ms, against about 0.1 ms for
-# those kernels in bf16. Charging rows up to 16384 a byte let the speed check put every
-# MaskNet site in FP8: loka_ro measured 1.01x of bf16, where with 9 sites it had 1.10x.
-PERSISTENT_ROW_MAX = 1024
-MULTI_KERNEL_PERSISTENT_ROW_MAX = 4096
-
-
-def persistent_row_max(benchmarked_reductions: bool) -> int:
-    """The longest row a fused cast reduces in one pass, with or without the
-    `benchmarked_reductions` Mod."""
-    return MULTI_KERNEL_PERSISTENT_ROW_MAX if benchmarked_reductions else PERSISTENT_ROW_MAX
-
-
-def per_piece_row_max(benchmarked_reductions: bool, cat_casts: bool, pad_k: int) -> Optional[int]:
-    """`row_max` for `find_sites.per_piece_cast`: the persistent row length when the
-    `cat_casts` Mod is on and K is not padded (a padded A keeps the whole-row cast), else
-    None. Dispatch's timing and the lowering ask alike, so the report's label, the charge
-    and the graph agree."""
-    return persistent_row_max(benchmarked_reductions) if cat_casts and not pad_k else None
-
-
 def _fused_fraction(dtype: torch.dtype, row: int, persistent_row_max: int = PERSISTENT_ROW_MAX,
                     static: bool = False) -> float:
     """Share of a standalone cast's time that a cast fused into its producer still costs
@@ -254,11 +231,8 @@ def _static_cast(x: torch.Tensor, scaling: str, fmt: str):
     Inductor compiles `quantize_static` to one pointwise kernel that reads A and writes its
     FP8 copy K-major (the divide and clamp move no bytes); eager, each of its ops would be
     a kernel of its own, so the timed call is that one pass: a converting copy into a
-    K-major FP8 tensor. Measured on the H100 (torch 2.11, bf16 A, M = 8192, rowwise, in
-    CUDA graphs), at K = 1024 / 3456 / 8192: the copy 8.8 / 31.3 / 70.4 us, Inductor's
-    compiled `quantize_static` 14.1 / 50.3 / 114.5 us, eager `quantize_static` 196 / 656 /
-    1517 us, the dynamic `loka.quantize_operand` 11.5 / 48.9 / 75.9 us: the copy is the
-    pass's bytes at full bandwidth, Inductor's kernel up to 1.6x that."""
+    K-major FP8 tensor, the pass's bytes at full bandwidth (docs/guide.md, "The speed check
+    and its database", compares it with Inductor's kernel)."""
     from loka_compile.kernels.quantize import Fp8Format, Scaling, scale_from_amax
     from loka_compile.kernels.scaled_gemm import quantize_static
 
@@ -513,10 +487,6 @@ def clear_cache() -> None:
     _epilogue_cache.clear()
 
 
-def cached_timings() -> dict:
-    return dict(_cache)
-
-
 def m_hint(site) -> Optional[int]:
     """M of a site at the sizes its graph was compiled for: M itself when concrete, else
     the size hint of the symbolic M (the example inputs' size), None when it has none."""
@@ -536,19 +506,6 @@ def batch_hint(site) -> Optional[int]:
         return site.batch
     out = site.node.meta.get("val")
     return None if out is None else size_hint(out.shape[0])
-
-
-def size_hint(dim) -> Optional[int]:
-    if not isinstance(dim, torch.SymInt):
-        return int(dim)
-    node = dim.node
-    if node.hint is not None:
-        return int(node.hint)
-    shape_env = node.shape_env
-    if not hasattr(shape_env, "has_guarding_hint"):  # torch < 2.13, before size_hint's deprecation
-        hint = shape_env.size_hint(node.expr, allow_none=True)
-        return None if hint is None else int(hint)
-    return int(shape_env.guarding_hint_or_throw(node.expr)) if shape_env.has_guarding_hint(node.expr) else None
 
 
 def m_bucket(m: int) -> int:
@@ -586,3 +543,21 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
                      b_cached=b_cached or casts["b"] in PRECAST, a_saved=casts["a"] == SAVED_IN_FP8,
                      a_static=a_static, pad_k=pad_k, pad_n=pad_n,
                      persistent_row_max=persistent_row_max(benchmarked_reductions), batch=batch)
+
+
+def chain_timing(chain, ctx):
+    """`epilogue_timing` of a gemm_epilogue chain's producer (`PassContext.time_chain`) on an
+    FP8 GPU; None elsewhere, or where its shape has no concrete size to time at (the chain is
+    then fused)."""
+    site = chain.producer
+    decision = ctx.decisions[site.key]
+    if not provider_registry.has_fp8_hardware(site.device):
+        return None
+    shape = site_shape(site, decision.scaling)
+    if shape is None:
+        log.info("loka: %s: %s fused untimed (no concrete size to time at)", site.name, GEMM_EPILOGUE)
+        return None
+    norm = chain.norm
+    return epilogue_timing(shape, decision.scaling, decision.a_format, decision.b_format, decision.provider,
+                           decision.fast_accum, chain.activation, chain.residual is not None, chain.out_format.value,
+                           norm=None if norm is None else norm.kind, write_pre=norm is not None and norm.write_pre)

@@ -119,7 +119,7 @@ class PassContext:
     phase: str                                   # "probe" or "fp8"
     param_input_indices: frozenset               # forward inputs that are parameters
     decide: Callable[..., Decision]              # (site, a_static=bool) -> Decision
-    inactive_mods: frozenset = frozenset()      # names from MODS that do not run (LokaConfig.inactive_mods)
+    inactive_mods: frozenset = frozenset()      # names of Mods that do not run (LokaConfig.inactive_mods)
     sites: list = dataclasses.field(default_factory=list)
     decisions: dict = dataclasses.field(default_factory=dict)   # site key -> Decision
     changes: dict = dataclasses.field(default_factory=dict)     # pass name -> count
@@ -134,6 +134,9 @@ class PassContext:
     joint: bool = False
     # Dispatch times sites (`LokaConfig.speed_check`): Mods that change a site's form time it too.
     speed_check: bool = False
+    # With it, how a gemm_epilogue chain is timed (`speed.chain_timing`, filled in by the backend:
+    # passes do not import Dispatch's timing); None: chains are fused untimed.
+    time_chain: Optional[Callable] = None
     # The providers the config allows (`LokaConfig.providers`); empty: every registered one.
     # A Mod that moves a site onto a provider asks here first (an export allows ATen ones only).
     providers: tuple = ()

@@ -26,13 +26,13 @@ reads that copy.
 
 In inference graphs with the `cached_weights` Mod on, a B operand that is a weight is
 not cast in the graph: the GEMM reads its FP8 copy and scales as constants, made once
-and refreshed when the weight changes (`weight_cache.py`).
+and refreshed when the weight changes (`mods/cached_weights.py`).
 
 In inference graphs compiled with a calibrated plan (`loka_compile.calibrate`), A of a
 tensorwise or rowwise site is cast with its constant scale: clamp(A / s) -> fp8, no amax
 (`scaled_gemm.quantize_static`); training graphs ignore static scales. With the
 `gemm_epilogue` Mod, a GEMM whose output reaches such an A through an activation and a
-residual add writes that FP8 operand from its epilogue (`gemm_epilogue.py`).
+residual add writes that FP8 operand from its epilogue (`mods/gemm_epilogue.py`).
 
 Records on each lowered site how each operand is cast (`site.casts`, from
 `find_sites.cast_origin`): "fused into <op>" where Inductor computes the cast in the
@@ -55,15 +55,17 @@ import torch
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import (GemmSpec, cast_a_pieces, cast_operand, gemm_quantized,
                                               gemm_norm_to_next_operand, gemm_to_next_operand, static_scale_of)
-from loka_compile.speed import per_piece_row_max
 
 from .context import GraphKind, PassContext
 from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, saved_operand
-from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, insertion_point,
-                            out_scale_constant, plan_chains, time_chain)
+from .mods.benchmarked_reductions import MOD as BENCHMARKED_REDUCTIONS
+from .mods.cached_weights import MOD as CACHED_WEIGHTS, cached_operand
+from .mods.cat_casts import MOD as CAT_CASTS, per_piece_row_max
+from .mods.fused_casts import MOD as FUSED_CASTS
+from .mods.gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, insertion_point,
+                                 out_scale_constant, plan_chains, time_chain)
+from .mods.weight_both_layouts import restore_original
 from .rewrite import insert_traced, replace_with_traced
-from .weight_both_layouts import restore_original
-from .weight_cache import cached_operand
 
 CACHED_WEIGHT = "cached weight (FP8 copy remade whenever the weight's content changes)"
 
@@ -72,8 +74,8 @@ log = logging.getLogger("loka")
 
 def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     lowered = 0
-    fused_casts = "fused_casts" not in ctx.inactive_mods
-    cache_weights = ctx.kind is GraphKind.INFERENCE and "cached_weights" not in ctx.inactive_mods
+    fused_casts = FUSED_CASTS.on(ctx.inactive_mods)
+    cache_weights = ctx.kind is GraphKind.INFERENCE and CACHED_WEIGHTS.on(ctx.inactive_mods)
     chains = plan_chains(ctx, functools.partial(time_chain, ctx=ctx) if ctx.speed_check else None)
     by_producer = {chain.producer.key: chain for chain in chains}
     by_consumer = {piece.consumer.key: (chain, piece) for chain in chains for piece in chain.pieces}
@@ -93,8 +95,8 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         if static is not None and spec.scaling is not Scaling.BLOCKWISE:
             spec = dataclasses.replace(spec, a_static_scale=float(static["scale"]))
         spec = dataclasses.replace(spec, amax_guard=ctx.amax_guard(site, spec))
-        row_max = per_piece_row_max("benchmarked_reductions" not in ctx.inactive_mods,
-                                    "cat_casts" not in ctx.inactive_mods, spec.pad_k)
+        row_max = per_piece_row_max(BENCHMARKED_REDUCTIONS.on(ctx.inactive_mods), CAT_CASTS.on(ctx.inactive_mods),
+                                    spec.pad_k)
         site.casts = operand_casts(site, decision.scaling, fused_casts, a_static=spec.a_static_scale is not None,
                                    row_max=row_max)
         if spec.a_static_scale is not None:

@@ -12,7 +12,7 @@ from torch._inductor.compile_fx import compile_fx
 import loka_compile
 from loka_compile.kernels.block_norm import block_norm, block_size
 from loka_compile.modules import BlockNorm
-from loka_compile.passes import arch_mods
+from loka_compile.passes import mods as arch_mods
 from numerics import rel_error
 from graphs import dynamo_graph
 

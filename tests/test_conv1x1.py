@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import loka_compile
 from loka_compile import backend
-from loka_compile.passes.conv1x1 import rewrite_conv1x1
-from loka_compile.passes.transposed_linear import rewrite_transposed_linears
+from loka_compile.passes.mods.conv1x1 import rewrite_conv1x1
+from loka_compile.passes.mods.transposed_linear import rewrite_transposed_linears
 from graphs import dynamo_graph, fail_second_call, loka_and_eager_grads
 from numerics import rel_error
 from test_interaction_layers import XDeepFM, _assert_trains_in_fp8, _field_ids
@@ -262,8 +262,9 @@ def test_xdeepfm_cin_gemms_are_fp8_sites():
     torch.manual_seed(0)
     report = _assert_trains_in_fp8(XDeepFM(cin_sizes=CIN_WIDTHS), _field_ids)
     (record,) = backend.GRAPHS
-    assert record.conv1x1.rewritten == 2 and record.conv1x1.modules == ["cin.0", "cin.1"]
-    assert dict(record.transposed_linear.declined) == {"wide_weight_gradient": 2}
+    conv = record.mod_results["conv1x1"]
+    assert conv.rewritten == 2 and conv.modules == ["cin.0", "cin.1"]
+    assert dict(record.mod_results["transposed_linear"].declined) == {"wide_weight_gradient": 2}
     assert report.mods["conv1x1"] == 2 and "conv1x1 2" in report.summary()
     for layer, k in (("cin.0", 8 * 8), ("cin.1", 8 * 32)):
         sites = {s.role: s for s in report.sites if s.module == layer}
@@ -295,7 +296,7 @@ def test_without_the_mod_the_convolution_is_no_site():
                              options={"probe_steps": 0, "min_gemm_dim": 8, "disabled_mods": ["conv1x1"]})
     compiled(torch.randn(64, 4, 16, requires_grad=True)).sum().backward()
     report = loka_compile.report(compiled)
-    assert report.mods["conv1x1"] == 0 and backend.GRAPHS[0].conv1x1 is None
+    assert report.mods["conv1x1"] == 0 and "conv1x1" not in backend.GRAPHS[0].mod_results
     assert {(s.module, s.role) for s in report.sites} == {("head", "fwd"), ("head", "dgrad"), ("head", "wgrad")}, \
         report.table()
     backward = report.graph_modules["g0/backward"]
@@ -343,7 +344,7 @@ def test_checkpointed_convolution():
 
 
 def test_a_failure_part_way_leaves_the_graph_as_written(monkeypatch):
-    from loka_compile.passes import conv1x1
+    from loka_compile.passes.mods import conv1x1
     gm, example_inputs = dynamo_graph(Modules(), torch.randn(4, 12, 16), torch.randn(4, 12, 3, 5))
     before = gm.code
     fail_second_call(monkeypatch, conv1x1, "_rewrite")
@@ -357,7 +358,8 @@ def test_the_backend_runs_the_model_as_written_when_the_mod_fails(monkeypatch, c
     def fails(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(backend, "rewrite_conv1x1", fails)
+    from loka_compile.passes.mods import conv1x1
+    monkeypatch.setattr(conv1x1, "rewrite_conv1x1", fails)
     model, x = CIN(), torch.randn(8, 4, 16)
     compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "min_gemm_dim": 10 ** 6})
     with caplog.at_level("WARNING", logger="loka"):

@@ -20,7 +20,7 @@ from graphs import (OUTPUT_SQNR_DB, assert_no_loss, calibrated_plan, compile_wit
                     run_lowering, with_and_without)
 from loka_compile import LokaConfig, dispatch
 from loka_compile.passes import PIPELINE, GraphKind, PassContext
-from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
+from loka_compile.passes.mods.gemm_epilogue import EPILOGUE_CAST
 from numerics import sqnr_db
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -136,7 +136,7 @@ def dispatched_mlp() -> PassContext:
 def test_a_link_whose_timing_fails_is_left_unfused(caplog):
     """The speed check's timing of a fused GEMM raising (a kernel that cannot build at this
     shape on this GPU) declines that link, with a warning; the graph lowers as usual."""
-    from loka_compile.passes import gemm_epilogue
+    from loka_compile.passes.mods import gemm_epilogue
 
     ctx = dispatched_mlp()
 
@@ -159,7 +159,7 @@ def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(scale, fused_total, u
     `fused_total` is the fused GEMM + 13 units, so the fused chain costs it less 1. A unit is
     `scale` us: at 1 us the chain (23 us) is under MIN_CHAIN_US and is left as decided
     however it compares."""
-    from loka_compile.passes import gemm_epilogue
+    from loka_compile.passes.mods import gemm_epilogue
     from loka_compile.passes.context import Candidate, Reason
     from loka_compile.speed import EpilogueTiming
 

@@ -19,7 +19,7 @@ from torch import nn
 import loka_compile
 from graphs import (OUTPUT_SQNR_DB, assert_no_loss, calibrated_plan, compile_with, inference_graph, run_lowering,
                     with_and_without)
-from loka_compile.passes.gemm_epilogue import EPILOGUE_CAST
+from loka_compile.passes.mods.gemm_epilogue import EPILOGUE_CAST
 from numerics import sqnr_db
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import loka_compile
 from loka_compile import backend
 from loka_compile.passes import MODS
-from loka_compile.passes.horizontal_fusion import fuse_sibling_linears, joined_module_path
+from loka_compile.passes.mods.horizontal import fuse_sibling_linears, joined_module_path
 from numerics import rel_error, sqnr_db
 from graphs import dynamo_graph, loka_and_eager_grads
 
@@ -431,8 +431,8 @@ def test_sites_of_the_fused_gemm(masknet_runs):
     assert unfused.mods["horizontal"] == 0 and unfused.mods["horizontal_linears"] == 0
     assert "horizontal 1" in fused.summary() and "blocks.{0,1}.mask.0:fwd" in fused.table()
     (record,) = masknet_runs["fused"]["records"]
-    assert record.horizontal.declined == {"single_linear": 7}
-    assert masknet_runs["unfused"]["records"][0].horizontal is None
+    assert record.mod_results["horizontal"].declined == {"single_linear": 7}
+    assert "horizontal" not in masknet_runs["unfused"]["records"][0].mod_results
 
 
 def test_fused_weight_gradient_is_wgrad(masknet_runs):
@@ -469,7 +469,8 @@ def test_inference_graphs_cache_the_concatenated_weight(fresh_compile_state):
         for got, expected in zip(out, model(x)):
             assert sqnr_db(expected, got) > OUTPUT_SQNR_FLOOR_DB
         (record,) = backend.GRAPHS
-        assert record.horizontal.groups == 1 and record.horizontal.linears == 3
+        fusion = record.mod_results["horizontal"]
+        assert fusion.groups == 1 and fusion.linears == 3
         report = loka_compile.report(compiled)
         (site,) = report.sites
         assert site.fp8 and site.casts["b"] == CACHED_WEIGHT

@@ -276,7 +276,8 @@ def _assert_trains_in_fp8(model, make_inputs, **compile_kwargs):
     print(report.table())  # shown on failure
     assert report.sites and not any(g.fallback for g in report.graphs), str(report)
     assert any(s.fp8 for s in report.sites), report.table()
-    weight_bmms = {m for r in backend.GRAPHS if r.transposed_linear for m in r.transposed_linear.modules}
+    weight_bmms = {m for r in backend.GRAPHS if "transposed_linear" in r.mod_results
+                   for m in r.mod_results["transposed_linear"].modules}
     assert {s.role for s in report.sites if s.op == "bmm" and s.module not in weight_bmms} <= {"fwd", "dgrad"}, \
         report.table()
     linears = [s for s in report.sites if s.op != "bmm" or s.module in weight_bmms]

@@ -18,8 +18,8 @@ import torch.utils.checkpoint
 import loka_compile
 from loka_compile import LokaConfig
 from loka_compile.kernels.layer_norm_backward import layer_norm
-from loka_compile.passes import layernorm_backward as mod
-from loka_compile.passes.layernorm_backward import rewrite_layer_norm_backwards
+from loka_compile.passes.mods import layernorm_backward as mod
+from loka_compile.passes.mods.layernorm_backward import rewrite_layer_norm_backwards
 from graphs import dynamo_graph
 from numerics import rel_error
 
@@ -68,7 +68,7 @@ def _norm_nodes(gm):
 def test_off_by_default_and_on_when_enabled():
     assert "layernorm_backward" in LokaConfig().inactive_mods
     assert "layernorm_backward" not in LokaConfig(enabled_mods=["layernorm_backward"]).inactive_mods
-    assert "layernorm_backward" in loka_compile.passes.OFF_BY_DEFAULT_MODS
+    assert "layernorm_backward" in loka_compile.passes.mods.OPT_IN_MODS
 
 
 @pytest.mark.usefixtures("on_cpu")
@@ -224,7 +224,7 @@ def test_cpu_keeps_inductors_backward_even_when_enabled():
     _, report = _train(model, x, g, ENABLED)
     assert report.mods["layernorm_backward"] == 0
     assert torch.ops.loka.layer_norm_backward.default not in _backward_ops(report)
-    assert dict(loka_compile.backend.GRAPHS[-1].layernorm_backward.declined) == {"few_rows": 1}
+    assert dict(loka_compile.backend.GRAPHS[-1].mod_results["layernorm_backward"].declined) == {"few_rows": 1}
 
 
 # ---- CUDA: compiled kernels, bf16 autocast and bf16 weights --------------------------

@@ -13,6 +13,7 @@ from loka_compile.passes.context import Candidate
 from loka_compile.passes.dispatch_sites import dispatch_sites
 from loka_compile.passes.find_sites import clean_module_path, find_sites
 from loka_compile.passes.lower import lower
+from loka_compile.passes.mods import benchmarked_reductions
 from numerics import sqnr_db
 
 aten = torch.ops.aten
@@ -302,7 +303,7 @@ class TestSpeedCheck:
         _, (graphed,) = self._decide(fp8_site, monkeypatch, 10.0, 5.0, mode="reduce-overhead")
         _, (default,) = self._decide(fp8_site, monkeypatch, 10.0, 5.0)
         assert (graphed.persistent_row_max, default.persistent_row_max) == \
-            (speed.MULTI_KERNEL_PERSISTENT_ROW_MAX, speed.PERSISTENT_ROW_MAX)
+            (benchmarked_reductions.MULTI_KERNEL_PERSISTENT_ROW_MAX, benchmarked_reductions.PERSISTENT_ROW_MAX)
         assert dataclasses.replace(graphed, persistent_row_max=default.persistent_row_max) == default
 
     def test_a_failed_timing_leaves_the_site_fp8_with_a_warning(self, fp8_site, monkeypatch, caplog):
@@ -394,12 +395,12 @@ class TestSpeedCheck:
     def test_fused_cast_charge_follows_the_persistent_row_limit(self, fp8_site):
         # A bf16 row that fits one persistent reduction costs the fused cast its FP8 byte of 3.
         assert speed._fused_fraction(torch.bfloat16, 1024) == pytest.approx(1 / 3)
-        assert speed._fused_fraction(torch.bfloat16, 3456) == speed._fused_fraction(torch.bfloat16, 8192, speed.MULTI_KERNEL_PERSISTENT_ROW_MAX) == 1.0
-        assert speed._fused_fraction(torch.bfloat16, 3456, speed.MULTI_KERNEL_PERSISTENT_ROW_MAX) == \
+        assert speed._fused_fraction(torch.bfloat16, 3456) == speed._fused_fraction(torch.bfloat16, 8192, benchmarked_reductions.MULTI_KERNEL_PERSISTENT_ROW_MAX) == 1.0
+        assert speed._fused_fraction(torch.bfloat16, 3456, benchmarked_reductions.MULTI_KERNEL_PERSISTENT_ROW_MAX) == \
             pytest.approx(1 / 3)
-        assert speed.site_shape(fp8_site, "rowwise").persistent_row_max == speed.PERSISTENT_ROW_MAX
+        assert speed.site_shape(fp8_site, "rowwise").persistent_row_max == benchmarked_reductions.PERSISTENT_ROW_MAX
         assert speed.site_shape(fp8_site, "rowwise", benchmarked_reductions=True).persistent_row_max == \
-            speed.MULTI_KERNEL_PERSISTENT_ROW_MAX
+            benchmarked_reductions.MULTI_KERNEL_PERSISTENT_ROW_MAX
 
     def test_a_static_scale_cast_is_pointwise(self, mlp_graphs):
         """A calibrated A is cast clamp(A / s) -> fp8 with no amax: it fuses into its

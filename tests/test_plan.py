@@ -21,6 +21,7 @@ from loka_compile.passes import Decision, GraphKind, PassContext, Reason, graph_
 from loka_compile.passes.context import Candidate
 from loka_compile.passes.find_sites import find_sites
 from loka_compile.plan import Plan, SitePlan
+from loka_compile.report import plan_of
 from numerics import sqnr_db
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -284,7 +285,7 @@ def _rank(rank, world_size, store_dir):
                 ids = {s.key: s.id for s in GRAPHS[0].contexts[("probe", GraphKind.INFERENCE)].sites}
                 own = loka_compile.backend._verdicts_by_id(ids, GRAPHS[0].config)  # what this rank alone would decide
                 compiled(x)
-            plan = loka_compile.plan.plan_of(compiled)
+            plan = plan_of(compiled)
             result = {"own": own, "upgraded": plan.upgraded, "unsafe": plan.unsafe,
                       "scalings": {sid: e.scaling for sid, e in plan.sites.items()}}
         finally:

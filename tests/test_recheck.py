@@ -9,7 +9,8 @@ import torch
 
 import loka_compile
 from loka_compile import backend
-from loka_compile.plan import Plan, plan_of
+from loka_compile.plan import Plan
+from loka_compile.report import plan_of
 
 from numerics import row_rel_error, sqnr_db
 from test_probe_verdicts import N, PlantedLinear, _planted

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 import loka_compile
-from loka_compile.passes import Decision, Reason, saved_fp8
+from loka_compile.passes import Decision, Reason
+from loka_compile.passes.mods import saved_fp8
 from loka_compile.passes.find_sites import SAVED_IN_FP8, operands, saved_operand
 from graphs import cuda_training_with_and_without, train_step
 from numerics import rel_error
@@ -51,7 +52,7 @@ def fp8_inputs(report, kind):
 
 
 def record():
-    return loka_compile.backend.GRAPHS[-1].saved_fp8
+    return loka_compile.backend.GRAPHS[-1].mod_results["saved_fp8"]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import loka_compile
 from loka_compile import backend
 from loka_compile.kernels.fingerprint import (fingerprints, kernel_fingerprints, kernel_lane_sums, lane_sums,
                                               reference_fingerprint)
-from loka_compile.passes.weight_cache import writes_inputs
+from loka_compile.passes.mods.cached_weights import writes_inputs
 from numerics import sqnr_db
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")

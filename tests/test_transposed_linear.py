@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import loka_compile
 from loka_compile import backend
-from loka_compile.passes.transposed_linear import rewrite_transposed_linears
+from loka_compile.passes.mods.transposed_linear import rewrite_transposed_linears
 from graphs import dynamo_graph, fail_second_call, loka_and_eager_grads
 from numerics import rel_error, sqnr_db
 
@@ -190,7 +190,7 @@ def test_sites_and_roles_of_the_batched_gemm():
     _, _, report, records = _train_step(layer, torch.randn(64, 16, 32), torch.randn(64, 16, 32),
                                         {"probe_steps": 0, "min_gemm_dim": 8})
     (record,) = records
-    assert record.transposed_linear.rewritten == 1
+    assert record.mod_results["transposed_linear"].rewritten == 1
     # horizontal_fusion ran first: fm_proj and lcb are one linear, then one batched GEMM.
     mixed = [s for s in report.sites if s.module == "{fm_proj,lcb}"]
     assert sorted(s.role for s in mixed) == ["dgrad", "fwd", "wgrad"]
@@ -308,7 +308,7 @@ class TwoMixes(nn.Module):
 
 
 def test_a_failure_part_way_leaves_the_graph_as_written(monkeypatch):
-    from loka_compile.passes import transposed_linear
+    from loka_compile.passes.mods import transposed_linear
     gm, example_inputs = dynamo_graph(TwoMixes(), torch.randn(4, 12, 32))
     before = gm.code
     fail_second_call(monkeypatch, transposed_linear, "_rewrite")
@@ -322,7 +322,8 @@ def test_the_backend_runs_the_model_as_written_when_the_mod_fails(monkeypatch, f
     def fails(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(backend, "rewrite_transposed_linears", fails)
+    from loka_compile.passes.mods import transposed_linear
+    monkeypatch.setattr(transposed_linear, "rewrite_transposed_linears", fails)
     model, x = FeatureMix(), torch.randn(8, 12, 32)
     compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "fallback": fallback})
     if not fallback:

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 import loka_compile
-from loka_compile.passes import Decision, Reason, weight_both_layouts
+from loka_compile.passes import Decision, Reason
+from loka_compile.passes.mods import weight_both_layouts
 from loka_compile.passes.find_sites import WEIGHT_BOTH_LAYOUTS, operands
 from graphs import cuda_training_with_and_without, fail_second_call, train_step
 from numerics import rel_error
@@ -53,7 +54,7 @@ def step(model, inputs, mods=(), **options):
     out = compiled(*inputs)
     out.float().square().mean().backward()
     grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
-    return out, grads, loka_compile.report(compiled), loka_compile.backend.GRAPHS[-1].weight_layouts
+    return out, grads, loka_compile.report(compiled), loka_compile.backend.GRAPHS[-1].mod_results.get("weight_both_layouts")
 
 
 def ops_in(report, kind) -> list:
@@ -208,7 +209,7 @@ def test_declines(ranker_runs):
     trained = copy.deepcopy(model)
     compiled = torch.compile(trained, backend="loka", options=dict(recipe="rowwise", probe_steps=1))
     compiled(u, v).float().sum().backward()  # the probe window's call
-    assert loka_compile.backend.GRAPHS[-1].weight_layouts is None
+    assert "weight_both_layouts" not in loka_compile.backend.GRAPHS[-1].mod_results
 
 
 def test_a_failing_rewrite_leaves_the_joint_graph_as_written(ranker_runs, monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""horizontal_fusion: sibling linears that read the same input become one GEMM. A Mod that
+"""horizontal: sibling linears that read the same input become one GEMM. A Mod that
 is on by default (`disabled_mods=["horizontal"]` switches it off); it runs on the Dynamo
 graph (torch-level IR), before AOTAutograd, so the backward follows from the forward.
 
@@ -67,14 +67,13 @@ import logging
 import operator
 
 import torch
-import torch.nn.functional as F
 
-from .rewrite import all_or_nothing
+from ..dynamo_graph import (LINEARS, arg, excluded, fake_mode, fetch_attr, module_of, module_stack, set_example_values,
+                            tensor_of)
+from ..rewrite import all_or_nothing
+from .mod import Evidence, Mod, Stage, total
 
 log = logging.getLogger("loka.passes")
-
-_LINEARS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
-
 
 @dataclasses.dataclass
 class HorizontalFusion:
@@ -96,26 +95,6 @@ class _Linear:
     call_module: str = ""  # target of an nn.Linear call_module node
 
 
-def _arg(node: torch.fx.Node, index: int, name: str, default=None):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
-def _clean(path: str) -> str:
-    # Dynamo's "L['self'].blocks[0].mask[0]" -> "blocks.0.mask.0" (find_sites reads it again
-    # through its own cleaner, which leaves a clean path as it is).
-    from .find_sites import clean_module_path
-    return clean_module_path(path)
-
-
-def _stack(node: torch.fx.Node) -> dict:
-    return dict(node.meta.get("nn_module_stack") or {})
-
-
-def _module_of(node: torch.fx.Node) -> str:
-    stack = _stack(node)
-    return _clean(list(stack.values())[-1][0]) if stack else ""
-
-
 def joined_module_path(paths) -> str:
     """"blocks.0.mask.0", "blocks.1.mask.0" -> "blocks.{0,1}.mask.0"; "a", "b" -> "{a,b}"."""
     parts = [p.split(".") if p else [] for p in paths]
@@ -131,37 +110,16 @@ def joined_module_path(paths) -> str:
     return ".".join([*parts[0][:head], "{" + ",".join(middles) + "}", *parts[0][len(parts[0]) - tail:]])
 
 
-def _tensor_of(gm, node, inputs: dict):
-    """The real or example tensor behind a weight/bias node, and whether it counts as a
-    weight: an nn.Parameter graph input, or a get_attr."""
-    if node.op == "get_attr":
-        try:
-            return _fetch_attr(gm, node.target), True
-        except AttributeError:
-            return None, False
-    if node.op == "placeholder":
-        value = inputs.get(node, node.meta.get("example_value", node.meta.get("val")))
-        return value, isinstance(value, torch.nn.Parameter)
-    return None, False
-
-
-def _fetch_attr(gm, target: str):
-    obj = gm
-    for name in target.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
 def _linears(gm: torch.fx.GraphModule) -> list:
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _LINEARS:
-            x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if node.op == "call_function" and node.target in LINEARS:
+            x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
             if isinstance(x, torch.fx.Node) and isinstance(w, torch.fx.Node) \
                     and (b is None or isinstance(b, torch.fx.Node)):
-                found.append(_Linear(node, x, w, b, _module_of(node)))
+                found.append(_Linear(node, x, w, b, module_of(node)))
         elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-            x = _arg(node, 0, "input")
+            x = arg(node, 0, "input")
             if isinstance(x, torch.fx.Node):
                 found.append(_Linear(node, x, None, None, node.target, call_module=node.target))
     return found
@@ -193,10 +151,6 @@ def _rows(x: torch.fx.Node, inputs: dict):
     return rows
 
 
-def _excluded(module: str, exclude_modules) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in exclude_modules)
-
-
 def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> HorizontalFusion:
     """Fuse each group of sibling linears of `gm` in place (module docstring); return what
     was fused and declined. `example_inputs`: the graph's inputs in placeholder order (what
@@ -211,7 +165,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
     def decline(lins, reason):
         for lin in lins:
             result.declined[reason] += 1
-            log.debug("horizontal_fusion: %s (%s) declined: %s", lin.node.name, lin.module or "<root>", reason)
+            log.debug("horizontal: %s (%s) declined: %s", lin.node.name, lin.module or "<root>", reason)
 
     groups, repeats = [], []
     for x, lins in by_input.items():
@@ -221,7 +175,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             continue
         kept = []
         for lin in lins:
-            if _excluded(lin.module, exclude_modules):
+            if excluded(lin.module, exclude_modules):
                 decline([lin], "excluded_module")
             else:
                 kept.append(lin)
@@ -269,7 +223,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             result.groups += 1
             result.linears += len(members)
             result.modules.append(joined_module_path([lin.module for lin in members]))
-            log.debug("horizontal_fusion: fused %d linears into %s", len(members), result.modules[-1])
+            log.debug("horizontal: fused %d linears into %s", len(members), result.modules[-1])
     return result
 
 
@@ -332,8 +286,8 @@ def _bodies(gm: torch.fx.GraphModule, inputs: dict) -> list:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
             continue
-        for i, arg in enumerate(node.args):
-            body = _fetch_attr(gm, arg.target) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
+        for i, value in enumerate(node.args):
+            body = fetch_attr(gm, value.target) if isinstance(value, torch.fx.Node) and value.op == "get_attr" else None
             if isinstance(body, torch.fx.GraphModule):
                 break
         else:
@@ -342,7 +296,7 @@ def _bodies(gm: torch.fx.GraphModule, inputs: dict) -> list:
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         if len(operands) != len(placeholders) or not all(isinstance(a, torch.fx.Node) for a in operands):
             continue
-        values = [_tensor_of(gm, a, inputs)[0] if a.op in ("placeholder", "get_attr")
+        values = [tensor_of(gm, a, inputs)[0] if a.op in ("placeholder", "get_attr")
                   else a.meta.get("example_value", a.meta.get("val")) for a in operands]
         if any(isinstance(v, torch.fx.GraphModule) for v in values):
             continue
@@ -359,7 +313,7 @@ def _params(gm, lin: _Linear):
 def _weight_shape(gm, lin: _Linear, inputs: dict):
     if lin.call_module:
         return tuple(_params(gm, lin)[0].shape)
-    return tuple(_tensor_of(gm, lin.weight, inputs)[0].shape)
+    return tuple(tensor_of(gm, lin.weight, inputs)[0].shape)
 
 
 def _weight_key(gm, lin: _Linear, inputs: dict):
@@ -367,12 +321,12 @@ def _weight_key(gm, lin: _Linear, inputs: dict):
     if lin.call_module:
         weight, bias = _params(gm, lin)
     else:
-        weight, is_param = _tensor_of(gm, lin.weight, inputs)
+        weight, is_param = tensor_of(gm, lin.weight, inputs)
         if weight is None or not is_param:
             return None
         bias = None
         if lin.bias is not None:
-            bias, is_param = _tensor_of(gm, lin.bias, inputs)
+            bias, is_param = tensor_of(gm, lin.bias, inputs)
             if bias is None or not is_param:
                 return None
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -386,7 +340,7 @@ def _fused_meta(members) -> dict:
     """The first sibling's metadata, with an nn_module_stack that names all siblings: their
     common ancestors, then one entry whose path is the joined path."""
     meta = {k: v for k, v in members[0].node.meta.items() if k not in ("example_value", "val")}
-    stacks = [list(_stack(lin.node).items()) for lin in members]
+    stacks = [list(module_stack(lin.node).items()) for lin in members]
     common = []
     for entries in zip(*stacks):
         if any(e != entries[0] for e in entries):
@@ -398,37 +352,6 @@ def _fused_meta(members) -> dict:
         common.append((f"horizontal:{joined}", (joined, torch.nn.Linear)))
     meta["nn_module_stack"] = dict(common)
     return meta
-
-
-def _fake_mode(nodes):
-    for node in nodes:
-        mode = getattr(node.meta.get("example_value"), "fake_mode", None)
-        if mode is not None:
-            return mode
-    return None
-
-
-def _set_example_values(gm, nodes, mode) -> None:
-    """Dynamo's `example_value` metadata for the new nodes, computed on fake tensors (a
-    get_attr's from the tensor it names in `gm`)."""
-    if mode is None:
-        return
-    value = lambda a: a.meta["example_value"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
-    with mode:
-        for node in nodes:
-            if node.op == "get_attr":
-                real = _fetch_attr(gm, node.target)
-                node.meta["example_value"] = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype,
-                                                                 device=real.device)
-                continue
-            if not all("example_value" in a.meta for a in node.all_input_nodes):
-                return
-            args = torch.fx.node.map_aggregate(node.args, value)
-            kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
-            if node.op == "call_method":
-                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                node.meta["example_value"] = node.target(*args, **kwargs)
 
 
 def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
@@ -454,7 +377,7 @@ def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
             if lin.bias is not None:
                 biases.append(lin.bias)
             elif any_bias:
-                weight = _params(gm, lin)[0] if lin.call_module else _tensor_of(gm, lin.weight, inputs)[0]
+                weight = _params(gm, lin)[0] if lin.call_module else tensor_of(gm, lin.weight, inputs)[0]
                 biases.append(graph.call_function(torch.zeros, (n,), {"dtype": weight.dtype, "device": weight.device}))
                 new.append(biases[-1])
         new.append(graph.call_function(torch.cat, ([lin.weight for lin in members], 0)))
@@ -466,10 +389,21 @@ def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
         parts = graph.call_function(torch.unsafe_split_with_sizes, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(members))]
         new += [fused, parts, *outs]
-    _set_example_values(gm, new, _fake_mode([members[0].x, *(lin.weight for lin in members)]))
+    set_example_values(gm, new, fake_mode([members[0].x, *(lin.weight for lin in members)]))
     for lin, out in zip(members, outs):
         out.meta.update({k: v for k, v in lin.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
         if "example_value" not in out.meta and "example_value" in lin.node.meta:
             out.meta["example_value"] = lin.node.meta["example_value"]
         lin.node.replace_all_uses_with(out)
         graph.erase_node(lin.node)
+
+
+def _count(evidence: Evidence) -> dict:
+    runs = evidence.results_of(MOD)
+    return {"horizontal": total(runs, "groups"), "horizontal_linears": total(runs, "linears")}
+
+
+MOD = Mod("horizontal", Stage.DYNAMO_GRAPH, True, "sibling linears that read one input fused into one GEMM",
+          counters=("horizontal", "horizontal_linears"), count=_count, if_failed="its linears stay apart",
+          run=lambda gm, example_inputs, config: fuse_sibling_linears(gm, example_inputs,
+                                                                      exclude_modules=config.exclude_modules))

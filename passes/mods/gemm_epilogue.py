@@ -84,16 +84,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 
-from .context import GraphKind, PassContext, Reason, Site
-from .find_sites import operands
-from .gemm_norm import MOD as NORM_MOD, NormLink, norm_of
-from .rewrite import users_within
+from ..context import GraphKind, PassContext, Reason, Site
+from ..find_sites import operands
+from .gemm_norm import EPILOGUE_CAST, MOD as NORM_MOD, NormLink, norm_of
+from ..rewrite import users_within
+from .mod import Evidence, Mod, Stage
 
 aten = torch.ops.aten
 log = logging.getLogger("loka")
 
-MOD = "gemm_epilogue"
-EPILOGUE_CAST = "fused into the epilogue of"  # how a fed A's cast begins in `site.casts` (the report counts them)
 # Views that keep the last dim (the GEMM's N) and the element order.
 _ROW_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
 # gelu_tanh before gelu: the pattern of aten.gelu without its `approximate` argument
@@ -107,14 +106,9 @@ _ACTIVATIONS = {
 }
 # A chain fuses only at this size and above (us: the unfused link as timed, or its sites as
 # decided where the chain would take sites kept in high precision): below it, a link timed
-# faster fused is not faster in the model's graph. H100, calibrated inference
-# (2026-11-26_H100_infer_chain_dispatch.md): DLRM-DCNv2 at batch 8192, links of 15-25 us,
-# ran 2.5-3.1% slower fused in four runs (0.8068 vs 0.7816 ms); fused links of 35 us and
-# more gained: Wukong at 8192 1.0%, DLRM-DCNv2 at 65536 1.5%, MaskNet with every site FP8
-# 3.5% (2026-11-25_H100_infer_gemm_epilogue.md).
+# faster fused is not faster in the model's graph (docs/mods/gemm_epilogue.md: how it was set).
 MIN_CHAIN_US = 30.0
 _MAX_ACTIVATION_NODES = 16  # the longest decomposition (gelu tanh in bf16) is 11 nodes
-
 
 @dataclasses.dataclass
 class Piece:
@@ -124,7 +118,6 @@ class Piece:
     start: int
     width: int
     scale: float                          # the consumer's static A scale
-
 
 @dataclasses.dataclass
 class Chain:
@@ -145,7 +138,6 @@ class Chain:
     def consumer_names(self) -> str:
         return ", ".join(piece.consumer.name for piece in self.pieces)
 
-
 @functools.lru_cache(maxsize=None)
 def _activation_patterns(dtype: torch.dtype) -> list:
     """(name, pattern) of act(x) for an x of `dtype`: as Inductor decomposes it (its
@@ -159,11 +151,9 @@ def _activation_patterns(dtype: torch.dtype) -> list:
     return [(name, pattern_matcher.gen_pattern(search_fn(fn), example, trace))
             for trace in (pattern_matcher.fwd_only, _trace_undecomposed) for name, fn in _ACTIVATIONS.items()]
 
-
 def _trace_undecomposed(fn, args, **_):
     # gen_pattern passes its own decomposition table in torch 2.13 (not in 2.11): ignored here.
     return pattern_matcher.fwd_only(fn, args, get_decomp_fn=dict)
-
 
 def _activation_of(node: torch.fx.Node, dtype: torch.dtype) -> Optional[tuple]:
     """(name, output node, the nodes it spans) of an activation whose only input is `node`
@@ -179,17 +169,13 @@ def _activation_of(node: torch.fx.Node, dtype: torch.dtype) -> Optional[tuple]:
                 return name, root, [n for n in root.graph.nodes if n in inner]
     return None
 
-
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
-
 
 def _only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
-
 _SPLITS = {aten.split_with_sizes.default, aten.unsafe_split_with_sizes.default, aten.split.Tensor}
-
 
 def _split_pieces(split: torch.fx.Node, node: torch.fx.Node) -> Optional[list]:
     """[(getitem node, start, width)] of a split of `node` along its last dim whose every
@@ -211,7 +197,6 @@ def _split_pieces(split: torch.fx.Node, node: torch.fx.Node) -> Optional[list]:
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(getitems[i], starts[i], sizes[i]) for i in range(len(sizes))]
 
-
 def _walk(producer: Site, consumers: dict, norms: bool) -> Optional[tuple]:
     """(pieces [(consumer site, start, width)], activation, residual, norm, links) of the
     chain from `producer`'s output, or None where it is not one (module docstring). A split
@@ -226,7 +211,6 @@ def _walk(producer: Site, consumers: dict, norms: bool) -> Optional[tuple]:
     if isinstance(consumer, list):  # the split's pieces
         return consumer, activation, residual, norm, links
     return [(consumer, 0, node.meta["val"].shape[-1])], activation, residual, norm, links
-
 
 def _walk_from(node: torch.fx.Node, dtype: torch.dtype, consumers: dict, split_ok: bool,
                norms: bool = False) -> Optional[tuple]:
@@ -287,7 +271,6 @@ def _walk_from(node: torch.fx.Node, dtype: torch.dtype, consumers: dict, split_o
             return _walk_split(user, node, dtype, consumers, links)
         return None
 
-
 def _walk_split(split: torch.fx.Node, node: torch.fx.Node, dtype: torch.dtype, consumers: dict,
                 links: list) -> Optional[tuple]:
     split_pieces = _split_pieces(split, node)
@@ -307,7 +290,6 @@ def _walk_split(split: torch.fx.Node, node: torch.fx.Node, dtype: torch.dtype, c
         return None
     return pieces, activations.pop(), None, None, links
 
-
 def _producer_declines(site: Site, decision, allowed: tuple) -> Optional[str]:
     if site.op not in ("mm", "addmm") or site.batch is not None or not site.unit_scalars:
         return "not a 2-D mm/addmm with unit scalars"
@@ -322,12 +304,11 @@ def _producer_declines(site: Site, decision, allowed: tuple) -> Optional[str]:
         return f"loka's Triton GEMM cannot run on {device}"
     return None
 
-
 def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
     """The Chains the Mod (and gemm_norm, for chains through a norm) fuses in this graph,
     in graph order. `time_epilogue(chain) -> speed.EpilogueTiming`, where given, decides
     whether it pays."""
-    epilogues, norms = MOD not in ctx.inactive_mods, NORM_MOD not in ctx.inactive_mods
+    epilogues, norms = MOD.on(ctx.inactive_mods), NORM_MOD.on(ctx.inactive_mods)
     if ctx.kind is not GraphKind.INFERENCE or not (epilogues or norms) or not ctx.static_a_scales:
         return []
     # A site the speed check kept in high precision may still pay as part of a fused chain.
@@ -381,24 +362,20 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
         chains.append(chain)
     return chains
 
-
 def _eligible(decision, slow_ok: bool) -> bool:
     """A site a chain may take: FP8, or (with the speed check timing chains) kept in high
     precision only because its FP8 GEMM was slower on its own."""
     return decision.fp8 or (slow_ok and decision.reason is Reason.SLOWER_THAN_BF16 and decision.bf16_us is not None
                             and decision.fp8_us is not None and bool(decision.scaling))
 
-
 def _members(chain: Chain) -> list:
     return [chain.producer, *(piece.consumer for piece in chain.pieces)]
-
 
 def _cast_us(decision) -> float:
     """The casts in a site's measured FP8 time: its time less its chosen provider's GEMM."""
     gemm = next((c.gemm_us for c in decision.candidates
                  if c.provider == decision.provider and c.gemm_us is not None), None)
     return max(decision.fp8_us - gemm, 0.0) if gemm is not None else 0.0
-
 
 def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
     """For a chain with members the speed check kept in high precision (each slower in FP8
@@ -437,7 +414,6 @@ def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
                 decision, fp8=True, reason=Reason.FP8, detail="; ".join(filter(None, (decision.detail, note))))
     return True
 
-
 def _norm_declines(chain: Chain, decision, order: dict) -> Optional[str]:
     """Why a chain through a norm cannot fuse (gemm_norm's declines beyond gemm_epilogue's)."""
     norm, producer = chain.norm, chain.producer_node
@@ -453,7 +429,6 @@ def _norm_declines(chain: Chain, decision, order: dict) -> Optional[str]:
         return "a norm parameter made after the pre-norm value's first reader"
     return None
 
-
 def insertion_point(chain: Chain) -> torch.fx.Node:
     """Where the fused GEMM goes: before the first node that reads what it writes (a
     consumer, or a reader of the pre-norm value it writes for the gemm_norm Mod)."""
@@ -461,7 +436,6 @@ def insertion_point(chain: Chain) -> torch.fx.Node:
     if chain.norm is not None:
         readers.update(chain.norm.pre_readers)
     return next(node for node in chain.producer_node.graph.nodes if node in readers)
-
 
 def _constant(before: torch.fx.Node, name: str, value: torch.Tensor, fake_like: torch.Tensor) -> torch.fx.Node:
     """A get_attr node before `before` reading `value`, registered on the graph module as
@@ -474,7 +448,6 @@ def _constant(before: torch.fx.Node, name: str, value: torch.Tensor, fake_like: 
         node.meta["val"] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     return node
 
-
 def out_scale_constant(chain: Chain, before: torch.fx.Node) -> torch.fx.Node:
     """The consumers' static scales as the producer's fp32 out_scale constant: [1] for one
     consumer, one per output column ([N]) for the pieces of a split."""
@@ -486,7 +459,6 @@ def out_scale_constant(chain: Chain, before: torch.fx.Node) -> torch.fx.Node:
             value = torch.cat([torch.full((p.width,), p.scale, dtype=torch.float32, device=val.device)
                                for p in chain.pieces])
     return _constant(before, f"_loka_epilogue_scale_{chain.producer_node.name}", value, val)
-
 
 def consumer_scale_constant(chain: Chain, piece: Piece, scaling: Scaling,
                             before: torch.fx.Node) -> Optional[torch.fx.Node]:
@@ -502,7 +474,6 @@ def consumer_scale_constant(chain: Chain, piece: Piece, scaling: Scaling,
         value = torch.full(shape, piece.scale, dtype=torch.float32, device=val.device)
     return _constant(before, f"_loka_epilogue_a_scale_{piece.consumer.node.name}", value, val)
 
-
 def erase_links(chains: list) -> None:
     """Drop each fused chain's bf16 links and its producer's original GEMM, now unread;
     later chains first, so an earlier one's links lose their last reader first."""
@@ -511,29 +482,20 @@ def erase_links(chains: list) -> None:
             if not node.users:
                 node.graph.erase_node(node)
 
-
 def time_chain(chain: Chain, ctx: PassContext):
-    """speed.epilogue_timing of the chain's producer on an FP8 GPU; None elsewhere, or
-    where its shape has no concrete size to time at (the chain is then fused)."""
-    from loka_compile import speed
-
-    site = chain.producer
-    decision = ctx.decisions[site.key]
-    if not providers.has_fp8_hardware(site.device):
-        return None
-    shape = speed.site_shape(site, decision.scaling)
-    if shape is None:
-        log.info("loka: %s: %s fused untimed (no concrete size to time at)", site.name, MOD)
-        return None
-    norm = chain.norm
-    return speed.epilogue_timing(shape, decision.scaling, decision.a_format, decision.b_format, decision.provider,
-                                 decision.fast_accum, chain.activation, chain.residual is not None,
-                                 chain.out_format.value, norm=None if norm is None else norm.kind,
-                                 write_pre=norm is not None and norm.write_pre)
-
+    """The chain's timing by the speed check Dispatch gave the context (`PassContext.time_chain`);
+    None without one."""
+    return ctx.time_chain(chain, ctx) if ctx.time_chain is not None else None
 
 def description(chain: Chain) -> str:
     parts = [chain.activation] if chain.activation != "none" else []
     parts += ["residual add"] if chain.residual is not None else []
     parts += [chain.norm.description()] if chain.norm is not None else []
     return f"{EPILOGUE_CAST} {chain.producer.name}'s GEMM" + (f" ({', '.join(parts)})" if parts else "")
+
+def _count(evidence: Evidence) -> dict:
+    return {"gemm_epilogue": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in evidence.sites if s.fp8)}
+
+MOD = Mod("gemm_epilogue", Stage.INFERENCE, True,
+          "a GEMM writes the next FP8 GEMM's operand from its epilogue (activation, residual)",
+          counters=("gemm_epilogue",), count=_count)

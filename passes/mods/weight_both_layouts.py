@@ -34,6 +34,9 @@ left with the dequantized FP8 copy, and says so.
 Declines (counted by reason): a weight read in one orientation only (one cast serves it
 already), tensorwise or blockwise scaling, padding, batched GEMMs, symbolic or
 non-contiguous weights, and on CUDA weights under MIN_CUDA_ELEMENTS.
+
+A walk, not the pattern matcher: a match is a weight and every FP8 site that reads it, in any
+number and through any chain of casts and transposes, which no fixed pattern states.
 """
 
 from __future__ import annotations
@@ -48,16 +51,16 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from loka_compile.kernels.quantize import Scaling
 
-from .context import GraphKind, PassContext, Role
-from .find_sites import find_sites, operands, site_id, weight_placeholders, weight_source
-from .rewrite import insert_traced
+from ..context import GraphKind, PassContext, Role
+from ..find_sites import find_sites, operands, site_id, weight_placeholders, weight_source
+from ..rewrite import insert_traced
+from .mod import Mod, Stage
 
 aten = torch.ops.aten
 
 # On CUDA, weights smaller than this keep each GEMM's own cast: the dual-axis pair (a fill and
-# two launches) has a floor of 7.6-15 us where two fused casts of a small weight take 3-7 us
-# (H100: 64x32 12.8 vs 6.4 us; 128x256 7.7 vs 10.4 us, 2026-11-27_H100_weight_casts.md). On CPU
-# FP8 is emulated and the Mod always applies.
+# two launches) has a time floor two fused casts of a small weight stay under
+# (docs/mods/weight_both_layouts.md). On CPU FP8 is emulated and the Mod always applies.
 MIN_CUDA_ELEMENTS = 128 * 256
 
 
@@ -206,8 +209,8 @@ def _free_to_keep(operand: torch.fx.Node) -> bool:
     """`operand` is a graph input seen through transpositions: the partitioner keeps it
     for the backward at no cost. Given a computed weight (a cat of sibling weights, a bf16
     copy under autocast), it ran the dequantization in the forward and kept its bf16 output
-    instead of the FP8 copy (H100, MaskNet with every site FP8: eager dequantize and copy
-    kernels in the forward, and a step 2.4% slower than the Mod off)."""
+    instead of the FP8 copy (eager dequantize and copy kernels in the forward, and a slower
+    step than with the Mod off: docs/mods/weight_both_layouts.md)."""
     while _is_transpose(operand):
         operand = operand.args[0]
     return operand.op == "placeholder"
@@ -298,3 +301,9 @@ def check_shared(forward: torch.fx.Graph, result: WeightLayouts) -> None:
     returned = {n.name for n in output.args[0] if isinstance(n, torch.fx.Node)}
     for entry in result.weights:
         entry.outcome = "fp8" if {entry.q_col, entry.scale_col} <= returned else "not_saved"
+
+
+MOD = Mod("weight_both_layouts", Stage.JOINT_GRAPH, True,
+          "a weight cast once per step, both FP8 layouts by one kernel pair, for its forward GEMM and dgrad",
+          counters=("weight_both_layouts",),
+          count=lambda evidence: {"weight_both_layouts": sum(len(r.weights) for r in evidence.results_of(MOD))})

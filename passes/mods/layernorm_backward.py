@@ -49,9 +49,10 @@ import torch.nn.functional as F
 
 from loka_compile.kernels.layer_norm_backward import layer_norm
 
-from .horizontal_fusion import _arg, _excluded, _module_of, _tensor_of
-from .rewrite import rewrite_graph_and_bodies
-from .transposed_linear import _hint, _value
+from ..dynamo_graph import arg, example_value, excluded, module_of, tensor_of
+from ..rewrite import rewrite_graph_and_bodies
+from ..shapes import size_hint
+from .mod import Mod, Stage, total
 
 log = logging.getLogger("loka.passes")
 
@@ -94,8 +95,8 @@ class _Norm:
 
 def _norm_of(gm, node) -> "_Norm | None":
     if node.op == "call_function" and node.target in _LAYER_NORMS | _NATIVE_LAYER_NORMS:
-        norm = _Norm(node, _arg(node, 0, "input"), _arg(node, 2, "weight"), _arg(node, 3, "bias"),
-                     _arg(node, 1, "normalized_shape"), _arg(node, 4, "eps", 1e-5), _module_of(node), output=node)
+        norm = _Norm(node, arg(node, 0, "input"), arg(node, 2, "weight"), arg(node, 3, "bias"),
+                     arg(node, 1, "normalized_shape"), arg(node, 4, "eps", 1e-5), module_of(node), output=node)
         if node.target in _NATIVE_LAYER_NORMS:  # (y, mean, rstd), read through getitem
             outputs = {user.args[1] if user.target is operator.getitem else None: user for user in node.users}
             if not outputs:
@@ -104,7 +105,7 @@ def _norm_of(gm, node) -> "_Norm | None":
         return norm
     if node.op == "call_module" and type(gm.get_submodule(node.target)) is torch.nn.LayerNorm:
         module = gm.get_submodule(node.target)
-        return _Norm(node, _arg(node, 0, "input"), None, None, module.normalized_shape, module.eps, node.target,
+        return _Norm(node, arg(node, 0, "input"), None, None, module.normalized_shape, module.eps, node.target,
                      call_module=node.target, output=node)
     return None
 
@@ -116,14 +117,14 @@ def _parameter(gm, norm: _Norm, name: str, inputs: dict):
     arg = norm.weight if name == "weight" else norm.bias
     if not isinstance(arg, torch.fx.Node):
         return None
-    tensor = _tensor_of(gm, arg, inputs)[0]
-    return _value(arg) if tensor is None else tensor
+    tensor = tensor_of(gm, arg, inputs)[0]
+    return example_value(arg) if tensor is None else tensor
 
 
 def _decline_reason(gm, norm: _Norm, inputs: dict) -> "str | None":
     if norm.reads_statistics:
         return "statistics_used"
-    x = inputs.get(norm.x, _value(norm.x))
+    x = inputs.get(norm.x, example_value(norm.x))
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         return "unknown_shape"
     shape = [norm.shape] if isinstance(norm.shape, int) else list(norm.shape)
@@ -137,14 +138,14 @@ def _decline_reason(gm, norm: _Norm, inputs: dict) -> "str | None":
         return "no_weight"
     if width > MAX_WIDTH:
         return "wide_rows"
-    rows = math.prod(_hint(s) or 0 for s in x.shape[:-1])
+    rows = math.prod(size_hint(s) or 0 for s in x.shape[:-1])
     if rows < MIN_ROWS:
         return "few_rows"
     if any(t.dtype not in _DTYPES for t in (x, weight, bias) if isinstance(t, torch.Tensor)):
         return "dtype"
     if x.device.type not in MOD_DEVICES:
         return "not_cuda"
-    out = _value(norm.output)
+    out = example_value(norm.output)
     if isinstance(out, torch.Tensor):
         training = out.requires_grad
     else:  # a graph without example values (traced, not from Dynamo)
@@ -167,7 +168,7 @@ def rewrite_layer_norm_backwards(gm: torch.fx.GraphModule, example_inputs=(), *,
         norm = _norm_of(gm, node)
         if norm is None:
             continue
-        reason = "excluded_module" if _excluded(norm.module, exclude_modules) else _decline_reason(gm, norm, inputs)
+        reason = "excluded_module" if excluded(norm.module, exclude_modules) else _decline_reason(gm, norm, inputs)
         if reason is not None:
             result.declined[reason] += 1
             log.debug("layernorm_backward: %s (%s) declined: %s", node.name, norm.module or "<root>", reason)
@@ -199,3 +200,12 @@ def _rewrite(gm, norm: _Norm) -> None:
     if norm.output is not node:
         graph.erase_node(norm.output)
     graph.erase_node(node)
+
+
+MOD = Mod("layernorm_backward", Stage.DYNAMO_GRAPH, False,
+          "LayerNorm over a short last dim keeps ATen's forward and gets loka's Triton backward",
+          counters=("layernorm_backward",),
+          count=lambda evidence: {"layernorm_backward": total(evidence.results_of(MOD), "rewritten")},
+          if_failed="those LayerNorms keep Inductor's backward",
+          run=lambda gm, example_inputs, config: rewrite_layer_norm_backwards(gm, example_inputs,
+                                                                              exclude_modules=config.exclude_modules))

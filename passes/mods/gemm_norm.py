@@ -64,7 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch._inductor import pattern_matcher
 
-from .rewrite import users_within
+from ..rewrite import users_within
+from .mod import Evidence, Mod, Stage
 
 try:  # the kernel needs Triton; without it no chain goes through a norm
     from loka_compile.kernels.triton_gemm_norm import MAX_N
@@ -73,11 +74,11 @@ except Exception:  # noqa: BLE001 - a broken Triton must not break the passes
 
 aten = torch.ops.aten
 
-MOD = "gemm_norm"
+# gemm_epilogue's too: a chain with a norm is one of its chains
+EPILOGUE_CAST = "fused into the epilogue of"  # how a fed A's cast begins in `site.casts` (the report counts them)
 NORMALIZED = "normalized"  # how the epilogue's cast description names the norm (the report counts them)
 _MAX_NORM_NODES = 24  # the longest decomposition (LayerNorm in bf16 with weight and bias) is 12 nodes
 _WIDTH = 16  # the traced example's row length; generated patterns ignore sizes
-
 
 @dataclasses.dataclass
 class NormLink:
@@ -101,7 +102,6 @@ class NormLink:
         act = f", then {self.post_activation}" if self.post_activation != "none" else ""
         return f"{NORMALIZED} ({name}{act})"
 
-
 def _norm_functions() -> dict:
     """(kind, has weight, has bias) -> the norm as the model calls it."""
     shape = (_WIDTH,)
@@ -112,7 +112,6 @@ def _norm_functions() -> dict:
         ("rms", True, False): lambda x, weight: F.rms_norm(x, shape, weight, 1e-6),
         ("rms", False, False): lambda x: F.rms_norm(x, shape, None, 1e-6),
     }
-
 
 def _functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """In-place ops on the trace's own temporaries made functional: RMSNorm's decomposition
@@ -125,14 +124,11 @@ def _functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gm.recompile()
     return gm
 
-
 def _trace_decomposed(fn, args, **_):
     return _functional(pattern_matcher.fwd_only(fn, args))
 
-
 def _trace_undecomposed(fn, args, **_):
     return _functional(pattern_matcher.fwd_only(fn, args, get_decomp_fn=dict))
-
 
 @functools.lru_cache(maxsize=None)
 def _norm_patterns(dtype: torch.dtype) -> list:
@@ -145,9 +141,7 @@ def _norm_patterns(dtype: torch.dtype) -> list:
             found.append((key, pattern_matcher.gen_pattern(fn, example, trace)))
     return found
 
-
 _REDUCTIONS = {aten.var_mean.correction, aten.mean.dim, aten.native_layer_norm.default}
-
 
 def _last_dim_only(node: torch.fx.Node, rank: int) -> bool:
     """The matched reduction normalizes over the last dim only (and, for a variance, with no
@@ -162,13 +156,11 @@ def _last_dim_only(node: torch.fx.Node, rank: int) -> bool:
         return correction == 0
     return True
 
-
 def _eps_of(nodes: list) -> Optional[float]:
     """The one float constant among the matched nodes' arguments (the norm's eps)."""
     floats = [a for n in nodes for a in (*n.args, *n.kwargs.values())
               if isinstance(a, float) and not isinstance(a, bool)]
     return floats[0] if len(floats) == 1 else None
-
 
 def norm_of(node: torch.fx.Node, dtype: torch.dtype) -> Optional[tuple]:
     """(NormLink, the nodes it spans) of a LayerNorm or RMSNorm over the last dim of
@@ -193,7 +185,6 @@ def norm_of(node: torch.fx.Node, dtype: torch.dtype) -> Optional[tuple]:
                 return link, [n for n in root.graph.nodes if n in inner]
     return None
 
-
 def _link(kind, match, root, node, val, width, has_weight, has_bias) -> Optional[NormLink]:
     reductions = [n for n in match.nodes if n.target in _REDUCTIONS]
     if not reductions or not all(_last_dim_only(n, val.dim()) for n in reductions):
@@ -212,3 +203,11 @@ def _link(kind, match, root, node, val, width, has_weight, has_bias) -> Optional
     inner = set(match.nodes)
     readers = [user for user in node.users if user not in inner]
     return NormLink(kind, params[0], params[1], float(eps), node, readers, root)
+
+def _count(evidence: Evidence) -> dict:
+    return {"gemm_norm": sum(s.casts.get("a", "").startswith(EPILOGUE_CAST) and f"{NORMALIZED} (" in s.casts["a"]
+                             for s in evidence.sites if s.fp8)}
+
+MOD = Mod("gemm_norm", Stage.INFERENCE, True,
+          "the gemm_epilogue chain through a LayerNorm/RMSNorm over N <= 256, computed in the epilogue",
+          counters=("gemm_norm",), count=_count)

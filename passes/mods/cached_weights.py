@@ -1,9 +1,9 @@
-"""The `cached_weights` Mod: in inference graphs, a weight's FP8 copy is made once and
+"""cached_weights: in inference graphs, a weight's FP8 copy is made once and
 read by its GEMMs as a constant, instead of being cast on every call.
 
 Matches: the B operand of an FP8 site in an inference graph that is made of weight inputs
 of the graph (parameters) through views, dtype casts and concatenations only (sibling
-linears fused by horizontal_fusion read `cat([W_1, ..., W_n])`), of concrete shape.
+linears fused by the horizontal Mod read `cat([W_1, ..., W_n])`), of concrete shape.
 Becomes: two `get_attr` constants, the FP8 operand and its scales in the layout the GEMM
 reads (column-major B, padded as the site is). `lower` emits them instead of the cast.
 Declines: operands computed from anything else (weight_norm's g * v / |v|, a LoRA sum),
@@ -24,6 +24,9 @@ through `.data`, a new tensor. Version counters are not enough: writes through `
 fused optimizers leave them unchanged. The constants keep their addresses, so a CUDA graph
 replayed after a refresh reads the new values. The eager cast uses the same ATen ops the
 graph would have run.
+
+A walk up from each B operand, not the pattern matcher: the weights behind it come through any
+number of views, casts and concatenations.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from loka_compile.kernels.fingerprint import fingerprints, lane_sums
 from loka_compile.kernels.scaled_gemm import GemmSpec, cast_operand
 
-from .context import PassContext
-from .find_sites import weight_placeholders, weight_source
+from ..context import PassContext
+from ..find_sites import weight_placeholders, weight_source
+from .mod import Mod, Stage
 
 
 @dataclasses.dataclass
@@ -284,3 +288,10 @@ def _chain_key(source) -> tuple:
 
 def _cast_key(spec: GemmSpec) -> tuple:
     return spec.scaling, spec.b_format, spec.pad_k, spec.pad_n, spec.fused_casts
+
+
+MOD = Mod("cached_weights", Stage.INFERENCE, True,
+          "each weight's FP8 copy read as a constant, remade whenever the weight's content changes",
+          # the weight_both_layouts Mod's copies are cached weights too, and count here
+          counters=("cached_weights",),
+          count=lambda evidence: {"cached_weights": sum(c.startswith("cached") for c in evidence.fp8_casts)})

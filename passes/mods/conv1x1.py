@@ -1,7 +1,7 @@
 """conv1x1: a 1x1 convolution that is a linear over the channel axis becomes that linear,
 written as a linear of the transposed input. A Mod that is on by default
 (`disabled_mods=["conv1x1"]` switches it off); it runs on the Dynamo graph (torch-level
-IR) after horizontal_fusion and before transposed_linear, so the backward follows from the
+IR) after the horizontal Mod and before transposed_linear, so the backward follows from the
 forward.
 
 Matches, in a Dynamo graph, a convolution (`torch.conv1d` / `F.conv1d`, `torch.conv2d` /
@@ -33,10 +33,7 @@ may change), a view in the convolution's [B, C_out, L] layout.
 The linear of a transposed 3-D input is the form transposed_linear matches next: where it
 pays it becomes W @ x, a batched GEMM that reads x as it is and writes y in x's layout (the
 layout the convolution read and wrote); where it declines, the linear stays a 2-D GEMM over
-[B * L, C_in] rows. Measured (H100, `benchmarks/conv1x1.py`, xDeepFM's CIN at batch 8192,
-39 fields, d 16, widths 200, one forward + backward in bf16 under CUDA graphs): 54.07 ms as
-written (cuDNN's 1x1 convolutions and their backward), 19.24 ms as linears under Inductor,
-19.49 ms under loka (its dgrad sites FP8, the rest slower in FP8 at these shapes).
+[B * L, C_in] rows. docs/mods/conv1x1.md has the measured effect.
 
 Declines a convolution (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
@@ -50,8 +47,9 @@ Declines a convolution (the reason counted in `declined`, logged at DEBUG) when:
                          where its padding is not 0
     grouped              groups other than 1 (or not a constant)
     cpu_training         x on CPU, its weight trains, and Inductor's C++ code is vectorized
-                         (`cpp.simdlen` not 1): the known issue below would give wrong
-                         embedding gradients; CPU FP8 is emulated, so the Mod buys nothing
+                         (`cpp.simdlen` not 1): that code computes an embedding gradient of
+                         the linear form wrong (docs/mods/conv1x1.md; tests/test_conv1x1.py
+                         keeps a strict xfail); CPU FP8 is emulated, so the Mod buys nothing
                          there but the test of its own path
 
 Dilation changes nothing at kernel size 1 (the kernel has no gaps to spread), so any is
@@ -59,14 +57,6 @@ taken. Convolutions of other kinds (transposed, 3-D, call_module nodes of subcla
 nn.Conv1d / nn.Conv2d, whose forward may differ) are not counted. The bodies of
 higher-order ops in the graph (an activation-checkpointed region is one) are rewritten the
 same way, each graph all or nothing.
-
-Known issue, CPU only: Inductor's vectorized C++ code (torch 2.13) computes an embedding
-table's gradient wrong when the table's rows feed both such a linear (through xDeepFM's
-outer product) and another linear: its 2-D tiled scatter-add indexes column x1 + 2 * x1_inner
-for x1 + x1_inner. Plain torch.compile of the same model written with the linear does the
-same; `torch._inductor.config.cpp.simdlen = 1` avoids it (tests/test_conv1x1.py keeps a
-strict xfail of it). GPUs run Triton code instead. So on CPU the Mod declines training
-graphs unless that setting is on (`cpu_training`).
 
 Inductor's pattern matcher (DESIGN convention 5) rewrites ATen graphs after AOTAutograd,
 where the convolution's backward is already `convolution_backward`; this rewrite must
@@ -82,8 +72,9 @@ import logging
 import torch
 from torch._inductor import config as inductor_config
 
-from .horizontal_fusion import _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
-from .rewrite import rewrite_graph_and_bodies
+from ..dynamo_graph import arg, excluded, fake_mode, module_of, set_example_values, tensor_of
+from ..rewrite import rewrite_graph_and_bodies
+from .mod import Mod, Stage, total
 
 log = logging.getLogger("loka.passes")
 
@@ -130,12 +121,12 @@ def _all_equal(value, expected: int, spatial: int) -> bool:
 
 def _conv_of(gm, node) -> "_Conv | None":
     if node.op == "call_function" and node.target in _CONVS:
-        x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
         if not isinstance(x, torch.fx.Node):
             return None
-        return _Conv(node, x, w, b, _CONVS[node.target], _module_of(node))
+        return _Conv(node, x, w, b, _CONVS[node.target], module_of(node))
     if node.op == "call_module" and type(gm.get_submodule(node.target)) in _CONV_MODULES:
-        x = _arg(node, 0, "input")
+        x = arg(node, 0, "input")
         if not isinstance(x, torch.fx.Node):
             return None
         return _Conv(node, x, None, None, _CONV_MODULES[type(gm.get_submodule(node.target))], node.target,
@@ -149,8 +140,8 @@ def _hyperparameters(gm, conv: _Conv) -> tuple:
         m = gm.get_submodule(conv.call_module)
         return m.stride, m.padding, m.dilation, m.groups, m.padding_mode
     node = conv.node
-    return (_arg(node, 3, "stride", 1), _arg(node, 4, "padding", 0), _arg(node, 5, "dilation", 1),
-            _arg(node, 6, "groups", 1), "zeros")
+    return (arg(node, 3, "stride", 1), arg(node, 4, "padding", 0), arg(node, 5, "dilation", 1),
+            arg(node, 6, "groups", 1), "zeros")
 
 
 def _weight(gm, conv: _Conv, inputs: dict):
@@ -159,7 +150,7 @@ def _weight(gm, conv: _Conv, inputs: dict):
         return gm.get_submodule(conv.call_module).weight
     if not isinstance(conv.weight, torch.fx.Node):
         return None
-    weight = _tensor_of(gm, conv.weight, inputs)[0]
+    weight = tensor_of(gm, conv.weight, inputs)[0]
     return _value(conv.weight) if weight is None else weight
 
 
@@ -201,7 +192,7 @@ def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modu
         conv = _conv_of(gm, node)
         if conv is None:
             continue
-        reason = "excluded_module" if _excluded(conv.module, exclude_modules) else _decline_reason(gm, conv, inputs)
+        reason = "excluded_module" if excluded(conv.module, exclude_modules) else _decline_reason(gm, conv, inputs)
         if reason is not None:
             result.declined[reason] += 1
             log.debug("conv1x1: %s (%s) declined: %s", node.name, conv.module or "<root>", reason)
@@ -243,6 +234,13 @@ def _rewrite(gm, conv: _Conv) -> None:
     kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
     for new_node in new:
         new_node.meta.update(kept)
-    _set_example_values(gm, new, _fake_mode([x, node]))
+    set_example_values(gm, new, fake_mode([x, node]))
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+
+
+MOD = Mod("conv1x1", Stage.DYNAMO_GRAPH, True, "1x1 convolutions written as linears, so their GEMMs can go FP8",
+          counters=("conv1x1",), count=lambda evidence: {"conv1x1": total(evidence.results_of(MOD), "rewritten")},
+          if_failed="those convolutions stay as written",
+          run=lambda gm, example_inputs, config: rewrite_conv1x1(gm, example_inputs,
+                                                                 exclude_modules=config.exclude_modules))

@@ -1,7 +1,7 @@
 """transposed_linear: a linear over the middle axis of a 3-D input, written as a linear of
 its transpose, becomes a batched GEMM that reads the input as it is and writes its output
 in the input's layout. A Mod that is on by default (`disabled_mods=["transposed_linear"]`
-switches it off); it runs on the Dynamo graph (torch-level IR) after horizontal_fusion, so
+switches it off); it runs on the Dynamo graph (torch-level IR) after the horizontal Mod, so
 the backward follows from the forward.
 
 Matches, in a Dynamo graph, a linear (`torch._C._nn.linear`, `F.linear`, `aten.linear`,
@@ -20,9 +20,7 @@ transposed by every consumer that works in x's layout (Wukong: the LayerNorm ove
 cat(FMB, LCB) + residual), in the forward and again in the backward. W @ x needs neither.
 Each output element is the same dot product over n; only the GEMM's summation order
 changes, and the weight gradient is summed over the batch from per-sample bmm products.
-Measured (H100, Inductor bf16, 8 Wukong layers at paper sizes, batch 8192, forward +
-backward, fm_proj and lcb already fused by horizontal_fusion): 30.6 ms as
-written, 26.5 ms as W @ x (`benchmarks/results/2026-11-24_H100_transposed_linear.md`).
+docs/mods/transposed_linear.md has the measured effect.
 
 Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
@@ -56,7 +54,7 @@ transposed copy moves there instead of disappearing.
 
 Inductor's pattern matcher (DESIGN convention 5) rewrites ATen graphs after AOTAutograd,
 where a forward rewrite no longer changes the backward; this rewrite must reach the
-backward's transposes too, so it walks the Dynamo graph, as horizontal_fusion does.
+backward's transposes too, so it walks the Dynamo graph, as the horizontal Mod does.
 """
 
 from __future__ import annotations
@@ -67,8 +65,10 @@ import logging
 
 import torch
 
-from .horizontal_fusion import _LINEARS, _arg, _excluded, _fake_mode, _module_of, _set_example_values, _tensor_of
-from .rewrite import rewrite_graph_and_bodies
+from ..dynamo_graph import (LINEARS, arg, example_value, excluded, fake_mode, module_of, set_example_values,
+                            tensor_of)
+from ..rewrite import rewrite_graph_and_bodies
+from .mod import Mod, Stage, total
 
 log = logging.getLogger("loka.passes")
 
@@ -89,10 +89,6 @@ class TransposedLinears:
     modules: list = dataclasses.field(default_factory=list)   # the rewritten linears' module paths
 
 
-def _value(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-
-
 def _transposed_source(node) -> "torch.fx.Node | None":
     """x when `node` is a transpose of x's last two dims (through .contiguous()), else None."""
     while isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _PASS_THROUGH_METHODS:
@@ -100,7 +96,7 @@ def _transposed_source(node) -> "torch.fx.Node | None":
     if not isinstance(node, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     x = node.args[0]
-    value = _value(x)
+    value = example_value(x)
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return None
     rank = value.dim()
@@ -108,7 +104,7 @@ def _transposed_source(node) -> "torch.fx.Node | None":
         return x
     if (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims")) \
             or (node.op == "call_function" and node.target in _TRANSPOSES):
-        dims = [_arg(node, 1, "dim0"), _arg(node, 2, "dim1")]
+        dims = [arg(node, 1, "dim0"), arg(node, 2, "dim1")]
         swapped = sorted(d % rank for d in dims) if all(isinstance(d, int) for d in dims) else None
         return x if swapped == [rank - 2, rank - 1] else None
     if (node.op == "call_method" and node.target == "permute") \
@@ -127,7 +123,7 @@ def _hint(size):
 
 
 def _decline_reason(x, weight, bias) -> "str | None":
-    value = _value(x)
+    value = example_value(x)
     if not isinstance(value, torch.Tensor) or value.dim() != 3:
         return "not_3d"
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -154,31 +150,31 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
     inputs = dict(zip(placeholders, example_inputs))
     todo = []
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _LINEARS:
-            x_t, w_node, b_node = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if node.op == "call_function" and node.target in LINEARS:
+            x_t, w_node, b_node = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
             call_module = ""
         elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-            x_t, w_node, b_node, call_module = _arg(node, 0, "input"), None, None, node.target
+            x_t, w_node, b_node, call_module = arg(node, 0, "input"), None, None, node.target
         else:
             continue
         x = _transposed_source(x_t)
         if x is None:
             continue
-        module = node.target if call_module else _module_of(node)
-        if _excluded(module, exclude_modules):
+        module = node.target if call_module else module_of(node)
+        if excluded(module, exclude_modules):
             reason = "excluded_module"
         else:
             if call_module:
                 linear = gm.get_submodule(call_module)
                 weight, bias = linear.weight, linear.bias
             else:
-                weight = _tensor_of(gm, w_node, inputs)[0] if isinstance(w_node, torch.fx.Node) else None
+                weight = tensor_of(gm, w_node, inputs)[0] if isinstance(w_node, torch.fx.Node) else None
                 if weight is None:
-                    weight = _value(w_node)
+                    weight = example_value(w_node)
                 bias = None
                 if b_node is not None:
-                    bias = _tensor_of(gm, b_node, inputs)[0] if isinstance(b_node, torch.fx.Node) else None
-                    bias = _value(b_node) if bias is None else bias
+                    bias = tensor_of(gm, b_node, inputs)[0] if isinstance(b_node, torch.fx.Node) else None
+                    bias = example_value(b_node) if bias is None else bias
             reason = _decline_reason(x, weight, bias)
         if reason is not None:
             result.declined[reason] += 1
@@ -217,7 +213,7 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str) -> None:
     kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
     for new_node in new:
         new_node.meta.update(kept)
-    _set_example_values(gm, new, _fake_mode([x, node]))
+    set_example_values(gm, new, fake_mode([x, node]))
     x_t = node.args[0] if node.args else node.kwargs.get("input")
     node.replace_all_uses_with(result)
     graph.erase_node(node)
@@ -226,3 +222,11 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str) -> None:
         graph.erase_node(x_t)
         x_t = source
 
+
+MOD = Mod("transposed_linear", Stage.DYNAMO_GRAPH, True,
+          "`linear(x.transpose(1, 2), W)` computed as W @ x, with no transposed copies",
+          counters=("transposed_linear",),
+          count=lambda evidence: {"transposed_linear": total(evidence.results_of(MOD), "rewritten")},
+          if_failed="those linears stay as written",
+          run=lambda gm, example_inputs, config: rewrite_transposed_linears(gm, example_inputs,
+                                                                            exclude_modules=config.exclude_modules))

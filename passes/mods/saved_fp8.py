@@ -30,6 +30,9 @@ operand as "saved in FP8 by the forward". The dequantization is an opaque op
 the cost of saving a value only fusible ops read) kept the bf16 activation instead. What
 the partitioner does is checked in the forward graph it made (`check_saves`,
 `SavedOperand.outcome`), and `saved_bytes` is what that graph keeps for the backward.
+
+A walk from each FP8 site, not the pattern matcher: what matches is decided by Dispatch's
+decision and by every reader of the operand, not by the shape of a subgraph.
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ import torch
 
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import GemmSpec, cast_to_save
-from loka_compile.speed import size_hint
+from ..shapes import size_hint
 
-from .context import PassContext, Role
-from .find_sites import (GEMM_OPS, VIEW_LIKE, find_sites, forward_output_count, operands, saved_operand,
+from ..context import PassContext, Role
+from ..find_sites import (GEMM_OPS, SAVED_IN_FP8, VIEW_LIKE, find_sites, forward_output_count, operands, saved_operand,
                          skip_views_up)
-from .rewrite import insert_traced
+from ..rewrite import insert_traced
+from .mod import Evidence, Mod, Stage, total
 
 # What lays the FP8 copy out for the GEMM without converting it (`_views_down`)
 _VIEWS = VIEW_LIKE - {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
@@ -182,3 +186,14 @@ def check_saves(forward: torch.fx.Graph, saved: SavedFp8) -> None:
         activation = entry.activation in returned
         entry.outcome = {(True, False): "fp8", (False, False): "recomputed", (True, True): "both",
                          (False, True): "activation"}[(fp8, activation)]
+
+
+def _count(evidence: Evidence) -> dict:
+    # saved_for_backward_bytes is measured with the Mod off too, to compare against.
+    return {"saved_fp8": sum(c == SAVED_IN_FP8 for c in evidence.fp8_casts),
+            "saved_for_backward_bytes": total(evidence.results_of(MOD), "saved_bytes")}
+
+
+MOD = Mod("saved_fp8", Stage.JOINT_GRAPH, True,
+          "the backward's FP8 copy of an activation saved by the forward instead of the bf16 activation",
+          counters=("saved_fp8", "saved_for_backward_bytes"), count=_count)

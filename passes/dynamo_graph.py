@@ -1,0 +1,116 @@
+"""Helpers for Mods that rewrite the Dynamo graph (torch-level IR, before AOTAutograd): how a
+call's arguments, module path, weights and example values are read and kept up to date."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .find_sites import clean_module_path
+
+LINEARS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
+
+
+def arg(node: torch.fx.Node, index: int, name: str, default=None):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _clean(path: str) -> str:
+    # Dynamo's "L['self'].blocks[0].mask[0]" -> "blocks.0.mask.0" (find_sites reads it again
+    # through its own cleaner, which leaves a clean path as it is).
+    return clean_module_path(path)
+
+
+def module_stack(node: torch.fx.Node) -> dict:
+    return dict(node.meta.get("nn_module_stack") or {})
+
+
+def example_value(node):
+    """The example tensor Dynamo recorded for a node (None for a non-node)."""
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+
+
+def module_of(node: torch.fx.Node) -> str:
+    stack = module_stack(node)
+    return _clean(list(stack.values())[-1][0]) if stack else ""
+
+
+def tensor_of(gm, node, inputs: dict):
+    """The real or example tensor behind a weight/bias node, and whether it counts as a
+    weight: an nn.Parameter graph input, or a get_attr."""
+    if node.op == "get_attr":
+        try:
+            return fetch_attr(gm, node.target), True
+        except AttributeError:
+            return None, False
+    if node.op == "placeholder":
+        value = inputs.get(node, node.meta.get("example_value", node.meta.get("val")))
+        return value, isinstance(value, torch.nn.Parameter)
+    return None, False
+
+
+def fetch_attr(gm, target: str):
+    obj = gm
+    for name in target.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def excluded(module: str, exclude_modules) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in exclude_modules)
+
+
+def fake_mode(nodes):
+    for node in nodes:
+        mode = getattr(node.meta.get("example_value"), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def set_example_values(gm, nodes, mode) -> None:
+    """Dynamo's `example_value` metadata for the new nodes, computed on fake tensors (a
+    get_attr's from the tensor it names in `gm`)."""
+    if mode is None:
+        return
+    value = lambda a: a.meta["example_value"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    with mode:
+        for node in nodes:
+            if node.op == "get_attr":
+                real = fetch_attr(gm, node.target)
+                node.meta["example_value"] = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype,
+                                                                 device=real.device)
+                continue
+            if not all("example_value" in a.meta for a in node.all_input_nodes):
+                return
+            args = torch.fx.node.map_aggregate(node.args, value)
+            kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+            if node.op == "call_method":
+                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                node.meta["example_value"] = node.target(*args, **kwargs)
+
+
+def called_module(gm: torch.fx.GraphModule, node: torch.fx.Node, kind: type):
+    """The submodule of type `kind` that call_module `node` calls, else None."""
+    if node.op != "call_module":
+        return None
+    module = gm.get_submodule(node.target)
+    return module if isinstance(module, kind) else None
+
+
+def module_parameter(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str):
+    """A get_attr node for parameter `name` of the module that call_module `node` calls."""
+    if getattr(gm.get_submodule(node.target), name) is None:
+        return None
+    with gm.graph.inserting_before(node):
+        return gm.graph.get_attr(f"{node.target}.{name}")
+
+
+def replace_call(gm: torch.fx.GraphModule, node: torch.fx.Node, target, args, kwargs) -> None:
+    """`node` replaced by a call of `target`, keeping its metadata."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(target, args, kwargs)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
