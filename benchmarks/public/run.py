@@ -409,7 +409,7 @@ def write_outputs(path: Path, env: dict, rows: list[dict]) -> None:
 
 def select_models(spec: str) -> list[str]:
     """'all', or a comma list of names, families (interaction, sequence, multi_task,
-    retrieval) and libraries (deepctr-torch, torch-rechub)."""
+    retrieval) and libraries (deepctr-torch, torch-rechub, written-here)."""
     if spec.strip() == "all":
         return list(MODEL_NAMES)
     out = []
@@ -420,7 +420,8 @@ def select_models(spec: str) -> list[str]:
             names = [n for n, e in REGISTRY.items() if item in (e.family, e.library)]
             if not names:
                 raise SystemExit(f"unknown model, family or library {item!r}; models: {', '.join(MODEL_NAMES)}; "
-                                 f"families: {', '.join(FAMILIES)}; libraries: deepctr-torch, torch-rechub")
+                                 f"families: {', '.join(FAMILIES)}; libraries: deepctr-torch, torch-rechub, "
+                                 f"written-here (models written here in the public style)")
         out += [n for n in names if n not in out]
     return out
 
