@@ -2,6 +2,8 @@
 site of the right shape and kind, runs in FP8, and matches an fp64 reference within FP8's
 error (SQNR floor).
 
+- `x.permute(0, 2, 1) @ W` with W a bare nn.Parameter (public Wukong's projections) is the
+  linear of a transposed input that the transposed_linear Mod computes as W^T @ x.
 - A bmm that is one 2-D GEMM is folded into a 2-D site (find_sites.batch_fold) and lowered
   as mm/addmm: einsum's contractions arrive as a bmm with a batch of one; `x @ W` of a 3-D,
   transposed x and a 2-D weight arrives, under no_grad or autocast (matmul folds only where
@@ -61,12 +63,13 @@ class Form(nn.Module):
         raise ValueError(self.form)
 
 
-# form -> (folded, the site's (M, K, N))
+# form -> (folded, the site's (M, K, N)); `x.permute(0, 2, 1) @ W` is W^T @ x once the
+# transposed_linear Mod rewrites it: a bmm over W broadcast as A, not folded
 FOLDED = {
     "einsum_dim": (True, (B * N, D, K)),
     "einsum_field": (True, (B * D, N, K)),
-    "permute_matmul": (True, (B * D, N, K)),
-    "permute_matmul_back": (True, (B * D, N, K)),
+    "permute_matmul": (False, (K, N, D)),
+    "permute_matmul_back": (False, (K, N, D)),
     "baddbmm_vector_bias": (True, (B * N, D, K)),
     "baddbmm_batch_bias": (False, (N, D, K)),
     "weight_as_a": (False, (K, N, D)),
@@ -83,11 +86,11 @@ class AllForms(nn.Module):
         return {form: module(x) for form, module in self.forms.items()}
 
 
-def _inference(amp: bool, forms=tuple(FOLDED)):
+def _inference(amp: bool, forms=tuple(FOLDED), **options):
     torch.manual_seed(0)
     model = AllForms(forms).eval()
     x = torch.randn(B, N, D)
-    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, **options})
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         out = compiled(x)
     with torch.no_grad():
@@ -117,13 +120,13 @@ def test_inference_forms_are_sites_of_their_shapes_in_fp8():
 
 @pytest.mark.slow
 def test_matmul_of_a_transposed_activation_folds_only_where_matmul_did_not():
-    """In fp32 inference matmul already folds `x.permute(0, 2, 1) @ W` (W requires grad):
-    an mm site, as before; under autocast the weight's bf16 copy does not, and the bmm is
-    folded to the same 2-D site."""
-    _, _, plain = _inference(amp=False, forms=["permute_matmul"])
+    """Without the transposed_linear Mod: in fp32 inference matmul folds `x.permute(0, 2, 1)
+    @ W` itself (W requires grad): an mm site; under autocast the weight's bf16 copy does
+    not, and the bmm over W expanded is folded to the same 2-D site."""
+    _, _, plain = _inference(amp=False, forms=["permute_matmul"], disabled_mods=["transposed_linear"])
     torch._dynamo.reset()
     loka_compile.reset()
-    _, _, autocast = _inference(amp=True, forms=["permute_matmul"])
+    _, _, autocast = _inference(amp=True, forms=["permute_matmul"], disabled_mods=["transposed_linear"])
     (mm,) = [s for s in plain.sites if s.module == "forms.permute_matmul"]
     (bmm,) = [s for s in autocast.sites if s.module == "forms.permute_matmul"]
     assert mm.op == "mm" and bmm.op == "bmm" and mm.shape == bmm.shape and bmm.batch is None
@@ -132,8 +135,9 @@ def test_matmul_of_a_transposed_activation_folds_only_where_matmul_did_not():
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["einsum_dim", "permute_matmul_back"])
 def test_training_form_matches_eager(form):
-    """A training step: the folded forward in FP8, the gradients of x and of the weight
-    close to fp64's."""
+    """A training step: the forward in FP8 (einsum folded; `x.permute(0, 2, 1) @ W` and
+    back rewritten as W^T @ x by transposed_linear), the output and the gradients of x and
+    of the weight close to fp64's."""
     torch.manual_seed(0)
     model = Form(form)
     x = torch.randn(B, N, D, requires_grad=True)
@@ -148,7 +152,13 @@ def test_training_form_matches_eager(form):
     ref.backward(grad_out.double())
     report = loka_compile.report(compiled)
     fwd = [s for s in report.sites if s.role == "fwd"]
-    assert fwd and all(s.fp8 and s.batch is None for s in fwd), report.table()
+    assert fwd and all(s.fp8 for s in fwd), report.table()
+    if form == "einsum_dim":  # folded: a 2-D GEMM
+        assert all(s.batch is None for s in fwd), report.table()
+    else:  # the transposed_linear Mod: W^T @ x, a bmm with the weight's gradient summed over the batch
+        assert report.mods["transposed_linear"] == 1, report.mods
+        assert {s.role for s in report.sites} == {"fwd", "dgrad", "wgrad"}, report.table()
+        assert all(s.op == "bmm" and s.batch == B for s in report.sites), report.table()
     assert sqnr_db(ref.detach(), out.detach().double()) > GEMM_SQNR_FLOOR_DB
     assert sqnr_db(x64.grad, x.grad.double()) > GEMM_SQNR_FLOOR_DB
     weight = "w_dim" if form == "einsum_dim" else "w_field"
