@@ -234,3 +234,40 @@ def test_public_style_model_trains_in_fp8(arch):
     assert any(s.fp8 for s in report.sites), report.table()
     for module in projections:
         assert {s.role for s in report.sites if s.module == module} == {"fwd", "dgrad", "wgrad"}, report.table()
+
+
+class WeightMatmuls(nn.Module):
+    """`x.permute(0, 2, 1) @ W` and back with bare Parameters (Wukong's linear compression
+    and FM projection as public code writes them), and matmuls the Mod leaves alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.compress = nn.Parameter(torch.randn(N, K) / N ** 0.5)
+        self.project = nn.Parameter(torch.randn(N, 16) / N ** 0.5)
+        self.stacked = nn.Parameter(torch.randn(1, N, K) / N ** 0.5)
+
+    def forward(self, x, activation):
+        lcb = (x.permute(0, 2, 1) @ self.compress).permute(0, 2, 1)        # [B, K, D]
+        fm = torch.matmul(x, torch.matmul(x.transpose(1, 2), self.project))  # [B, N, 16]
+        not_a_weight = x.permute(0, 2, 1) @ activation                      # B is an activation
+        not_2d = x.permute(0, 2, 1) @ self.stacked                           # a 3-D weight
+        return lcb, fm, not_a_weight, not_2d
+
+
+def test_transposed_linear_rewrites_a_matmul_of_a_transposed_input_by_a_weight():
+    """On the Dynamo graph: both weight matmuls become bmm(W^T broadcast, x), with nothing
+    left transposing x for them; the matmul by an activation and by a 3-D weight are not
+    counted; every output as before."""
+    from graphs import dynamo_graph
+    from loka_compile.passes.transposed_linear import rewrite_transposed_linears
+    from numerics import rel_error
+    torch.manual_seed(0)
+    model, x, activation = WeightMatmuls(), torch.randn(B, N, D), torch.randn(N, K)
+    gm, example_inputs = dynamo_graph(model, x, activation)
+    expected = model(x, activation)
+    result = rewrite_transposed_linears(gm, example_inputs)
+    assert (result.rewritten, dict(result.declined)) == (2, {}), result
+    assert sum(n.op == "call_function" and n.target is torch.bmm for n in gm.graph.nodes) == 2
+    got = gm(*example_inputs)
+    for e, g in zip(expected, got):
+        assert rel_error(e, g) < 1e-5
