@@ -27,8 +27,8 @@ breaks are Dynamo's under each backend (`loka_extra_breaks`: those loka adds), `
 the graphs loka ran in high precision with why, and a crash of any compile is the row's
 `error` (the audit goes on).
 
-Output: a table on stdout, `<out>/coverage_<preset>.json` (rows merged with those already
-there) and its markdown twin.
+Output: a table on stdout, `<out>/coverage_<preset>.json` (or `--name`; rows merged with
+those already there) and its markdown twin.
 """
 
 from __future__ import annotations
@@ -334,7 +334,8 @@ def main(argv=None) -> list:
     p.add_argument("--batch", type=int, default=None, help="default: the preset's")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     p.add_argument("--cpu-threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="directory of coverage_<preset>.json and .md")
+    p.add_argument("--out", default=None, help="directory of the JSON and markdown")
+    p.add_argument("--name", default=None, help="file stem instead of coverage_<preset>")
     args = p.parse_args(argv)
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
@@ -350,7 +351,7 @@ def main(argv=None) -> list:
             rows.append(row)
             if args.out:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
-                write(Path(args.out) / f"coverage_{args.preset}.json", rows, env)
+                write(Path(args.out) / f"{args.name or 'coverage_' + args.preset}.json", rows, env)
     print(format_table(rows), flush=True)
     return rows
 
