@@ -104,10 +104,16 @@ def all_or_nothing(gm: torch.fx.GraphModule):
     """The rewrites of `gm`'s graph made inside either all land (the graph linted, the module
     recompiled) or, on any error, none: the graph is restored and the error raised."""
     pristine = copy.deepcopy(gm.graph)
+    # A copy keeps each node's meta, not Dynamo's attributes on its inputs, which AOTAutograd reads
+    sources = [(copied, node._dynamo_source) for node, copied in zip(gm.graph.find_nodes(op="placeholder"),
+                                                                     pristine.find_nodes(op="placeholder"))
+               if hasattr(node, "_dynamo_source")]
     try:
         yield
         gm.graph.lint()
     except Exception:
+        for copied, source in sources:
+            copied._dynamo_source = source
         gm.graph = pristine
         gm.recompile()
         raise

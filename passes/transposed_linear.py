@@ -228,6 +228,9 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str, weight_in_out: bool 
         if weight_in_out:  # x^T @ W is the linear of x^T by W^T
             w_node = graph.call_method("t", (w_node,))
             attrs.append(w_node)
+        # Under autocast the linear cast W to x's dtype itself; the bmm's example value needs it written
+        w_node = graph.call_method("type_as", (w_node, x))
+        attrs.append(w_node)
         batch = graph.call_method("size", (x, 0))
         expanded = graph.call_method("expand", (graph.call_method("unsqueeze", (w_node, 0)), batch, -1, -1))
         out = graph.call_function(torch.bmm, (expanded, x))

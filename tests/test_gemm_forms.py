@@ -271,3 +271,46 @@ def test_transposed_linear_rewrites_a_matmul_of_a_transposed_input_by_a_weight()
     got = gm(*example_inputs)
     for e, g in zip(expected, got):
         assert rel_error(e, g) < 1e-5
+
+
+class DictInputWukongLayer(nn.Module):
+    """A public-style Wukong layer reading its input from a dict through a Linear, under bf16
+    autocast as the public runner runs models: the projections' matmuls see a bf16 x (the
+    Linear's output) and an fp32 W."""
+
+    def __init__(self):
+        super().__init__()
+        from benchmarks.public.written_here import WukongLayer
+        self.embed = nn.Linear(D, D)
+        self.layer = WukongLayer(N, D, 16, 16, 16, (32,), 0.0)
+
+    def forward(self, inputs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.layer(self.embed(inputs["x"])).float()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mod_fails", [False, True])
+def test_wukong_layer_under_autocast_runs_its_projections_as_weight_bmms(monkeypatch, mod_fails):
+    """Both projections (FM, linear compression) become W^T @ x under autocast (the
+    rewrite writes W's cast to x's dtype, which autocast made implicitly); when the Mod
+    fails part way, the graph as written (its inputs' Dynamo sources kept) still compiles
+    under loka, without a fallback. The output within FP8's error of fp64 eager's."""
+    import loka_compile.passes.transposed_linear as transposed_linear
+    if mod_fails:
+        def injected(*args, **kwargs):
+            raise RuntimeError("injected")
+        monkeypatch.setattr(transposed_linear, "_rewrite", injected)
+    torch.manual_seed(0)
+    model = DictInputWukongLayer().eval()
+    x = torch.randn(B, N, D)
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+    with torch.no_grad():
+        out = compiled({"x": x})
+        model.double()
+        ref = model.layer(model.embed(x.double()))
+    report = loka_compile.report(compiled)
+    assert report.mods["transposed_linear"] == (0 if mod_fails else 2), report.mods
+    assert not any(g.fallback for g in report.graphs), str(report)
+    assert any(s.fp8 for s in report.sites), report.table()
+    assert sqnr_db(ref, out.double()) > GEMM_SQNR_FLOOR_DB - 6  # several FP8 GEMMs in a row, in bf16
