@@ -7,7 +7,8 @@ Matches:
 the post-grad graph as these after AOTAutograd's decompositions.) A bmm/baddbmm that is one
 2-D GEMM is recorded as one, folded (`batch_fold`: M counts every batch's rows, no batch):
 a batch of one (einsum's contractions), or B one matrix expanded over the batch (`x @ W`
-of a 3-D x that matmul did not fold itself: under no_grad or autocast, x transposed). Also records, as
+of a 3-D x that matmul did not fold itself: under no_grad or autocast, x transposed). Also
+records, as
 `packed_linear` sites that Dispatch keeps in high precision, the linears Inductor's
 freezing has already packed for a CPU library (mkl/mkldnn), so the report shows them.
 
@@ -501,8 +502,9 @@ def weight_placeholders(graph: torch.fx.Graph, param_input_indices: frozenset) -
     return {placeholders[i]: i for i in param_input_indices if i < len(placeholders)}
 
 
-FOLD_SINGLE = "a batch of one (einsum writes its contractions so): one 2-D GEMM"
-FOLD_BROADCAST = "B one matrix expanded over the batch (a 3-D activation @ a 2-D weight, unfolded): one 2-D GEMM of A's rows"
+# Why a batched GEMM is one 2-D GEMM (`batch_fold`), as Site.fold says it
+FOLD_SINGLE = "a batch of one (einsum writes its contractions so)"
+FOLD_BROADCAST = "B one matrix expanded over the batch (a 3-D activation @ a 2-D weight that matmul did not fold)"
 
 
 def broadcast_matrix(operand: torch.fx.Node) -> Optional[torch.fx.Node]:

@@ -61,8 +61,8 @@ from loka_compile.kernels.scaled_gemm import (GemmSpec, cast_a_pieces, cast_oper
 from loka_compile.speed import per_piece_row_max
 
 from .context import GraphKind, PassContext
-from .find_sites import (VIEW_LIKE, broadcast_matrix, operand_casts, operands, per_piece_cast, saved_operand,
-                         statically_known_true)
+from .find_sites import (FOLD_SINGLE, VIEW_LIKE, broadcast_matrix, operand_casts, operands, per_piece_cast,
+                         saved_operand)
 from .gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, insertion_point,
                             out_scale_constant, plan_chains, time_chain)
 from .rewrite import insert_traced, replace_with_traced
@@ -90,7 +90,7 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
             _report_saved_operands_of_high_precision(site)
             continue
         if site.fold:
-            site.node = _fold_batch(site.node)
+            site.node = _fold_batch(site.node, site.fold)
         node = site.node
         a, b, bias, _ = operands(node)
         spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
@@ -158,19 +158,18 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     return lowered
 
 
-def _fold_batch(node: torch.fx.Node) -> torch.fx.Node:
-    """A bmm/baddbmm that `find_sites.batch_fold` found to be one 2-D GEMM, rewritten as
-    that mm/addmm over A viewed [B * M, K] (a copy where A's rows do not merge: fused into
-    A's cast), B's one matrix and the bias as a vector, its output viewed back [B, M, N].
-    Returns the mm/addmm node."""
+def _fold_batch(node: torch.fx.Node, fold: str) -> torch.fx.Node:
+    """A bmm/baddbmm that `find_sites.batch_fold` found to be one 2-D GEMM (`fold`: why),
+    rewritten as that mm/addmm over A viewed [B * M, K] (a copy where A's rows do not merge:
+    fused into A's cast), B's one matrix and the bias as a vector, its output viewed back
+    [B, M, N]. Returns the mm/addmm node."""
     a, b, bias, _ = operands(node)
-    matrix = broadcast_matrix(b) if not statically_known_true(a.meta["val"].shape[0] == 1) else b
+    matrix = b if fold == FOLD_SINGLE else broadcast_matrix(b)
 
     def folded(a, matrix, *bias):
         k, n = matrix.shape[-2], matrix.shape[-1]
-        rows = a.reshape(-1, k)
-        out = torch.mm(rows, matrix.reshape(k, n)) if not bias else torch.addmm(bias[0].reshape(-1), rows,
-                                                                                matrix.reshape(k, n))
+        rows, weight = a.reshape(-1, k), matrix.reshape(k, n)
+        out = torch.addmm(bias[0].reshape(-1), rows, weight) if bias else torch.mm(rows, weight)
         return out.view(a.shape[0], a.shape[1], n)
 
     inserted = replace_with_traced(node, folded, [a, matrix] + ([] if bias is None else [bias]))

@@ -319,7 +319,8 @@ def write(path: Path, rows: list, env: dict) -> None:
     path.write_text(json.dumps({"env": env, "rows": merged}, indent=1, default=str))
     path.with_suffix(".md").write_text(
         f"# GEMM coverage of the public suite, preset {env['preset']}\n\n{env['date']}, torch {env['torch']}, "
-        f"{'bf16 autocast' if env['amp'] else 'fp32'}; MFLOP of one step at batch {env['batch']}: eager (FlopCounterMode), "
+        f"{'bf16 autocast' if env['amp'] else 'fp32'}; MFLOP of one step at batch {env['batch']}: eager "
+        f"(FlopCounterMode), "
         f"in the graphs Inductor compiles, in loka's sites; seen and FP8: shares of the GEMM FLOPs in loka's graphs "
         f"(sites + unseen GEMM ops).{' ' + env['note'] if env.get('note') else ''}\n\n"
         + format_table(merged) + "\n")
