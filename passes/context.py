@@ -63,8 +63,8 @@ class Site:
     op: str                  # mm | addmm | bmm | baddbmm | packed_linear
     role: Role
     module: str
-    shape: tuple             # (M, K, N), Dim each
-    batch: Optional[Dim]     # bmm batch size, None for 2-D
+    shape: tuple             # (M, K, N), Dim each (a folded bmm: M counts every batch's rows)
+    batch: Optional[Dim]     # bmm batch size, None for 2-D and folded bmm
     dtype: torch.dtype
     device: torch.device
     a_is_grad: bool          # operand depends on the incoming gradient
@@ -77,6 +77,7 @@ class Site:
     b_major: str = "row"
     b_is_weight: bool = False  # B is a weight input of a forward/inference graph (through views)
     casts: dict = dataclasses.field(default_factory=dict)  # FP8 sites: operand -> how it is cast
+    fold: str = ""           # a bmm/baddbmm that is one 2-D GEMM (find_sites.batch_fold), and why
     id: str = ""             # stable across recompiles and processes: "<kind>/<module>:<role>#<n>" (plans)
 
 

@@ -3,8 +3,12 @@
 Matches:
     aten.mm(A, B)            aten.addmm(bias, A, B, beta, alpha)
     aten.bmm(A, B)           aten.baddbmm(bias, A, B, beta, alpha)
-(`linear`, `matmul` and `x @ w` with 2-D or 3-D inputs, transposed or not, reach the
-post-grad graph as these after AOTAutograd's decompositions.) Also records, as
+(`linear`, `matmul`, `einsum` and `x @ w` with 2-D or 3-D inputs, transposed or not, reach
+the post-grad graph as these after AOTAutograd's decompositions.) A bmm/baddbmm that is one
+2-D GEMM is recorded as one, folded (`batch_fold`: M counts every batch's rows, no batch):
+a batch of one (einsum's contractions), or B one matrix expanded over the batch (`x @ W`
+of a 3-D x that matmul did not fold itself: under no_grad or autocast, x transposed). Also
+records, as
 `packed_linear` sites that Dispatch keeps in high precision, the linears Inductor's
 freezing has already packed for a CPU library (mkl/mkldnn), so the report shows them.
 
@@ -498,6 +502,57 @@ def weight_placeholders(graph: torch.fx.Graph, param_input_indices: frozenset) -
     return {placeholders[i]: i for i in param_input_indices if i < len(placeholders)}
 
 
+# Why a batched GEMM is one 2-D GEMM (`batch_fold`), as Site.fold says it
+FOLD_SINGLE = "a batch of one (einsum writes its contractions so)"
+FOLD_BROADCAST = "B one matrix expanded over the batch (a 3-D activation @ a 2-D weight that matmul did not fold)"
+
+
+def broadcast_matrix(operand: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The node holding the one matrix that `operand` (a bmm's 3-D B) repeats over its batch:
+    the input of the `expand` it is read through (views between), a 2-D [K, N] or a
+    [1, K, N]; None when B is not such a broadcast."""
+    node = operand
+    while node.op == "call_function" and node.target in VIEW_LIKE and node.target is not aten.expand.default:
+        node = node.args[0]
+        if not isinstance(node, torch.fx.Node):
+            return None
+    if node.op != "call_function" or node.target is not aten.expand.default:
+        return None
+    source = node.args[0]
+    val, b_val = source.meta.get("val"), operand.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(b_val, torch.Tensor) or val.dim() not in (2, 3) \
+            or (val.dim() == 3 and not statically_known_true(val.shape[0] == 1)) \
+            or not all(statically_known_true(x == y) for x, y in zip(val.shape[-2:], b_val.shape[-2:])):
+        return None
+    return source
+
+
+def batch_fold(node: torch.fx.Node) -> str:
+    """Why a bmm/baddbmm is one 2-D GEMM over A's rows, "" when it is not: a batch of one
+    (FOLD_SINGLE), or a B that is one matrix expanded over the batch while A is not
+    (FOLD_BROADCAST: `x @ W` of a 3-D x that matmul could not fold into an mm without
+    copying x, as under no_grad or autocast). As 2-D sites they get every 2-D provider,
+    padding and cached weights; `lower` writes them as mm/addmm of A viewed [B * M, K]
+    (FP8 sites only: the cast of A makes the copy the view may need). A baddbmm folds
+    when its scalars are 1 and its bias broadcasts over the rows."""
+    if node.target not in BATCHED_GEMMS:
+        return ""
+    a, b, bias, unit = operands(node)
+    a_val, b_val = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(a_val, torch.Tensor) and isinstance(b_val, torch.Tensor) and a_val.dim() == b_val.dim() == 3):
+        return ""
+    if bias is not None:
+        bias_val = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+        if not unit or not isinstance(bias_val, torch.Tensor) or bias_val.dim() == 0 \
+                or not all(statically_known_true(d == 1) for d in bias_val.shape[:-1]):
+            return ""
+    if statically_known_true(a_val.shape[0] == 1):
+        return FOLD_SINGLE
+    if broadcast_matrix(b) is not None and not statically_known_true(a_val.stride(0) == 0):
+        return FOLD_BROADCAST
+    return ""
+
+
 def operands(node: torch.fx.Node):
     """(A, B, bias, unit_scalars) of a GEMM node."""
     if node.target in (aten.addmm.default, aten.baddbmm.default):
@@ -595,6 +650,8 @@ def gemm_site(node: torch.fx.Node, ctx: PassContext, key: str, base: str, ordina
     incoming gradient; `weights`: the weight placeholders (`weight_placeholders`)."""
     a, b, _, unit = operands(node)
     a_val, b_val = a.meta["val"], b.meta["val"]
+    fold = batch_fold(node)
+    rows = as_dim(a_val.shape[0] * a_val.shape[1]) if fold else as_dim(a_val.shape[-2])
     return Site(
         key=key,
         name=base if ordinal == 1 else f"{base}#{ordinal}",
@@ -604,8 +661,8 @@ def gemm_site(node: torch.fx.Node, ctx: PassContext, key: str, base: str, ordina
         op=GEMM_OPS[node.target],
         role=role,
         module=module,
-        shape=(as_dim(a_val.shape[-2]), as_dim(a_val.shape[-1]), as_dim(b_val.shape[-1])),
-        batch=as_dim(a_val.shape[0]) if a_val.dim() == 3 else None,
+        shape=(rows, as_dim(a_val.shape[-1]), as_dim(b_val.shape[-1])),
+        batch=as_dim(a_val.shape[0]) if a_val.dim() == 3 and not fold else None,
         dtype=a_val.dtype,
         device=a_val.device,
         a_is_grad=a in grads,
@@ -617,5 +674,6 @@ def gemm_site(node: torch.fx.Node, ctx: PassContext, key: str, base: str, ordina
         a_major=operand_major(a_val),
         b_major=operand_major(b_val),
         b_is_weight=weight_source(b, weights) is not None,
+        fold=fold,
         id=site_id(ctx.kind, base, ordinal),
     )

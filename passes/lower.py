@@ -15,7 +15,10 @@ producers, with rows longer than one persistent reduction, is cast per piece
 max as the row's scale, each piece cast with it, the FP8 pieces concatenated.
 With K or N padded (the `pad` Mod) the operands are zero-padded inside the casts and C
 is sliced back. Inductor then fuses each cast into the kernel that produced its operand.
-A bmm/baddbmm hands the provider 3-D operands as cast ([B, M, K] row-major, [B, K, N]
+A bmm/baddbmm that find_sites folded (`Site.fold`: a batch of one, or B one matrix
+expanded over the batch) is first rewritten as the mm/addmm it is (`_fold_batch`: A viewed
+[B * M, K], B's matrix, the output viewed back), then lowered as any 2-D site. Any other
+bmm/baddbmm hands the provider 3-D operands as cast ([B, M, K] row-major, [B, K, N]
 column-major per matrix, scales per `scaled_gemm`'s docstring) and baddbmm's bias as it
 broadcasts; Dispatch gives such sites only providers that declare them (`batched`,
 `batched_scalings`) and never pads them.
@@ -57,7 +60,8 @@ from loka_compile.kernels.scaled_gemm import (GemmSpec, cast_a_pieces, cast_oper
                                               gemm_norm_to_next_operand, gemm_to_next_operand, static_scale_of)
 
 from .context import GraphKind, PassContext
-from .find_sites import VIEW_LIKE, operand_casts, operands, per_piece_cast, saved_operand
+from .find_sites import (FOLD_SINGLE, VIEW_LIKE, broadcast_matrix, operand_casts, operands, per_piece_cast,
+                         saved_operand)
 from .mods.benchmarked_reductions import MOD as BENCHMARKED_REDUCTIONS
 from .mods.cached_weights import MOD as CACHED_WEIGHTS, cached_operand
 from .mods.cat_casts import MOD as CAT_CASTS, per_piece_row_max
@@ -70,6 +74,7 @@ from .rewrite import insert_traced, replace_with_traced
 CACHED_WEIGHT = "cached weight (FP8 copy remade whenever the weight's content changes)"
 
 log = logging.getLogger("loka")
+aten = torch.ops.aten
 
 
 def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
@@ -86,6 +91,8 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
             restore_original(site.node, operands(site.node)[1])
             _report_saved_operands_of_high_precision(site)
             continue
+        if site.fold:
+            site.node = _fold_batch(site.node, site.fold)
         node = site.node
         a, b, bias, _ = operands(node)
         spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
@@ -151,6 +158,24 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     for views in dangling:
         _erase_unused_views(views)
     return lowered
+
+
+def _fold_batch(node: torch.fx.Node, fold: str) -> torch.fx.Node:
+    """A bmm/baddbmm that `find_sites.batch_fold` found to be one 2-D GEMM (`fold`: why),
+    rewritten as that mm/addmm over A viewed [B * M, K] (a copy where A's rows do not merge:
+    fused into A's cast), B's one matrix and the bias as a vector, its output viewed back
+    [B, M, N]. Returns the mm/addmm node."""
+    a, b, bias, _ = operands(node)
+    matrix = b if fold == FOLD_SINGLE else broadcast_matrix(b)
+
+    def folded(a, matrix, *bias):
+        k, n = matrix.shape[-2], matrix.shape[-1]
+        rows, weight = a.reshape(-1, k), matrix.reshape(k, n)
+        out = torch.addmm(bias[0].reshape(-1), rows, weight) if bias else torch.mm(rows, weight)
+        return out.view(a.shape[0], a.shape[1], n)
+
+    inserted = replace_with_traced(node, folded, [a, matrix] + ([] if bias is None else [bias]))
+    return next(n for n in inserted if n.op == "call_function" and n.target in (aten.mm.default, aten.addmm.default))
 
 
 def _read_pre_norm_value(chain: Chain, pre: torch.fx.Node, chains: list) -> None:

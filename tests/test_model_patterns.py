@@ -287,9 +287,11 @@ def test_mmoe_with_einsum_experts_trains():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     report = loka_compile.report(compiled)
     assert not any(g.fallback for g in report.graphs), str(report)
-    # einsum("bd,edh->ebh") is one bmm over a batch of 1: [1, batch, d] @ [1, d, experts * h]
-    experts = [s for s in report.sites if s.module == "" and s.batch == 1]  # the root module
+    # einsum("bd,edh->ebh") is one bmm over a batch of 1, [1, batch, d] @ [1, d, experts * h],
+    # which find_sites folds into a 2-D site (no batch)
+    experts = [s for s in report.sites if s.module == "" and s.op == "bmm" and s.batch is None]  # the root module
     assert {s.role for s in experts} == {"fwd", "wgrad"}, report.table()
+    assert all(s.shape == (64, 64, 4 * 64) for s in experts), report.table()  # batch x d @ d x (experts * h)
 
 
 class NormDropoutRanker(nn.Module):

@@ -1,6 +1,6 @@
 """The public-model suite (benchmarks/public): every model of its registry, built with the
-published library's own class (deepctr-torch, torch-rechub) at the tiny preset, trains
-one step under torch.compile(backend="loka") (emulated FP8 on CPU) against eager, from
+published library's own class (deepctr-torch, torch-rechub) or written here in the public
+style (Wukong, MaskNet: written_here.py), at the tiny preset, trains one step under torch.compile(backend="loka") (emulated FP8 on CPU) against eager, from
 the same initial weights on the same batch.
 
 loka runs with {"probe_steps": 0}: its FP8 variant from the first call (with the default
@@ -129,6 +129,23 @@ def test_registry_covers_the_model_families():
     assert production.num_sparse >= 26 and 64 <= production.embed_dim <= 128 and production.batch == 8192
     assert 1024 <= max(production.tower) <= 4096
     assert PRESETS["tiny"].batch == 32
+
+
+def test_models_written_here_are_marked_apart_from_library_models():
+    """Wukong and MaskNet (in no library) are written here in the public style: named
+    public_style.*, library "written-here", origin WRITTEN_HERE; every other entry is a
+    library's own class."""
+    from benchmarks.public.models import LIBRARY, PRESETS, REGISTRY, WRITTEN_HERE
+    written = {n for n, e in REGISTRY.items() if e.origin == WRITTEN_HERE}
+    assert written == {"public_style.Wukong", "public_style.MaskNet", "public_style.MaskNet_serial"}
+    for name, entry in REGISTRY.items():
+        if name in written:
+            assert entry.library == "written-here" and entry.cls.startswith("benchmarks.public.written_here.")
+        else:
+            assert entry.origin == LIBRARY and entry.library in ("deepctr-torch", "torch-rechub"), name
+    # the production Wukong runs [B, 64, 128] between its layers, as the public Wukong the issue profiled
+    p = PRESETS["production"]
+    assert (2 * p.wukong_fields, p.embed_dim) == (64, 128)
 
 
 @pytest.mark.parametrize("name", ["deepctr_torch.DeepFM", "torch_rechub.MMOE", "torch_rechub.BST",

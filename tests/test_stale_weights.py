@@ -200,14 +200,17 @@ def test_a_failing_fingerprint_kernel_falls_back_to_the_reference(monkeypatch, c
 
 
 class BatchedProjection(nn.Module):
-    """A weight broadcast over the batch for a bmm, as attention layers project a sequence."""
+    """A weight broadcast over the batch for a baddbmm, as attention layers project a
+    sequence, with a bias per batch: a batched GEMM find_sites does not fold into a 2-D one
+    (a bare bmm of a broadcast weight is folded, and its weight cached as any 2-D one's)."""
 
-    def __init__(self, d=32, n=48):
+    def __init__(self, d=32, n=48, batch=5):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(n, d) / d ** 0.5)
+        self.bias = nn.Parameter(torch.randn(batch, 1, n) / 10)
 
     def forward(self, x):
-        return torch.bmm(x, self.weight.t().expand(x.shape[0], -1, -1)).relu()
+        return torch.baddbmm(self.bias, x, self.weight.t().expand(x.shape[0], -1, -1)).relu()
 
 
 def test_an_expanded_weight_keeps_its_cast_in_the_graph():

@@ -1,6 +1,8 @@
 """Registry of public recommendation models, built with the published libraries' own model
 classes as they ship (nothing copied or edited), at a size preset, with synthetic batches
-in each library's input format and the loss each library trains them with.
+in each library's input format and the loss each library trains them with; and, marked
+apart (origin WRITTEN_HERE, library "written-here"), models in no library that
+written_here.py writes in the public style.
 
 Libraries (the `public` extra):
 - deepctr-torch 0.3.0: a model takes one float tensor X [B, columns], the feature columns
@@ -21,7 +23,8 @@ Libraries (the `public` extra):
   fbgemm-gpu-cpu 1.9.0 was built against another torch: undefined symbol
   torch::autograd::_wrap_outputs), so no entry uses it.
 
-MaskNet is in neither library (the zoo has one: benchmarks.zoo's `masknet`).
+MaskNet and Wukong are in neither library: `written_here.py` writes them in the public style
+(registry origin WRITTEN_HERE, names `public_style.*`), independently from their papers.
 
 Under torch.compile every model but three traces into one graph (Dynamo counts the same
 graph breaks under any backend): deepctr-torch's DIN and DIEN slice X with bounds read
@@ -64,7 +67,8 @@ from torch import nn
 
 from benchmarks.zoo import Batch, DataSpec, SyntheticRecsysData, criteo_like_spec
 
-__all__ = ["Preset", "PRESETS", "Entry", "REGISTRY", "MODEL_NAMES", "PublicBench", "PublicData", "build",
+__all__ = ["Preset", "PRESETS", "Entry", "REGISTRY", "MODEL_NAMES", "LIBRARY", "WRITTEN_HERE", "PublicBench",
+           "PublicData", "build",
            "MissingLibrary", "import_deepctr", "library_versions", "clone_model", "count_parameters",
            "gemm_flops_per_sample", "prediction", "LOSSES"]
 
@@ -82,7 +86,11 @@ class Preset:
     dnn_hidden_units, rechub mlp dims, two-tower towers before their `embed_dim` output);
     `expert`: multi-task experts; `head`: task towers, gate hidden layers, attention MLPs;
     `init_std`: deepctr-torch's init_std (embeddings and DNN weights), `embed_std`:
-    torch-rechub's embedding RandomNormal std."""
+    torch-rechub's embedding RandomNormal std. Models written here (written_here.py):
+    Wukong's `wukong_layers`, `wukong_fields` (its factorization machine and linear
+    compression blocks each output that many fields), `fm_rank` (the FM projection's rank k), `dense_fields`
+    (embeddings made of the dense features); MaskNet's `mask_blocks` blocks of
+    `mask_width`."""
 
     name: str
     num_sparse: int
@@ -104,6 +112,12 @@ class Preset:
     negatives: int
     init_std: float
     embed_std: float
+    wukong_layers: int
+    wukong_fields: int
+    fm_rank: int
+    dense_fields: int
+    mask_blocks: int
+    mask_width: int
 
 
 PRESETS: dict[str, Preset] = {
@@ -111,14 +125,18 @@ PRESETS: dict[str, Preset] = {
     # batch 32: small enough that all models compile under loka in about 2 minutes on a core.
     "tiny": Preset("tiny", num_sparse=4, max_rows=1000, embed_dim=16, tower=(64, 32), expert=(32,), head=(16,),
                    batch=32, seq_len=4, item_rows=500, cross_layers=1, attn_layers=1, heads=2, experts=2,
-                   low_rank=16, cin=(32, 32), afn_ltl=16, negatives=4, init_std=0.1, embed_std=0.1),
+                   low_rank=16, cin=(32, 32), afn_ltl=16, negatives=4, init_std=0.1, embed_std=0.1,
+                   wukong_layers=2, wukong_fields=16, fm_rank=16, dense_fields=12, mask_blocks=2, mask_width=32),
     # Criteo-shaped: 26 one-hot tables of 128 (rows capped at 20k each: these libraries train
     # dense embedding gradients with dense Adam over every row, the same cost in every config,
     # so larger tables only dilute the GEMMs), 13 dense, towers 4096-2048-1024, batch 8192.
+    # Wukong as its paper's Table 5 row (8 layers, nF = nL = 32, k = 24: [B, 64, 128] between layers),
+    # MaskNet 4 parallel blocks of 1024.
     "production": Preset("production", num_sparse=26, max_rows=20_000, embed_dim=128, tower=(4096, 2048, 1024),
                          expert=(2048, 1024), head=(1024,), batch=8192, seq_len=32, item_rows=100_000,
                          cross_layers=3, attn_layers=3, heads=2, experts=4, low_rank=256, cin=(256, 256),
-                         afn_ltl=256, negatives=32, init_std=0.02, embed_std=0.05),
+                         afn_ltl=256, negatives=32, init_std=0.02, embed_std=0.05,
+                         wukong_layers=8, wukong_fields=32, fm_rank=24, dense_fields=6, mask_blocks=4, mask_width=1024),
 }
 
 
@@ -447,6 +465,22 @@ def _rh_youtube(p, spec, device, seed):
                                                temperature=0.02)
 
 
+# ------------------------------------------------------------------ builders: written here in the public style
+
+
+def _wh_wukong(p, spec, device, seed):
+    from .written_here import Wukong
+    return Wukong(list(spec.table_rows), spec.num_dense, p.embed_dim, p.dense_fields, p.wukong_layers,
+                  p.wukong_fields, p.wukong_fields, p.fm_rank, fm_hidden=p.expert, top_hidden=p.tower,
+                  init_std=p.embed_std)
+
+
+def _wh_masknet(p, spec, device, seed, parallel=True):
+    from .written_here import MaskNet
+    return MaskNet(list(spec.table_rows), spec.num_dense, p.embed_dim, p.mask_blocks, p.mask_width,
+                   top_hidden=p.tower, parallel=parallel, init_std=p.embed_std)
+
+
 # ------------------------------------------------------------------ registry
 
 
@@ -456,7 +490,8 @@ class Entry:
     (interaction | multi_task | sequence | retrieval), `api` (deepctr: one tensor X; rechub:
     a dict), `loss` (a key of LOSSES), `builder(preset, spec, device, seed)`, what its data
     needs beyond the zoo's (`extras`: sequence, neg_history, conversion, retrieval_items),
-    and a note on how it is configured."""
+    a note on how it is configured, and `origin`: LIBRARY for a published library's own
+    class, WRITTEN_HERE for a model written here in the public style (written_here.py)."""
 
     name: str
     library: str
@@ -467,6 +502,7 @@ class Entry:
     builder: Callable
     extras: frozenset = frozenset()
     note: str = ""
+    origin: str = "library"
 
     @property
     def sequence(self) -> bool:
@@ -485,6 +521,14 @@ def _deepctr(name, family="interaction", loss="ctr", extras=(), note="", builder
 def _rechub(module, name, builder, family, loss="ctr", extras=(), note="") -> Entry:
     return Entry(f"torch_rechub.{name}", "torch-rechub", f"torch_rechub.models.{module}.{name}", family, "rechub",
                  loss, builder, frozenset(extras), note)
+
+
+LIBRARY, WRITTEN_HERE = "library", "written here in the public style"
+
+
+def _written_here(name, builder, note) -> Entry:
+    return Entry(f"public_style.{name}", "written-here", f"benchmarks.public.written_here.{name.split('_')[0]}",
+                 "interaction", "rechub", "ctr", builder, frozenset(), note, WRITTEN_HERE)
 
 
 _ENTRIES = [
@@ -529,6 +573,12 @@ _ENTRIES = [
     _rechub("matching", "DSSM", _rh_dssm, "retrieval", note="point-wise BCE on the towers' cosine"),
     _rechub("matching", "YoutubeDNN", _rh_youtube, "retrieval", loss="listwise", extras=("retrieval_items",),
             note="list-wise softmax over the positive and sampled negatives, temperature 0.02"),
+    # ---- written here in the public style (in no library)
+    _written_here("Wukong", _wh_wukong, "x.permute(0, 2, 1) @ W projections (bare Parameters), LayerNorm over d of "
+                                        "cat(FMB, LCB) + residual, Linear-BatchNorm1d-ReLU-Dropout MLPs"),
+    _written_here("MaskNet", _wh_masknet, "parallel MaskBlocks on field-wise LayerNormed embeddings, then an MLP"),
+    _written_here("MaskNet_serial", lambda p, spec, device, seed: _wh_masknet(p, spec, device, seed, parallel=False),
+                  "serial MaskBlocks, block on block"),
 ]
 
 REGISTRY: dict[str, Entry] = {e.name: e for e in _ENTRIES}

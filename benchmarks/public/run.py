@@ -38,7 +38,9 @@ Per row:
   `out_relerr_x_bf16`, that as a multiple of eager bf16's in the same mode;
 - `fp8_flop_share`: loka rows, the FP8 sites' share of the GEMM FLOPs loka found (sites of
   concrete shape, loka_compile.report), with the site counts and any graph loka had to
-  run in high precision (`loka_fallbacks`);
+  run in high precision (`loka_fallbacks`); `seen_flop_share`, the share of the GEMM FLOPs
+  in loka's graphs that it made sites of (the rest, `unseen_gemms` by op: attention
+  kernels, convolutions; benchmarks.public.coverage audits every model);
 - `graph_breaks`: Dynamo's graph breaks while the row ran (library code it cannot trace),
   with the reasons, and `graphs` (Dynamo's unique graphs).
 
@@ -142,17 +144,16 @@ def _sync(cuda: bool) -> None:
 
 def fp8_summary(compiled) -> dict:
     """FP8 share of the GEMM FLOPs loka found (2 M K N per site, times a bmm's batch; sites
-    with a symbolic dim left out), site counts, fallbacks and the report's first line."""
+    with a symbolic dim left out), the share of the GEMM FLOPs in loka's graphs that it
+    made sites of (`seen_flop_share`; the rest: GEMM ops no site covers, `unseen_gemms`, by
+    op, see benchmarks.public.coverage), site counts, fallbacks and the report's first line."""
     import loka_compile
+    from benchmarks.public.coverage import loka_coverage
     report = loka_compile.report(compiled)
-    total = fp8 = 0
-    for s in report.sites:
-        dims = (*s.shape, s.batch if s.batch is not None else 1)
-        if all(isinstance(d, int) for d in dims):
-            m, k, n, b = dims
-            total += 2 * m * k * n * b
-            fp8 += 2 * m * k * n * b if s.fp8 else 0
-    return {"fp8_flop_share": fp8 / total if total else None, "fp8_sites": sum(s.fp8 for s in report.sites),
+    covered = loka_coverage(report)
+    total, fp8 = covered["loka_flops"], covered["fp8_flops"]
+    return {"fp8_flop_share": fp8 / total if total else None, "seen_flop_share": covered["seen_share"],
+            "unseen_gemms": covered["unseen"] or None, "fp8_sites": sum(s.fp8 for s in report.sites),
             "sites": len(report.sites), "loka_graphs": len(report.graphs),
             "loka_fallbacks": [f"{g.name}: {g.fallback}" for g in report.graphs if g.fallback],
             "loka_summary": str(report).splitlines()[0] if report.sites else None}
@@ -177,7 +178,8 @@ def _base_row(setup: Setup, mode: str, cfg_name: str, args) -> dict:
             "first_steps": args.first_steps, "first_steps_s": None, "first_steps_x_inductor": None,
             "out_relerr": None, "out_relerr_x_bf16": None, "error_ref": None, "out_relerr_failed": None,
             "loss_first": None, "heldout_loss": None, "heldout_loss_fp32": None,
-            "fp8_flop_share": None, "fp8_sites": None, "sites": None, "loka_graphs": None, "loka_fallbacks": None,
+            "fp8_flop_share": None, "seen_flop_share": None, "unseen_gemms": None, "fp8_sites": None, "sites": None,
+            "loka_graphs": None, "loka_fallbacks": None,
             "loka_summary": None, "graph_breaks": None, "graph_break_reasons": None, "graphs": None,
             "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
             "gemm_gflops_per_sample": setup.train_gflops if mode == "train" else setup.infer_gflops,
@@ -386,6 +388,7 @@ def environment(device: torch.device, args) -> dict:
             "out_relerr": "held-out batch prediction vs an fp32 eager copy of the row's weights",
             "out_relerr_x_bf16": "out_relerr / error_ref's out_relerr",
             "fp8_flop_share": "loka rows: FP8 sites' share of GEMM FLOPs (loka_compile.report, concrete shapes)",
+            "seen_flop_share": "loka rows: share of the GEMM FLOPs in loka's graphs that are sites",
             "graph_breaks": "Dynamo graph breaks while the row ran (compiled rows)",
         },
     }
@@ -394,7 +397,8 @@ def environment(device: torch.device, args) -> dict:
 def format_markdown(env: dict, rows: list[dict]) -> str:
     from tabulate import tabulate
     cols = ["model", "mode", "config", "step ms", "vs Inductor bf16", "out err", "err x bf16", "FP8 FLOPs",
-            "first steps s", "x Inductor", "graph breaks", "GEMM share", "ceiling 1.6x", "largest non-GEMM", "error"]
+            "GEMM FLOPs seen", "first steps s", "x Inductor", "graph breaks", "GEMM share", "ceiling 1.6x",
+            "largest non-GEMM", "error"]
     table = []
     for r in rows:
         err = r.get("error") or ""
@@ -402,6 +406,7 @@ def format_markdown(env: dict, rows: list[dict]) -> str:
         table.append([r["model"], r["mode"], r["config"], _fmt(r.get("step_ms"), ".3f"),
                       _fmt(r.get("speedup_vs_inductor_bf16"), ".2f"), _fmt(r.get("out_relerr"), ".2e"),
                       _fmt(r.get("out_relerr_x_bf16"), ".2f"), "" if share is None else f"{100 * share:.0f}%",
+                      "" if r.get("seen_flop_share") is None else f"{100 * r['seen_flop_share']:.0f}%",
                       _fmt(r.get("first_steps_s"), ".2f"), _fmt(r.get("first_steps_x_inductor"), ".2f"),
                       "" if r.get("graph_breaks") is None else str(r["graph_breaks"]),
                       _fmt(r.get("gemm_share"), ".2f"), _fmt(r.get("ceiling_1p6x"), ".2f"), _largest_non_gemm(r),
@@ -415,7 +420,8 @@ def format_markdown(env: dict, rows: list[dict]) -> str:
             "step ms: median step (train: forward + loss + backward + Adam; infer: forward); vs Inductor bf16: "
             "Inductor bf16's step time / the row's (same mode where the run has it); out err: held-out "
             "prediction vs an fp32 eager copy of the row's weights, err x bf16 that over eager bf16's; "
-            "FP8 FLOPs: loka's FP8 share of GEMM FLOPs; first steps s: wall time of the first steps, "
+            "FP8 FLOPs: loka's FP8 share of GEMM FLOPs; GEMM FLOPs seen: the share of the GEMM FLOPs in loka's "
+            "graphs it made sites of; first steps s: wall time of the first steps, "
             "compiles included, x Inductor against Inductor bf16's. bf16 = autocast.",
             ""]
     return "\n".join(head) + tabulate(table, headers=cols, tablefmt="github") + "\n"
@@ -438,7 +444,7 @@ def write_outputs(path: Path, env: dict, rows: list[dict]) -> None:
 
 def select_models(spec: str) -> list[str]:
     """'all', or a comma list of names, families (interaction, sequence, multi_task,
-    retrieval) and libraries (deepctr-torch, torch-rechub)."""
+    retrieval) and libraries (deepctr-torch, torch-rechub, written-here)."""
     if spec.strip() == "all":
         return list(MODEL_NAMES)
     out = []
@@ -449,7 +455,8 @@ def select_models(spec: str) -> list[str]:
             names = [n for n, e in REGISTRY.items() if item in (e.family, e.library)]
             if not names:
                 raise SystemExit(f"unknown model, family or library {item!r}; models: {', '.join(MODEL_NAMES)}; "
-                                 f"families: {', '.join(FAMILIES)}; libraries: deepctr-torch, torch-rechub")
+                                 f"families: {', '.join(FAMILIES)}; libraries: deepctr-torch, torch-rechub, "
+                                 f"written-here (models written here in the public style)")
         out += [n for n in names if n not in out]
     return out
 

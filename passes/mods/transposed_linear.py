@@ -7,7 +7,9 @@ the backward follows from the forward.
 Matches, in a Dynamo graph, a linear (`torch._C._nn.linear`, `F.linear`, `aten.linear`,
 an `nn.Linear` call_module node) whose input is x.transpose(1, 2) of a 3-D x (also written
 transpose(-1, -2), transpose(2, 1), permute(0, 2, 1), torch.transpose/torch.permute, with
-an optional .contiguous()):
+an optional .contiguous()), and the same product written `x.permute(0, 2, 1) @ W` or
+`torch.matmul(x.transpose(1, 2), W)` with W a 2-D weight (a bare nn.Parameter, [n, N]:
+the linear of weight W^T), as public Wukong code writes its projections:
 
     xt = x.transpose(1, 2)        # [B, d, n]          y_t = bmm(W.unsqueeze(0).expand(B, N, n), x)   # [B, N, d]
     y  = linear(xt, W, b)         # [B, d, N]    ->    y_t = y_t + b.unsqueeze(-1)                     # with a bias
@@ -62,6 +64,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import operator
 
 import torch
 
@@ -77,6 +80,7 @@ log = logging.getLogger("loka.passes")
 MIN_OUTPUT_WIDTH = 16
 
 _TRANSPOSES = {torch.transpose, torch.swapaxes, torch.swapdims}
+_MATMULS = {operator.matmul, torch.matmul}
 _PASS_THROUGH_METHODS = {"contiguous"}
 
 
@@ -122,7 +126,9 @@ def _hint(size):
     return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
-def _decline_reason(x, weight, bias) -> "str | None":
+def _decline_reason(x, weight, bias, weight_in_out: bool = False) -> "str | None":
+    """Why the linear of x^T by `weight` ([out, in]; [in, out] with `weight_in_out`, as a
+    matmul reads it) is not rewritten, else None."""
     value = example_value(x)
     if not isinstance(value, torch.Tensor) or value.dim() != 3:
         return "not_3d"
@@ -135,7 +141,7 @@ def _decline_reason(x, weight, bias) -> "str | None":
         return "narrow_output"
     if value.stride(1) == 1 and value.shape[1] > 1:
         return "transposed_input"  # xt is contiguous already
-    out_features, in_features = (_hint(s) for s in weight.shape)
+    out_features, in_features = (_hint(s) for s in (reversed(weight.shape) if weight_in_out else weight.shape))
     if weight.requires_grad and torch.is_grad_enabled() and None not in (out_features, in_features) \
             and out_features * in_features > int(d) * (in_features + out_features):
         return "wide_weight_gradient"
@@ -150,11 +156,14 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
     inputs = dict(zip(placeholders, example_inputs))
     todo = []
     for node in list(gm.graph.nodes):
+        matmul = False
         if node.op == "call_function" and node.target in LINEARS:
             x_t, w_node, b_node = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
             call_module = ""
         elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
             x_t, w_node, b_node, call_module = arg(node, 0, "input"), None, None, node.target
+        elif _weight_matmul(gm, node, inputs):
+            (x_t, w_node), b_node, call_module, matmul = node.args, None, "", True
         else:
             continue
         x = _transposed_source(x_t)
@@ -163,6 +172,8 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
         module = node.target if call_module else module_of(node)
         if excluded(module, exclude_modules):
             reason = "excluded_module"
+        elif matmul:
+            reason = _decline_reason(x, tensor_of(gm, w_node, inputs)[0], None, weight_in_out=True)
         else:
             if call_module:
                 linear = gm.get_submodule(call_module)
@@ -180,11 +191,11 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
             result.declined[reason] += 1
             log.debug("transposed_linear: %s (%s) declined: %s", node.name, module or "<root>", reason)
             continue
-        todo.append((module, (node, x, w_node, b_node, call_module, module)))
+        todo.append((module, (node, x, w_node, b_node, call_module, module, matmul)))
 
     def rewrite_one(item: tuple) -> None:
-        node, x, w_node, b_node, call_module, module = item
-        _rewrite(gm, node, x, w_node, b_node, call_module)
+        node, x, w_node, b_node, call_module, module, matmul = item
+        _rewrite(gm, node, x, w_node, b_node, call_module, weight_in_out=matmul)
         log.debug("transposed_linear: %s (%s) now W @ x", node.name, module or "<root>")
 
     rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
@@ -192,7 +203,17 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
     return result
 
 
-def _rewrite(gm, node, x, w_node, b_node, call_module: str) -> None:
+def _weight_matmul(gm, node, inputs: dict) -> bool:
+    """Whether `node` is `a @ W` (operator.matmul, torch.matmul) of a 2-D weight W: an
+    nn.Parameter input of the graph or a get_attr."""
+    if node.op != "call_function" or node.target not in _MATMULS or len(node.args) != 2 or node.kwargs \
+            or not isinstance(node.args[1], torch.fx.Node):
+        return False
+    weight, is_weight = tensor_of(gm, node.args[1], inputs)
+    return is_weight and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def _rewrite(gm, node, x, w_node, b_node, call_module: str, weight_in_out: bool = False) -> None:
     graph = gm.graph
     with graph.inserting_before(node):
         if call_module:
@@ -200,6 +221,12 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str) -> None:
             has_bias = gm.get_submodule(call_module).bias is not None
             b_node = graph.get_attr(f"{call_module}.bias") if has_bias else None
         attrs = [n for n in (w_node, b_node) if call_module and n is not None]
+        if weight_in_out:  # x^T @ W is the linear of x^T by W^T
+            w_node = graph.call_method("t", (w_node,))
+            attrs.append(w_node)
+        # Under autocast the linear cast W to x's dtype itself; the bmm's example value needs it written
+        w_node = graph.call_method("type_as", (w_node, x))
+        attrs.append(w_node)
         batch = graph.call_method("size", (x, 0))
         expanded = graph.call_method("expand", (graph.call_method("unsqueeze", (w_node, 0)), batch, -1, -1))
         out = graph.call_function(torch.bmm, (expanded, x))
