@@ -168,7 +168,7 @@ def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
     MaskNet's calibration measured k 3.5 on the H100), the prediction is scaled by k. Sites the budget can
     no longer afford, largest s * e first, lose their static scale and stay in high precision."""
     budget = record.output_budget
-    if budget is None or not config.max_output_error:
+    if budget is None or not config.output_budget_on:
         return
     errors = {sid: row_errors.get(sid, e) for sid, e in budget.error.items()
               if sid not in budget.kept and sid not in plan.unsafe}
@@ -176,13 +176,15 @@ def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
         return
     k = output_budget.measured_scale(budget)
     labels = {sid: "static scale" for sid in row_errors}
-    kept, before, after = output_budget.keep_within(budget.sensitivity, errors, config.max_output_error, labels,
-                                                    scale=k)
-    for sid, detail in kept.items():
+    weighed = output_budget.keep_within(budget.sensitivity, errors,
+                                        budget.budget if budget.judged_outputs != "none" else None, labels, scale=k,
+                                        heads=tuple(budget.heads), ne_budget=budget.ne_budget,
+                                        budget_text=budget.describe_budget())
+    for sid, detail in weighed.kept.items():
         _keep_in_high_precision(plan, sid, errors[sid], detail)
     log.info("loka calibrate: %s: output budget as calibrated (static scales, prediction x %.2g): predicted "
              "output discrepancy %.3g -> %.3g, %d more site(s) kept in high precision",
-             record.name, k, before, after, len(kept))
+             record.name, k, weighed.before, weighed.after, len(weighed.kept))
 
 
 def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, decision, metric: str) -> float:

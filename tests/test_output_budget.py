@@ -23,6 +23,9 @@ from numerics import rel_error
 SENSITIVITY_RTOL = 0.05
 D = 64        # planted model: width and batch
 SMALL = 1e-3  # the planted insensitive site's scale
+# The absolute budget that was the default before the relative one (the planted model's
+# fc1 alone contributes about 0.036, above it; fc2 3.5e-5, below).
+ABSOLUTE = {"max_output_error": 0.003}
 
 
 class PlantedSensitivity(nn.Module):
@@ -76,7 +79,7 @@ def _perturb_nodes(record, kind=GraphKind.INFERENCE) -> int:
 def test_planted_sensitivities_and_the_budget_keeps_the_sensitive_site(store, caplog):
     model, x = PlantedSensitivity(), torch.randn(D, D)
     with caplog.at_level(logging.INFO, logger="loka"):
-        compiled, out = _run(model, {}, x=x)  # the default budget, 0.003
+        compiled, out = _run(model, ABSOLUTE, x=x)
     sites = _sites(compiled)
     expected = _analytic(model, x)
     # measured: fc1 0.989 (analytic 1.000), fc2 9.68e-4 (analytic 1.00e-3)
@@ -100,7 +103,7 @@ def test_planted_sensitivities_and_the_budget_keeps_the_sensitive_site(store, ca
         assert rel_error(model(x).double(), out) <= 0.003
     summary = loka_compile.report(compiled).summary()
     assert "output budget g0: predicted output discrepancy" in summary and "1 of 2 forward site(s) kept" in summary
-    assert "g0: output budget 0.003" in caplog.text and "kept in high precision: " + sites["fc1"].id in caplog.text
+    assert "g0: output budget max_output_error 0.003" in caplog.text and "kept in high precision: " + sites["fc1"].id in caplog.text
     # the extra runs observed nothing: two observations per site, the window's
     assert all(store.observed(k) == 2 for k in store.keys())
 
@@ -203,7 +206,7 @@ def test_a_failing_check_after_compile_logs_and_the_model_runs(store, caplog, mo
     monkeypatch.setattr(backend.LokaCompiledGraph, "_predicted_as_compiled", fail)
     model, x = PlantedSensitivity(), torch.randn(D, D)
     with caplog.at_level(logging.WARNING, logger="loka"):
-        compiled, out = _run(model, {}, x=x)
+        compiled, out = _run(model, ABSOLUTE, x=x)
     assert "measuring the FP8 variant's output failed (RuntimeError: planted failure)" in caplog.text
     assert not _sites(compiled)["fc1"].fp8 and _sites(compiled)["fc2"].fp8  # the budget's picks stand
     assert loka_compile.report(compiled).graphs[0].measured_output_error is None
@@ -213,7 +216,7 @@ def test_a_failing_check_after_compile_logs_and_the_model_runs(store, caplog, mo
 def test_rechecks_run_the_perturb_ops_inert_and_keep_the_budgets_sites(store, caplog):
     model, x = PlantedSensitivity(), torch.randn(D, D)
     compiled = torch.compile(model, backend="loka",
-                             options={"recipe": "rowwise", "probe_steps": 2, "recheck_every": 2})
+                             options={"recipe": "rowwise", "probe_steps": 2, "recheck_every": 2, **ABSOLUTE})
     outs = {}
     with torch.no_grad(), caplog.at_level(logging.INFO, logger="loka"):
         reference = model(x).double()
@@ -230,9 +233,10 @@ def _understated_run(monkeypatch, caplog, budget, refit):
     three sites (each s * e about 0.036) go FP8, and the FP8 variant measures about 0.06."""
     measure = backend.LokaCompiledGraph._measure_sensitivities
 
-    def understated(self, args, sites):
-        runs, reference, sensitivity, seconds, count = measure(self, args, sites)
-        return runs, reference, {sid: s / 20 for sid, s in sensitivity.items()}, seconds, count
+    def understated(self, *args):
+        measured = measure(self, *args)
+        measured["sensitivity"] = {sid: s / 20 for sid, s in measured["sensitivity"].items()}
+        return measured
 
     monkeypatch.setattr(backend.LokaCompiledGraph, "_measure_sensitivities", understated)
     torch.manual_seed(0)
@@ -276,7 +280,7 @@ def test_by_default_a_missed_prediction_is_only_logged(store, caplog, monkeypatc
 @pytest.mark.usefixtures("fresh_compile_state")
 def test_saved_plan_keeps_the_budgets_verdict(store, tmp_path):
     model, x = PlantedSensitivity(), torch.randn(D, D)
-    compiled, _ = _run(model, {}, x=x)
+    compiled, _ = _run(model, ABSOLUTE, x=x)
     fc1 = _sites(compiled)["fc1"]
     plan = loka_compile.save_plan(compiled, tmp_path / "plan.json")
     assert fc1.id in plan.unsafe and "output budget" in plan.sites[fc1.id].detail
@@ -292,11 +296,11 @@ def test_saved_plan_keeps_the_budgets_verdict(store, tmp_path):
 def test_budget_arithmetic():
     sensitivity = {"a": 1.0, "b": 0.5, "c": 1e-3}
     error = {"a": 0.04, "b": 0.04, "c": 0.04}
-    kept, before, after = output_budget.keep_within(sensitivity, error, 0.03)
-    assert before == pytest.approx((0.04 ** 2 + 0.02 ** 2 + 4e-5 ** 2) ** 0.5)
-    assert list(kept) == ["a"] and after == pytest.approx((0.02 ** 2 + 4e-5 ** 2) ** 0.5)
-    assert output_budget.keep_within(sensitivity, error, 1.0)[0] == {}
-    assert list(output_budget.keep_within({"a": float("nan"), "b": 1.0}, {"a": 0.01, "b": 0.04}, 0.05)[0]) == ["a"]
+    weighed = output_budget.keep_within(sensitivity, error, 0.03)
+    assert weighed.before == pytest.approx((0.04 ** 2 + 0.02 ** 2 + 4e-5 ** 2) ** 0.5)
+    assert list(weighed.kept) == ["a"] and weighed.after == pytest.approx((0.02 ** 2 + 4e-5 ** 2) ** 0.5)
+    assert output_budget.keep_within(sensitivity, error, 1.0).kept == {}
+    assert list(output_budget.keep_within({"a": float("nan"), "b": 1.0}, {"a": 0.01, "b": 0.04}, 0.05).kept) == ["a"]
     ref = [torch.ones(4), torch.ones(2, 2)]
     assert output_budget.discrepancy([torch.full((4,), 1.1), torch.ones(2, 2)], ref) == pytest.approx(0.2 / 8 ** 0.5)
     with pytest.raises(ValueError, match="not finite"):
@@ -305,7 +309,8 @@ def test_budget_arithmetic():
 
 @pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True, "0.003"])
 def test_bad_budget_values_raise(value):
-    with pytest.raises(ValueError, match="max_output_error must be a positive finite number, or None or 0 for off"):
+    with pytest.raises(ValueError, match="max_output_error must be a positive finite number, 'relative', or None "
+                                         "or 0 for off"):
         LokaConfig(max_output_error=value)
     assert LokaConfig(max_output_error=0).max_output_error is None
-    assert LokaConfig().max_output_error == 0.003
+    assert LokaConfig().max_output_error == "relative" and LokaConfig().relative_budget
