@@ -318,9 +318,10 @@ def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: st
     `rel_error` and `mere` of the chosen candidate (`kernels/metrics.py`: rel_error is
     the mean over sampled rows of each row's relative error), and, for a tensorwise site,
     `rel_error_rowwise` (rowwise e4m3, the recipe the Probe may upgrade it to);
-    `bf16_rel_error`, the row relative error of the same product in bf16 (operands and
-    output rounded to bf16, exact accumulation); `informative`, False when the sampled rows
-    of A or B are all zero (every candidate then measures 0 error)."""
+    `bf16_rel_error` (forward sites: no gradient operand), the row relative error of the
+    same product in bf16 (operands and output rounded to bf16, exact accumulation);
+    `informative`, False when the sampled rows of A or B are all zero (every candidate
+    then measures 0 error)."""
     a, b = a.detach(), b.detach()
     k = a.shape[-1]
     a3 = a.reshape(-1, a.shape[-2], k)
@@ -346,9 +347,6 @@ def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: st
             "sqnr_db": metrics.sqnr_db_tensor(ref, got).float(),
         }
     chosen = candidate_name(scaling, a_format, b_format)
-    # bf16 operands, fp32 accumulation, a bf16 output: the rounding the model's own bf16
-    # arithmetic gives this GEMM (the output budget's noise floor).
-    bf16 = reference_gemm(a_s.bfloat16(), b_s.bfloat16()).bfloat16()
     a_stats = operand_statistics(a.reshape(-1, k))
     b_stats = operand_statistics(b.transpose(-1, -2).reshape(-1, k))
     stats = {
@@ -359,11 +357,15 @@ def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: st
         "operands": {"a": a_stats, "b": b_stats},
         "candidates": candidates,
         "chosen": chosen,
-        "bf16_rel_error": metrics.row_rel_error_tensor(ref, bf16).float(),
         # An all-zero operand sample makes every product exact: such an observation says
         # nothing of the site's error, so the store does not count it (0-d bool).
         "informative": (amax_along(a_s) != 0) & (amax_along(b_s) != 0),
     }
+    if not (a_is_grad or b_is_grad):
+        # bf16 operands, exact accumulation, a bf16 output: the rounding the model's own bf16
+        # arithmetic gives this forward GEMM (the output budget's noise floor).
+        bf16 = reference_gemm(a_s.bfloat16(), b_s.bfloat16()).bfloat16()
+        stats["bf16_rel_error"] = metrics.row_rel_error_tensor(ref, bf16).float()
     if Scaling(scaling) is Scaling.TENSORWISE:
         stats["rel_error_rowwise"] = candidates[candidate_name(Scaling.ROWWISE, Fp8Format.E4M3,
                                                                 Fp8Format.E4M3)]["rel_error"]
