@@ -640,7 +640,10 @@ class LokaCompiledGraph:
     def __call__(self, *args):
         record = self.record
         if record.phase == "probe" and self.calls >= record.config.probe_steps:
-            self._close_probe_window(args)
+            if self._close_probe_window(args) == "wait":  # no finite output to budget on: not observed either
+                self.calls += 1
+                with loka_ops.observers_off():
+                    return self.variants["probe"](*args)
         if self._rechecking:  # the re-check call's backward has run by now, observers and all
             self._rechecking = False
             self._close_recheck()
@@ -704,14 +707,15 @@ class LokaCompiledGraph:
         self._first_runs.add(id(plain))
         return out
 
-    def _close_probe_window(self, args: Optional[tuple] = None) -> None:
+    def _close_probe_window(self, args: Optional[tuple] = None) -> Optional[str]:
         """Judge the observed sites, apply the output budget on `args` (the closing call's
         arguments; without them, as when `calibrate` closes a window, it does not act),
-        compile the FP8 variant."""
+        compile the FP8 variant. Returns "wait" when it did none of it: every output of this
+        call is non-finite and the budget waits for the next (`_budget_reference`)."""
         record = self.record
         prepared = self._budget_reference(args)
         if prepared == "wait":
-            return  # the window stays open for this call (`_budget_reference`)
+            return prepared  # the window stays open for this call (`_budget_reference`)
         ids = {s.key: s.id for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites}
         keys = list(ids)
         # probe.verdicts logs each verdict with every scaling's bound.
@@ -770,7 +774,10 @@ class LokaCompiledGraph:
             return None
         if reference and not bool(output_budget.finite_mask(reference).any()):
             self._budget_waits += 1
-            if self._budget_waits <= BUDGET_WAIT_CALLS:
+            dist = torch.distributed
+            # Ranks close their windows at the same call (`_decide_once`): none may wait alone.
+            alone = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            if self._budget_waits <= BUDGET_WAIT_CALLS and not alone:
                 log.warning("loka: %s: output budget: every output of call %d is non-finite; the probe window stays "
                             "open and the budget is computed at the next finite call", record.name, self.calls + 1)
                 return "wait"

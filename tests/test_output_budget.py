@@ -477,3 +477,6 @@ def test_an_all_nan_close_waits_for_the_next_finite_call(store, caplog):
     assert "the probe window stays open" in caplog.text
     assert report.graphs[0].phase == "fp8" and report.graphs[0].output_budget.deferred_calls == 1
     assert "after waiting 1 call(s) for a finite output" in report.summary()
+    # the NaN call was not observed: the verdicts rest on the window's finite calls
+    assert all(store.observed(k) == 2 for k in store.keys())
+    assert all(s.reason != "probe_unsafe" or "output budget" in s.detail for s in report.sites)
