@@ -269,7 +269,8 @@ def _floats(text: str) -> list:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--zoo", default="dlrm_dcnv2,wukong,masknet", help="comma list of benchmarks.zoo models")
-    p.add_argument("--public", default="deepctr_torch.DeepFM,deepctr_torch.DCN", help="comma list of benchmarks.public models")
+    p.add_argument("--public", default="deepctr_torch.DeepFM,deepctr_torch.DCN",
+                   help="comma list of benchmarks.public models")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch", type=int, default=None, help="default: the preset's")
     p.add_argument("--steps", type=int, default=500, help="training steps before held-out NE")

@@ -833,10 +833,11 @@ class LokaCompiledGraph:
         heads = "".join(f"; {name}: predicted relative NE increase {decided.ne_before[name]:.3g} -> "
                         f"{decided.ne_predicted[name]:.3g} (max_ne_increase {decided.ne_budget:g})"
                         for name in decided.ne_predicted)
+        floor = decided.floor
         log.info("%s: output budget %s (noise floor %.3g: predicted %.3g, measured %s): predicted output discrepancy "
                  "%.3g -> %.3g%s; %d of %d forward site(s) kept in high precision%s (sensitivities: %d runs, %.2f s)",
-                 record.name, decided.describe_budget(), decided.floor.value, decided.floor.predicted,
-                 f"{decided.floor.measured:.3g}" if decided.floor.measured is not None else decided.floor.why_unmeasured,
+                 record.name, decided.describe_budget(), floor.value, floor.predicted,
+                 f"{floor.measured:.3g}" if floor.measured is not None else floor.why_unmeasured,
                  decided.predicted_before, decided.predicted, heads, len(decided.kept), len(decided.sensitivity),
                  f": {', '.join(decided.kept)}" if decided.kept else "", decided.runs, decided.seconds)
         if decided.below_floor:

@@ -349,8 +349,8 @@ def _within_predicted_ne(plan: Plan, budgets: list, tolerance: float) -> None:
     while predicted() > tolerance and order:
         sid = order.pop(0)
         _keep_in_high_precision(plan, sid, _site_error(budgets, sid),
-                                f"calibrate: predicted relative NE increase {predicted():.3g} > tolerance {tolerance:g} "
-                                "(no labels); the largest budget share")
+                                f"calibrate: predicted relative NE increase {predicted():.3g} > tolerance "
+                                f"{tolerance:g} (no labels); the largest budget share")
         backed_off.append(sid)
     plan.task_metric = {"metric": "predicted relative NE increase", "before": before, "after": predicted(),
                         "tolerance": tolerance, "backed_off": backed_off, "measured": False}

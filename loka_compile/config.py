@@ -331,7 +331,8 @@ def _check_positive_number(name: str, value) -> float:
 
 
 def _check_off_or_positive(name: str, value, also: str = "") -> Optional[float]:
-    """None or 0 (off, normalized to None), else a positive finite number (`also`: other valid values, for the error)."""
+    """None or 0 (off, normalized to None), else a positive finite number (`also`: other
+    valid values, named in the error)."""
     if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real) and value == 0):
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
