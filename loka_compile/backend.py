@@ -1206,10 +1206,14 @@ class _SideRuns:
 
     def run_eager(self, gm: torch.fx.GraphModule, dtype: torch.dtype) -> list:
         """The floating outputs of the Dynamo graph run eagerly on copies of the arguments,
-        every floating one in `dtype`."""
-        args = [a.detach().to(dtype, copy=True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                for a in self.args]
-        return self.run(gm, args)
+        every floating one in `dtype` but those that carry integers past bf16's exact range
+        (ids in a float tensor, as deepctr-torch passes them): bf16 would change the ids."""
+        def cast(a):
+            if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
+                return a
+            ids = a.numel() > 0 and bool((a == a.round()).all()) and float(a.abs().max()) > BF16_EXACT_INTEGERS
+            return a.detach().clone() if ids else a.detach().to(dtype, copy=True)
+        return self.run(gm, [cast(a) for a in self.args])
 
 
 def _rng_state() -> tuple:
@@ -1238,6 +1242,8 @@ BUDGET_WAIT_CALLS = 8
 # The measured noise floor copies the graph's floating inputs once in fp32 and once in bf16;
 # above this many bytes of copies the predicted floor stands alone.
 FLOOR_RUN_MAX_BYTES = 2 << 30
+# bf16 holds every integer up to 2^8 exactly (8 significand bits).
+BF16_EXACT_INTEGERS = 256
 
 # FP8 variants a re-checking graph keeps, one per set of verdicts, so that a site whose bound
 # hovers at the budget costs a switch rather than a compile at each re-check.

@@ -480,3 +480,25 @@ def test_an_all_nan_close_waits_for_the_next_finite_call(store, caplog):
     # the NaN call was not observed: the verdicts rest on the window's finite calls
     assert all(store.observed(k) == 2 for k in store.keys())
     assert all(s.reason != "probe_unsafe" or "output budget" in s.detail for s in report.sites)
+
+
+class FloatIds(nn.Module):
+    """Ids passed in a float tensor (deepctr-torch's input format) into an embedding, then a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(1000, 64), nn.Linear(64, 64)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids.long()))
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_the_measured_floor_keeps_ids_carried_in_floats(store):
+    """The bf16 run keeps a float input that holds integers past 256 as it is: rounded to
+    bf16, ids 257-999 would look up other rows and the 'floor' would be the model's output."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (64,)).float()
+    compiled, _ = _run(FloatIds(), {}, x=ids)
+    floor = loka_compile.report(compiled).graphs[0].output_budget.floor
+    assert floor.measured is not None and 0 < floor.measured < 3 * floor.predicted, floor
