@@ -149,7 +149,7 @@ class LokaConfig:
         (the FP8 model's total sqrt(1 + k^2) F). Provisional (docs/guide.md says why and
         what measurement will set it).
     max_ne_increase: the budget of the graph's binary heads (sigmoid outputs, a
-        binary_cross_entropy_with_logits loss among the outputs, `binary_outputs`), as a
+        binary cross-entropy loss among the outputs, `binary_outputs`), as a
         relative increase of their normalized entropy predicted from the FP8 logit noise
         (no labels needed). Other outputs keep the discrepancy budget. Provisional, as
         noise_floor_multiple. None or 0: binary heads are judged by the discrepancy

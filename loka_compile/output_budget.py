@@ -316,10 +316,11 @@ def measured_scale(budget: OutputBudget) -> float:
 
 
 # Dynamo-graph ops whose output is a probability of a binary event, and those of a binary
-# cross-entropy loss on logits; ops a loss passes through on its way to the output (sums,
-# weights, the mean of several heads' losses).
+# cross-entropy loss (on logits or on probabilities); ops a loss passes through on its way to
+# the output (sums, weights, the mean of several heads' losses).
 _SIGMOIDS = {torch.sigmoid, torch.special.expit, torch.nn.functional.sigmoid, "sigmoid", "sigmoid_"}
-_BCE_WITH_LOGITS = {torch.nn.functional.binary_cross_entropy_with_logits, torch.binary_cross_entropy_with_logits}
+_BINARY_LOSSES = {torch.nn.functional.binary_cross_entropy_with_logits, torch.binary_cross_entropy_with_logits,
+                  torch.nn.functional.binary_cross_entropy}
 _LOSS_ARITHMETIC = {"add", "mul", "truediv", "div", "sum", "mean", "__add__", "__mul__", "__truediv__", "sub",
                     "__radd__", "__rmul__", "iadd", "imul", "stack", "cat"}
 
@@ -328,12 +329,12 @@ def _op_name(node: torch.fx.Node):
     if node.op == "call_method":
         return node.target
     if node.op == "call_function":
-        return node.target if node.target in _SIGMOIDS | _BCE_WITH_LOGITS else getattr(node.target, "__name__", "")
+        return node.target if node.target in _SIGMOIDS | _BINARY_LOSSES else getattr(node.target, "__name__", "")
     return None
 
 
 def _is_bce_loss(node: torch.fx.Node) -> bool:
-    """A 0-d output reached from a binary_cross_entropy_with_logits through loss arithmetic only."""
+    """A 0-d output reached from binary cross-entropies through loss arithmetic only."""
     stack, seen, found = [node], set(), False
     while stack:
         current = stack.pop()
@@ -341,7 +342,7 @@ def _is_bce_loss(node: torch.fx.Node) -> bool:
             continue
         seen.add(current)
         name = _op_name(current)
-        if name in _BCE_WITH_LOGITS:
+        if name in _BINARY_LOSSES:
             found = True
         elif name in _LOSS_ARITHMETIC:
             stack.extend(n for n in current.all_input_nodes)
@@ -367,7 +368,7 @@ def _under(node: torch.fx.Node, prefixes: tuple) -> bool:
 
 def head_kinds(gm: torch.fx.GraphModule, prefixes: tuple = ()) -> list:
     """Per floating output of a Dynamo graph (in `float_outputs` order): PROBABILITY for a
-    sigmoid's output, LOSS for a 0-d binary cross-entropy-with-logits loss, LOGIT for the
+    sigmoid's output, LOSS for a 0-d binary cross-entropy loss, LOGIT for the
     output of a module under one of `prefixes` (`binary_outputs`), else None."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     kinds = []

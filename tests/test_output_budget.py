@@ -502,3 +502,20 @@ def test_the_measured_floor_keeps_ids_carried_in_floats(store):
     compiled, _ = _run(FloatIds(), {}, x=ids)
     floor = loka_compile.report(compiled).graphs[0].output_budget.floor
     assert floor.measured is not None and 0 < floor.measured < 3 * floor.predicted, floor
+
+
+def test_head_kinds_of_a_dynamo_graph():
+    """Found in the graph: a sigmoid's output, 0-d BCE losses (on logits or probabilities,
+    summed), a named head's logits through a squeeze; other outputs are not heads."""
+    head = nn.Linear(8, 1)
+
+    def f(x, y):
+        logits = head(x).squeeze(-1)
+        p = torch.sigmoid(logits)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, y) + \
+            nn.functional.binary_cross_entropy(p, y)
+        return loss, p, logits, x * 2
+
+    gm = torch._dynamo.export(f)(torch.randn(4, 8), torch.rand(4)).graph_module
+    kinds = output_budget.head_kinds(gm)
+    assert kinds == ["loss", "probability", None, None]
