@@ -854,7 +854,9 @@ class LokaCompiledGraph:
         start = time.perf_counter()
         variant = self.variants["probe"]
         kinds = output_budget.head_kinds(self._source.gm, config.binary_outputs) if self._source.kept else []
-        if len(kinds) != len(reference):
+        if len(kinds) == len(runs.float_leaves):  # the reference run's output leaves
+            kinds = [kind for kind, floating in zip(kinds, runs.float_leaves) if floating]
+        else:
             kinds = [None] * len(reference)  # outputs not as the Dynamo graph lists them: no heads known
         heads_on = bool(config.max_ne_increase) and any(kinds)
         heads = [(i, kind) for i, kind in enumerate(kinds) if kind] if heads_on else []
@@ -1183,6 +1185,7 @@ class _SideRuns:
 
     def __init__(self, args):
         self.args = args
+        self.float_leaves = []
         self.rng = _rng_state()
         self.inputs = [(a, a.detach().clone(), a._version) for a in args
                        if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
@@ -1194,7 +1197,9 @@ class _SideRuns:
         try:
             _set_rng_state(self.rng)
             with torch.no_grad(), loka_ops.observers_off():
-                return output_budget.float_outputs(variant(*(self.args if args is None else args)))
+                out = variant(*(self.args if args is None else args))
+                self.float_leaves = output_budget.float_leaf_mask(out)  # which output leaves the list holds
+                return output_budget.float_outputs(out)
         finally:
             _set_rng_state(caller)
             with torch.no_grad():

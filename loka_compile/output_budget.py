@@ -130,8 +130,13 @@ class OutputBudget:
 
 def float_outputs(out) -> list:
     """The floating tensors among a graph's outputs (any nesting), detached copies."""
-    leaves = torch.utils._pytree.tree_leaves(out)
-    return [t.detach().clone() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t.detach().clone() for t, floating in zip(torch.utils._pytree.tree_leaves(out), float_leaf_mask(out))
+            if floating]
+
+
+def float_leaf_mask(out) -> list:
+    """Per leaf of a graph's outputs (any nesting): whether it is a floating tensor."""
+    return [isinstance(t, torch.Tensor) and t.is_floating_point() for t in torch.utils._pytree.tree_leaves(out)]
 
 
 def _flat(tensors: list) -> torch.Tensor:
@@ -367,19 +372,19 @@ def _under(node: torch.fx.Node, prefixes: tuple) -> bool:
 
 
 def head_kinds(gm: torch.fx.GraphModule, prefixes: tuple = ()) -> list:
-    """Per floating output of a Dynamo graph (in `float_outputs` order): PROBABILITY for a
-    sigmoid's output, LOSS for a 0-d binary cross-entropy loss, LOGIT for the
-    output of a module under one of `prefixes` (`binary_outputs`), else None."""
+    """Per output leaf of a Dynamo graph (as `float_leaf_mask` lists them): PROBABILITY for
+    a sigmoid's output, LOSS for a 0-d binary cross-entropy loss, LOGIT for the output of a
+    module under one of `prefixes` (`binary_outputs`), else None."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     kinds = []
     for leaf in torch.utils._pytree.tree_leaves(output.args[0]):
         value = leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else None
-        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
-            continue
         kind = None
-        if _op_name(leaf) in _SIGMOIDS:
+        if not isinstance(leaf, torch.fx.Node):
+            pass
+        elif _op_name(leaf) in _SIGMOIDS:
             kind = PROBABILITY
-        elif value.dim() == 0 and _is_bce_loss(leaf):
+        elif isinstance(value, torch.Tensor) and value.dim() == 0 and _is_bce_loss(leaf):
             kind = LOSS
         elif prefixes and _under(_through_views(leaf), prefixes):
             kind = LOGIT

@@ -514,8 +514,8 @@ def test_head_kinds_of_a_dynamo_graph():
         p = torch.sigmoid(logits)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, y) + \
             nn.functional.binary_cross_entropy(p, y)
-        return loss, p, logits, x * 2
+        return loss, p, logits, x * 2, x.shape[0]
 
     gm = torch._dynamo.export(f)(torch.randn(4, 8), torch.rand(4)).graph_module
     kinds = output_budget.head_kinds(gm)
-    assert kinds == ["loss", "probability", None, None]
+    assert kinds == ["loss", "probability", None, None, None]
