@@ -819,8 +819,7 @@ class LokaCompiledGraph:
             try:
                 return self._budget_verdicts(sites, measured)
             except Exception as error:  # noqa: BLE001
-                log.warning("loka: %s: output budget failed (%s: %s); the per-site verdicts stand",
-                            record.name, type(error).__name__, error)
+                self._skip_budget(f"weighing the sites failed ({type(error).__name__}: {error})")
                 return None
 
         decided = _decide_once(decide)

@@ -192,6 +192,8 @@ def test_a_failing_sensitivity_step_logs_and_keeps_todays_decisions(store, caplo
     with caplog.at_level(logging.WARNING, logger="loka"):
         compiled, out = _run(model, {}, x=x, calls=4)
     assert "measuring the sites' sensitivities failed (RuntimeError: planted failure)" in caplog.text
+    assert "output budget g0: not applied (measuring the sites' sensitivities failed" in \
+        loka_compile.report(compiled).summary()
     sites = _sites(compiled)
     assert all(s.fp8 and s.sensitivity is None for s in sites.values())  # the per-site verdicts: both FP8
     assert loka_compile.report(compiled).graphs[0].output_budget is None
