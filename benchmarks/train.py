@@ -308,6 +308,7 @@ def loka_site_summary(model: nn.Module) -> dict:
         fp8_total[0] += s.fp8
         fp8_total[1] += 1
     casts = [c.split(" (")[0].split(" into ")[0] for s in report.sites for c in s.casts.values()]
+    flops = report._flops()  # 2 M K N (x a bmm's batch); None for a symbolic dim
     return {
         "fp8_per_role": by_role,
         "reasons": dict(collections.Counter(s.reason for s in report.sites)),
@@ -316,7 +317,8 @@ def loka_site_summary(model: nn.Module) -> dict:
         "predicted_saving_ms": predicted_saving_ms(report.sites),
         "mods": report.mods,
         "sites": [{"name": s.name, "role": s.role, "shape": [str(d) for d in s.shape], "fp8": s.fp8,
-                   "provider": s.provider, "reason": s.reason, "casts": s.casts, "detail": s.detail}
+                   "provider": s.provider, "reason": s.reason, "casts": s.casts, "detail": s.detail,
+                   "flops": flops[id(s)]}
                   for s in report.sites],
     }
 

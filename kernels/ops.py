@@ -317,7 +317,11 @@ def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: st
     site's own candidate; and, for current readers, `a_amax`, `b_amax`, `a_rms`, `b_rms`,
     `rel_error` and `mere` of the chosen candidate (`kernels/metrics.py`: rel_error is
     the mean over sampled rows of each row's relative error), and, for a tensorwise site,
-    `rel_error_rowwise` (rowwise e4m3, the recipe the Probe may upgrade it to)."""
+    `rel_error_rowwise` (rowwise e4m3, the recipe the Probe may upgrade it to);
+    `bf16_rel_error` (forward sites: no gradient operand), the row relative error of the
+    same product in bf16 (operands and output rounded to bf16, exact accumulation);
+    `informative`, False when the sampled rows of A or B are all zero (every candidate
+    then measures 0 error)."""
     a, b = a.detach(), b.detach()
     k = a.shape[-1]
     a3 = a.reshape(-1, a.shape[-2], k)
@@ -353,7 +357,15 @@ def gemm_statistics(a: torch.Tensor, b: torch.Tensor, scaling: str, a_format: st
         "operands": {"a": a_stats, "b": b_stats},
         "candidates": candidates,
         "chosen": chosen,
+        # An all-zero operand sample makes every product exact: such an observation says
+        # nothing of the site's error, so the store does not count it (0-d bool).
+        "informative": (amax_along(a_s) != 0) & (amax_along(b_s) != 0),
     }
+    if not (a_is_grad or b_is_grad):
+        # bf16 operands, exact accumulation, a bf16 output: the rounding the model's own bf16
+        # arithmetic gives this forward GEMM (the output budget's noise floor).
+        bf16 = reference_gemm(a_s.bfloat16(), b_s.bfloat16()).bfloat16()
+        stats["bf16_rel_error"] = metrics.row_rel_error_tensor(ref, bf16).float()
     if Scaling(scaling) is Scaling.TENSORWISE:
         stats["rel_error_rowwise"] = candidates[candidate_name(Scaling.ROWWISE, Fp8Format.E4M3,
                                                                 Fp8Format.E4M3)]["rel_error"]
@@ -490,24 +502,27 @@ PERTURB_DELTA = 0.2
 # the model's RNG.
 _PERTURB_SEED = 0x5E45
 _perturbed_site: list[Optional[str]] = [None]
+_perturb_sign = [1.0]
 
 
 @contextlib.contextmanager
-def perturbing(site: Optional[str]):
-    """Switch `perturb` on for one site key while inside (None: none, the default)."""
-    saved = _perturbed_site[0]
-    _perturbed_site[0] = site
+def perturbing(site: Optional[str], sign: float = 1.0):
+    """Switch `perturb` on for one site key while inside (None: none, the default); sign
+    -1 applies the mirrored noise 1 - PERTURB_DELTA * z (a pair of runs at +z and -z
+    cancels the first-order change, leaving the second-order one)."""
+    saved = _perturbed_site[0], _perturb_sign[0]
+    _perturbed_site[0], _perturb_sign[0] = site, float(sign)
     try:
         yield
     finally:
-        _perturbed_site[0] = saved
+        _perturbed_site[0], _perturb_sign[0] = saved
 
 
 def _perturb_noise(out: torch.Tensor) -> torch.Tensor:
-    """1 + PERTURB_DELTA * z, z ~ N(0, 1) from the fixed seed, fp32, out's shape."""
+    """1 + sign * PERTURB_DELTA * z, z ~ N(0, 1) from the fixed seed, fp32, out's shape."""
     generator = torch.Generator(device=out.device).manual_seed(_PERTURB_SEED)
     z = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32)
-    return 1 + PERTURB_DELTA * z
+    return 1 + _perturb_sign[0] * PERTURB_DELTA * z
 
 
 @torch.library.custom_op("loka::perturb", mutates_args=(), tags=_TAGS)

@@ -98,6 +98,7 @@ class GraphRecord:
     mod_results: dict = dataclasses.field(default_factory=dict)
     fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
     output_budget: Optional[OutputBudget] = None  # what max_output_error measured and kept, when it acted
+    output_budget_skipped: str = ""  # why the output budget did not act on this graph, when it was on
     amax_guards: Optional[AmaxGuards] = None  # the tensorwise sites' run-time amax check (amax_guard.py)
     warned: bool = False
 
@@ -133,7 +134,7 @@ class LokaPostGradPass(CustomGraphPass):
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=decide,
                           inactive_mods=record.config.inactive_mods, static_a_scales=static,
-                          perturb_outputs=self.phase == "probe" and bool(record.config.max_output_error),
+                          perturb_outputs=self.phase == "probe" and record.config.output_budget_on,
                           speed_check=record.config.speed_check, time_chain=speed.chain_timing,
                           providers=tuple(record.config.providers or ()))
         if self.phase == "fp8" and record.amax_guards is not None:
@@ -567,6 +568,7 @@ class LokaCompiledGraph:
         self.record = record
         self.param_input_indices = weight_input_indices(gm, example_inputs)
         self.calls = 0
+        self._budget_waits = 0  # calls the output budget waited for a finite output (`_budget_reference`)
         self._rechecking = False  # the last call ran the probe variant for a re-check
         self._builds = collections.OrderedDict()  # verdict signature -> _Fp8Build, most recent last
         tracing_context = torch._guards.TracingContext.try_get()
@@ -615,7 +617,10 @@ class LokaCompiledGraph:
     def __call__(self, *args):
         record = self.record
         if record.phase == "probe" and self.calls >= record.config.probe_steps:
-            self._close_probe_window(args)
+            if self._close_probe_window(args) == "wait":  # no finite output to budget on: not observed either
+                self.calls += 1
+                with loka_ops.observers_off():
+                    return self.variants["probe"](*args)
         if self._rechecking:  # the re-check call's backward has run by now, observers and all
             self._rechecking = False
             self._close_recheck()
@@ -679,11 +684,15 @@ class LokaCompiledGraph:
         self._first_runs.add(id(plain))
         return out
 
-    def _close_probe_window(self, args: Optional[tuple] = None) -> None:
+    def _close_probe_window(self, args: Optional[tuple] = None) -> Optional[str]:
         """Judge the observed sites, apply the output budget on `args` (the closing call's
         arguments; without them, as when `calibrate` closes a window, it does not act),
-        compile the FP8 variant."""
+        compile the FP8 variant. Returns "wait" when it did none of it: every output of this
+        call is non-finite and the budget waits for the next (`_budget_reference`)."""
         record = self.record
+        prepared = self._budget_reference(args)
+        if prepared == "wait":
+            return prepared  # the window stays open for this call (`_budget_reference`)
         ids = {s.key: s.id for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites}
         keys = list(ids)
         # probe.verdicts logs each verdict with every scaling's bound.
@@ -691,7 +700,7 @@ class LokaCompiledGraph:
         # Kept by stable id in the graph's own plan: the FP8 variant's sites have the same ids.
         record.plan.unsafe.update(unsafe)
         record.plan.upgraded.update(upgraded)
-        measured = self._apply_output_budget(args)
+        measured = self._apply_output_budget(args, prepared)
         _PROBING.discard(self)
         if record.config.amax_guard:
             record.amax_guards = AmaxGuards.of_window(record.name, self._observed_sites(), self._tensorwise_sites())
@@ -724,15 +733,49 @@ class LokaCompiledGraph:
                 if site.role is Role.FWD and site.key in ctx.decisions
                 and ctx.decisions[site.key].reason is Reason.PROBING and probe.STORE.observed(site.key)}
 
-    def _apply_output_budget(self, args) -> Optional[tuple]:
+    def _budget_reference(self, args):
+        """(side runs, reference outputs) of the probe variant on the closing call's
+        arguments for the output budget, None when it does not act, or "wait": every
+        floating output of this call is non-finite (a NaN batch), so the window stays open
+        and the budget is computed at the next call whose outputs are partly finite (up to
+        BUDGET_WAIT_CALLS calls; then the window closes without it, logged and reported).
+        A partly non-finite output is judged on its finite elements."""
+        record = self.record
+        if not record.config.output_budget_on or args is None or not self._budget_sites():
+            return None
+        try:
+            runs = _SideRuns(args)
+            reference = runs.run(self.variants["probe"])
+        except Exception as error:  # noqa: BLE001  (the budget must never cost the model its call)
+            self._skip_budget(f"running the probe variant failed ({type(error).__name__}: {error})")
+            return None
+        if reference and not bool(output_budget.finite_mask(reference).any()):
+            self._budget_waits += 1
+            dist = torch.distributed
+            # Ranks close their windows at the same call (`_decide_once`): none may wait alone.
+            alone = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            if self._budget_waits <= BUDGET_WAIT_CALLS and not alone:
+                log.warning("loka: %s: output budget: every output of call %d is non-finite; the probe window stays "
+                            "open and the budget is computed at the next finite call", record.name, self.calls + 1)
+                return "wait"
+            self._skip_budget(f"the outputs of {self._budget_waits} calls in a row were all non-finite")
+            return None
+        return runs, reference
+
+    def _skip_budget(self, why: str) -> None:
+        self.record.output_budget_skipped = why
+        log.warning("loka: %s: output budget not applied: %s; the per-site verdicts stand", self.record.name, why)
+
+    def _apply_output_budget(self, args, prepared=None) -> Optional[tuple]:
         """Measure each forward site's sensitivity on `args` and keep in high precision,
-        largest contribution first, the sites whose predicted output discrepancy the
-        budget cannot afford (in the plan's unsafe verdicts, the budget in their detail).
-        Returns (side runs, reference outputs) for `_verify_output_budget`, or None when
-        the budget is off or did not act. Never raises: a failure logs a warning and leaves
-        the per-site verdicts as they are."""
+        largest contribution first, the sites whose predicted output discrepancy (or a
+        binary head's predicted NE increase) the budget cannot afford (in the plan's
+        unsafe verdicts, the budget in their detail). `prepared`: `_budget_reference`'s.
+        Returns (side runs, reference outputs, judged) for `_verify_output_budget`, or None
+        when the budget is off or did not act. Never raises: a failure logs a warning and
+        leaves the per-site verdicts as they are."""
         record, config = self.record, self.record.config
-        if not config.max_output_error:
+        if not config.output_budget_on:
             return None
         sites = self._budget_sites()
         if not sites:
@@ -741,101 +784,187 @@ class LokaCompiledGraph:
         if args is None:
             log.info("%s: output budget not applied: the probe window closed without a call to measure on",
                      record.name)
-        else:
+        elif prepared is not None:
             try:
-                measured = self._measure_sensitivities(args, sites)
+                measured = self._measure_sensitivities(args, sites, *prepared)
             except Exception as error:  # noqa: BLE001  (the budget must never cost the model its call)
-                log.warning("loka: %s: output budget: measuring the sites' sensitivities failed (%s: %s); "
-                            "the per-site verdicts stand", record.name, type(error).__name__, error)
+                self._skip_budget(f"measuring the sites' sensitivities failed ({type(error).__name__}: {error})")
 
         def decide():  # on rank 0 when distributed; must not raise there, the other ranks wait for it
             if measured is None:
                 return None
             try:
-                return self._budget_verdicts(sites, measured[2], measured[3], measured[4])
+                return self._budget_verdicts(sites, measured)
             except Exception as error:  # noqa: BLE001
-                log.warning("loka: %s: output budget failed (%s: %s); the per-site verdicts stand",
-                            record.name, type(error).__name__, error)
+                self._skip_budget(f"weighing the sites failed ({type(error).__name__}: {error})")
                 return None
 
         decided = _decide_once(decide)
         if decided is None:
             return None
+        decided.deferred_calls = self._budget_waits
         record.output_budget = decided
         for sid in decided.kept:
             record.plan.unsafe[sid] = decided.error[sid]
-        log.info("%s: output budget %g: predicted output discrepancy %.3g -> %.3g; %d of %d forward site(s) kept "
-                 "in high precision%s (sensitivities: %d runs, %.2f s)", record.name, decided.budget,
-                 decided.predicted_before, decided.predicted, len(decided.kept), len(decided.sensitivity),
+        heads = "".join(f"; {name}: predicted relative NE increase {decided.ne_before[name]:.3g} -> "
+                        f"{decided.ne_predicted[name]:.3g} (max_ne_increase {decided.ne_budget:g})"
+                        for name in decided.ne_predicted)
+        floor = decided.floor
+        log.info("%s: output budget %s (noise floor %.3g: predicted %.3g, measured %s): predicted output discrepancy "
+                 "%.3g -> %.3g%s; %d of %d forward site(s) kept in high precision%s (sensitivities: %d runs, %.2f s)",
+                 record.name, decided.describe_budget(), floor.value, floor.predicted,
+                 f"{floor.measured:.3g}" if floor.measured is not None else floor.why_unmeasured,
+                 decided.predicted_before, decided.predicted, heads, len(decided.kept), len(decided.sensitivity),
                  f": {', '.join(decided.kept)}" if decided.kept else "", decided.runs, decided.seconds)
-        return (measured[0], measured[1]) if measured is not None else None
+        if decided.below_floor:
+            log.warning("loka: %s: max_output_error %g is below the graph's noise floor %.3g: bf16 itself would not "
+                        "meet it", record.name, decided.budget, decided.floor.value)
+        return measured["runs"], measured["reference"], measured["judged"]
 
-    def _measure_sensitivities(self, args, sites: dict) -> tuple:
-        """(side runs, reference outputs, {site id: sensitivity}, seconds, runs): the probe
-        variant once as it is, then once per site with noise at that site's output."""
+    def _measure_sensitivities(self, args, sites: dict, runs: "_SideRuns", reference: list) -> dict:
+        """The probe variant once per site with noise at that site's output (twice, at +z and
+        -z, where a loss is among the binary heads): per site its sensitivity over the
+        judged outputs and each binary head's second-order loss change; and the measured
+        noise floor."""
+        record, config = self.record, self.record.config
         start = time.perf_counter()
-        runs = _SideRuns(args)
         variant = self.variants["probe"]
-        reference = runs.run(variant)
-        output_budget.check_reference(reference)
-        sensitivity = {}
+        kinds = output_budget.head_kinds(self._source.gm, config.binary_outputs) if self._source.kept else []
+        if len(kinds) == len(runs.float_leaves):  # the reference run's output leaves
+            kinds = [kind for kind, floating in zip(kinds, runs.float_leaves) if floating]
+        else:
+            kinds = [None] * len(reference)  # outputs not as the Dynamo graph lists them: no heads known
+        heads_on = bool(config.max_ne_increase) and any(kinds)
+        heads = [(i, kind) for i, kind in enumerate(kinds) if kind] if heads_on else []
+        other = [i for i, kind in enumerate(kinds) if not kind or not heads_on]
+        judged = other if other else list(range(len(reference)))
+        select = lambda outputs: [outputs[i] for i in judged]  # noqa: E731
+        finite = output_budget.finite_mask(select(reference))
+        output_budget.check_reference(select(reference), finite)
+        records = [output_budget.measure_head(f"output {i} ({kind})", kind, reference[i]) for i, kind in heads]
+        sensitivity, runs_made = {}, 1
         for key, sid in sites.items():
             with loka_ops.perturbing(key):
-                sensitivity[sid] = output_budget.discrepancy(runs.run(variant), reference) / loka_ops.PERTURB_DELTA
-        return runs, reference, sensitivity, time.perf_counter() - start, len(sites) + 1
+                out = runs.run(variant)
+            mirrored = None
+            if any(kind == output_budget.LOSS for _, kind in heads):
+                with loka_ops.perturbing(key, sign=-1):
+                    mirrored = runs.run(variant)
+                runs_made += 1
+            runs_made += 1
+            sensitivity[sid] = output_budget.discrepancy(select(out), select(reference), finite) \
+                / loka_ops.PERTURB_DELTA
+            for head, (i, kind) in zip(records, heads):
+                head.per_site[sid] = output_budget.second_order_loss(
+                    kind, reference[i], out[i], mirrored[i] if mirrored is not None else None)
+        floor_measured, why = self._measure_floor(runs, judged, finite)
+        return {"runs": runs, "reference": reference, "judged": (judged, finite), "sensitivity": sensitivity,
+                "heads": records, "judge_d": bool(other), "floor_measured": floor_measured, "why": why,
+                "finite_fraction": float(finite.double().mean()) if finite.numel() else 1.0,
+                "seconds": time.perf_counter() - start, "runs_made": runs_made,
+                "judged_outputs": "all" if not heads else ("other than the binary heads" if other else "none")}
 
-    def _budget_verdicts(self, sites: dict, sensitivity: dict, seconds: float, runs: int) -> OutputBudget:
+    def _measure_floor(self, runs: "_SideRuns", judged: list, finite) -> tuple:
+        """(measured noise floor or None, why not): the Dynamo graph run eagerly with its
+        floating inputs in bf16 against the same in fp32, on the closing call's arguments
+        (copies). Only where that is cheap and means something: a graph that holds no
+        parameters of its own (they would keep their dtype) and sets no autocast (it would
+        override both runs), with inputs under FLOOR_RUN_MAX_BYTES."""
+        gm = self._source.gm
+        if gm is None:
+            return None, "the graph's source is gone"
+        if any(n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "") for n in gm.graph.nodes):
+            return None, "the graph sets its own precision (autocast)"
+        if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
+            return None, "the graph holds parameters of its own"
+        floating = [a for a in runs.args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        if sum(a.numel() for a in floating) * 6 > FLOOR_RUN_MAX_BYTES:  # an fp32 and a bf16 copy
+            return None, "its inputs are too large to copy"
+        try:
+            high = [o.double() for o in runs.run_eager(gm, torch.float32)]
+            low = runs.run_eager(gm, torch.bfloat16)
+            if len(high) != len(low) or max(judged, default=-1) >= len(high):
+                return None, "its eager outputs differ from the compiled ones"
+            select = lambda outputs: [outputs[i] for i in judged]  # noqa: E731
+            return output_budget.discrepancy(select(low), select(high), output_budget.finite_mask(select(high))), ""
+        except Exception as error:  # noqa: BLE001  (the prediction stands alone)
+            return None, f"the eager runs failed ({type(error).__name__}: {error})"
+
+    def _budget_verdicts(self, sites: dict, measured: dict) -> OutputBudget:
         """The budget's picks over the forward sites the per-site verdicts let go FP8, each
         with its error in the scaling it would run (its own, or its upgrade's)."""
         plan, config = self.record.plan, self.record.config
-        error, labels = {}, {}
+        sensitivity = measured["sensitivity"]
+        error, labels, bf16 = {}, {}, {}
         for key, sid in sites.items():
+            summary = probe.STORE.summary(key)
+            if math.isfinite(summary.get("mean_bf16_rel_error", math.inf)):
+                bf16[sid] = summary["mean_bf16_rel_error"]
             if sid in plan.unsafe:
                 continue
-            summary = probe.STORE.summary(key)
             target = plan.upgraded.get(sid, (None,))[0]
             candidate = probe._target_name(target) if isinstance(target, str) else summary.get("chosen")
             e = output_budget.candidate_error(summary, candidate) if candidate else None
             if e is None:  # no candidate statistics: the largest observed error
                 e = float(summary.get("max_rel_error", math.inf))
             error[sid], labels[sid] = e, (candidate or "own").split("/")[0]
-        kept, before, after = output_budget.keep_within(sensitivity, error, config.max_output_error, labels)
-        return OutputBudget(budget=config.max_output_error, sensitivity=sensitivity, error=error, kept=kept,
-                            predicted_before=before, predicted=after, seconds=seconds, runs=runs)
+        floor = output_budget.NoiseFloor(predicted=output_budget.floor_prediction(sensitivity, bf16),
+                                         measured=measured["floor_measured"], why_unmeasured=measured["why"])
+        relative = config.relative_budget
+        if relative and not floor.value > 0:
+            raise ValueError("the relative budget needs a noise floor, and none was measured or predicted")
+        budget = config.noise_floor_multiple * floor.value if relative else config.max_output_error
+        ne_budget = config.max_ne_increase if measured["heads"] else None
+        result = OutputBudget(budget=budget, sensitivity=sensitivity, error=error, kept={}, predicted_before=0.0,
+                              predicted=0.0, seconds=measured["seconds"], runs=measured["runs_made"], floor=floor,
+                              multiple=config.noise_floor_multiple if relative else None, heads=measured["heads"],
+                              ne_budget=ne_budget, judged_outputs=measured["judged_outputs"],
+                              finite_fraction=measured["finite_fraction"])
+        weighed = output_budget.keep_within(sensitivity, error, budget if measured["judge_d"] else None, labels,
+                                            heads=tuple(result.heads), ne_budget=ne_budget,
+                                            budget_text=result.describe_budget())
+        result.kept, result.predicted_before, result.predicted = weighed.kept, weighed.before, weighed.after
+        result.ne_before, result.ne_predicted = weighed.ne_before, weighed.ne_after
+        return result
 
-    def _verify_output_budget(self, runs: "_SideRuns", reference: list) -> None:
+    def _verify_output_budget(self, runs: "_SideRuns", reference: list, judged: tuple) -> None:
         """Run the FP8 variant on the closing call's arguments and record its outputs'
-        discrepancy from the probe variant's; warn when it exceeds the budget by over
-        VERIFY_SLACK (with `refit_output_budget` the sites are then weighed again, once).
-        Never raises."""
+        discrepancy from the probe variant's (over the judged outputs' finite elements);
+        warn when it exceeds the budget by over VERIFY_SLACK (with `refit_output_budget`
+        the sites are then weighed again, once). Never raises."""
         record, budget = self.record, self.record.output_budget
+        indices, finite = judged
+        select = lambda outputs: [outputs[i] for i in indices]  # noqa: E731
         try:
             budget.predicted_after = self._predicted_as_compiled()
-            budget.measured = output_budget.discrepancy(runs.run(self.variants["fp8"]), reference)
+            budget.measured = output_budget.discrepancy(select(runs.run(self.variants["fp8"])), select(reference),
+                                                        finite)
         except Exception as error:  # noqa: BLE001
             log.warning("loka: %s: output budget: measuring the FP8 variant's output failed (%s: %s)",
                         record.name, type(error).__name__, error)
             return
-        over = not budget.measured <= VERIFY_SLACK * budget.budget
+        over = budget.judged_outputs != "none" and not budget.measured <= VERIFY_SLACK * budget.budget
         log.log(logging.WARNING if over else logging.INFO,
                 "loka: %s: output discrepancy of the FP8 variant from high precision: measured %.3g, predicted %.3g "
-                "(budget max_output_error %g%s)", record.name, budget.measured, budget.predicted_after, budget.budget,
+                "(budget %s%s)", record.name, budget.measured, budget.predicted_after, budget.describe_budget(),
                 f", exceeded over {VERIFY_SLACK:g}x: the sensitivities did not predict it" if over else "")
 
     def _weigh_at_measured_scale(self) -> Optional[tuple]:
         """With `refit_output_budget`, when the FP8 variant measured over VERIFY_SLACK times
         the budget: the sites left in FP8 weighed again with the prediction scaled by what
-        it measured (`output_budget.measured_scale`), as (kept {site id: detail}, D before,
-        D after, scale); else None. Never raises (on rank 0 when distributed)."""
+        it measured (`output_budget.measured_scale`), as (Weighed, scale); else None. Never
+        raises (on rank 0 when distributed)."""
         record, budget = self.record, self.record.output_budget
         try:
             if not record.config.refit_output_budget or budget.measured is None \
-                    or budget.measured <= VERIFY_SLACK * budget.budget:
+                    or budget.judged_outputs == "none" or budget.measured <= VERIFY_SLACK * budget.budget:
                 return None
             scale = output_budget.measured_scale(budget)
             errors = {sid: e for sid, e in budget.error.items()
                       if sid not in budget.kept and sid not in record.plan.unsafe}
-            return (*output_budget.keep_within(budget.sensitivity, errors, budget.budget, scale=scale), scale)
+            return output_budget.keep_within(budget.sensitivity, errors, budget.budget, scale=scale,
+                                             heads=tuple(budget.heads), ne_budget=budget.ne_budget,
+                                             budget_text=budget.describe_budget()), scale
         except Exception as error:  # noqa: BLE001
             log.warning("loka: %s: output budget: weighing the sites again failed (%s: %s)",
                         record.name, type(error).__name__, error)
@@ -844,25 +973,26 @@ class LokaCompiledGraph:
     def _tighten_output_budget(self, weighed: Optional[tuple]) -> bool:
         """Keep in high precision the sites `_weigh_at_measured_scale` found the budget can
         no longer afford; True when there were any (the FP8 variant is compiled again, once)."""
-        if not weighed or not weighed[0]:
+        if not weighed or not weighed[0].kept:
             return False
-        kept, before, after, scale = weighed
+        weighed, scale = weighed
         record, budget = self.record, self.record.output_budget
-        for sid, detail in kept.items():
+        for sid, detail in weighed.kept.items():
             budget.kept[sid] = detail
             record.plan.unsafe[sid] = budget.error[sid]
-        budget.predicted = after
+        budget.predicted = weighed.after
         log.warning("loka: %s: output budget: the FP8 variant measured %.3g, %.2gx its prediction; weighed again "
                     "at that scale (predicted %.3g -> %.3g), %d more site(s) kept in high precision: %s; "
-                    "compiling the FP8 variant again", record.name, budget.measured, scale, before, after,
-                    len(kept), ", ".join(kept))
+                    "compiling the FP8 variant again", record.name, budget.measured, scale, weighed.before,
+                    weighed.after, len(weighed.kept), ", ".join(weighed.kept))
         return True
 
     def _predicted_as_compiled(self) -> float:
-        """D over the forward sites the FP8 variant runs in FP8, each at the scaling it runs."""
+        """D over the forward sites the FP8 variant runs in FP8, each at the scaling it runs
+        (and each binary head's predicted relative NE increase, into `ne_after`)."""
         record, budget = self.record, self.record.output_budget
         keys = {sid: key for key, sid in self._budget_sites().items()}
-        contributions = []
+        errors = {}
         for (phase, kind), ctx in record.contexts.items():
             if phase != "fp8" or kind is GraphKind.BACKWARD or kind in record.fallen_back or record.fallback:
                 continue
@@ -873,8 +1003,9 @@ class LokaCompiledGraph:
                 candidate = loka_ops.candidate_name(decision.scaling, decision.a_format, decision.b_format)
                 e = output_budget.candidate_error(probe.STORE.summary(keys[site.id]), candidate) \
                     if site.id in keys else None
-                contributions.append(budget.sensitivity[site.id] * (e if e is not None else budget.error[site.id]))
-        return output_budget.predicted(contributions)
+                errors[site.id] = e if e is not None else budget.error[site.id]
+        budget.ne_after = {head.name: sum(head.relative_increase(errors).values()) for head in budget.heads}
+        return output_budget.predicted(budget.sensitivity[sid] * e for sid, e in errors.items())
 
     def _compile_fp8(self):
         """The FP8 variant, with the plan's verdicts as they stand, in Dynamo's tracing context."""
@@ -1030,18 +1161,21 @@ class _SideRuns:
 
     def __init__(self, args):
         self.args = args
+        self.float_leaves = []
         self.rng = _rng_state()
         self.inputs = [(a, a.detach().clone(), a._version) for a in args
                        if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
                        and not a.is_inference()]
 
-    def run(self, variant) -> list:
-        """The floating outputs (copies) of variant(*args)."""
+    def run(self, variant, args=None) -> list:
+        """The floating outputs (copies) of variant(*args) (default: the call's arguments)."""
         caller = _rng_state()
         try:
             _set_rng_state(self.rng)
             with torch.no_grad(), loka_ops.observers_off():
-                return output_budget.float_outputs(variant(*self.args))
+                out = variant(*(self.args if args is None else args))
+                self.float_leaves = output_budget.float_leaf_mask(out)  # which output leaves the list holds
+                return output_budget.float_outputs(out)
         finally:
             _set_rng_state(caller)
             with torch.no_grad():
@@ -1049,6 +1183,18 @@ class _SideRuns:
                     if tensor._version != version:
                         tensor.copy_(saved)
                         self.inputs[i] = (tensor, saved, tensor._version)
+
+
+    def run_eager(self, gm: torch.fx.GraphModule, dtype: torch.dtype) -> list:
+        """The floating outputs of the Dynamo graph run eagerly on copies of the arguments,
+        every floating one in `dtype` but those that carry integers past bf16's exact range
+        (ids in a float tensor, as deepctr-torch passes them): bf16 would change the ids."""
+        def cast(a):
+            if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
+                return a
+            ids = a.numel() > 0 and bool((a == a.round()).all()) and float(a.abs().max()) > BF16_EXACT_INTEGERS
+            return a.detach().clone() if ids else a.detach().to(dtype, copy=True)
+        return self.run(gm, [cast(a) for a in self.args])
 
 
 def _rng_state() -> tuple:
@@ -1070,6 +1216,15 @@ def _set_rng_state(state: tuple) -> None:
 # sensitivities come from one noise draw per site and FP8 errors are not exactly a
 # per-element relative noise, so predictions within 1.5x are taken as agreeing.
 VERIFY_SLACK = 1.5
+
+# Calls the output budget waits, window open, for a call whose outputs are not all
+# non-finite (`_budget_reference`); after them the window closes without it, reported.
+BUDGET_WAIT_CALLS = 8
+# The measured noise floor copies the graph's floating inputs once in fp32 and once in bf16;
+# above this many bytes of copies the predicted floor stands alone.
+FLOOR_RUN_MAX_BYTES = 2 << 30
+# bf16 holds every integer up to 2^8 exactly (8 significand bits).
+BF16_EXACT_INTEGERS = 256
 
 # FP8 variants a re-checking graph keeps, one per set of verdicts, so that a site whose bound
 # hovers at the budget costs a switch rather than a compile at each re-check.

@@ -17,10 +17,13 @@ import dataclasses
 import functools
 import logging
 import math
+import os
+import tempfile
+from typing import Optional
 
 import torch
 
-from loka_compile import backend, output_budget, probe
+from loka_compile import backend, output_budget, probe, task_metrics
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import metrics
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
@@ -32,10 +35,15 @@ from loka_compile.report import plan_of
 log = logging.getLogger("loka")
 
 POLICIES = ("amax", "percentile")
+# The task metric's relative tolerance when neither `tolerance` nor max_ne_increase gives one:
+# the project's quality goal, NE within 0.1% of bf16.
+DEFAULT_TOLERANCE = 0.001
+# Task metrics `calibrate` measures with labels: NE lower is better, AUC higher.
+TASK_METRICS = ("ne", "auc")
 
 
 def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percentile: float = 99.99,
-              options=None) -> Plan:
+              options=None, labels=None, metric="ne", tolerance: Optional[float] = None) -> Plan:
     """Run `model` on `batches` under `torch.no_grad()`, compiled with backend="loka", a
     probe window of `len(batches)` calls and no speed check, and return its Plan with a
     static activation scale per inference site the Probe judged safe and FP8 can serve
@@ -68,7 +76,18 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     product in `probe_metric` (row relative error by default) is compared with
     `max_probe_error`: a site over that budget
     stays bf16 (`probe_unsafe`, its detail naming the error). Tensorwise and rowwise
-    sites get static scales; blockwise sites keep dynamic ones."""
+    sites get static scales; blockwise sites keep dynamic ones.
+
+    Task quality (`_within_task_tolerance`): with `labels` (one tensor of 0/1 labels per
+    batch, one label per prediction), the plan's `metric` on the calibration batches is
+    measured against the model's own (high-precision, eager) predictions: "ne" (normalized
+    entropy), "auc", or a callable (predictions as logits, labels) -> a loss, lower is
+    better. While the plan's is worse by more than `tolerance` (relative; default
+    `max_ne_increase`, else 0.001), its FP8 site with the largest share of the output
+    budget goes to high precision and the plan is measured again. Without labels, the
+    output budget's predicted NE increase of the graph's binary heads stands in (sites
+    backed off the same way until it is within `tolerance`). The plan's `task_metric`
+    holds the metric before and after, and the sites backed off; it is logged."""
     batches = list(batches)
     if not batches:
         raise ValueError("calibrate needs at least one batch")
@@ -79,6 +98,15 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     config = LokaConfig.from_options(options)
     if config.plan is not None:
         raise ValueError("calibrate makes a plan: leave the `plan` option unset")
+    if not (callable(metric) or metric in TASK_METRICS):
+        raise ValueError(f"metric must be one of {list(TASK_METRICS)} or a callable, got {metric!r}")
+    if labels is not None:
+        labels = list(labels)
+        if len(labels) != len(batches):
+            raise ValueError(f"labels must give one tensor per batch: {len(labels)} for {len(batches)} batches")
+    tolerance = config.max_ne_increase or DEFAULT_TOLERANCE if tolerance is None else tolerance
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
+        raise ValueError(f"tolerance must be a non-negative finite number, got {tolerance!r}")
     # No speed check: every safe site FP8 can serve gets its scale; speed is the serving compile's.
     config = dataclasses.replace(config, probe_steps=len(batches), speed_check=False)
     label = "amax" if policy == "amax" else f"percentile {float(percentile):g}"
@@ -105,6 +133,11 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
         probe.STORE.release_samples(backend.probe_site_keys(record))
     # The calibration's graphs are its own: reports of the model's later compiles leave them out.
     backend.GRAPHS[:] = [r for r in backend.GRAPHS if id(r) in known]
+    budgets = [r.output_budget for r in records if r.output_budget is not None]
+    if labels is not None:
+        _within_task_tolerance(model, batches, labels, plan, config, budgets, metric, float(tolerance))
+    else:
+        _within_predicted_ne(plan, budgets, float(tolerance))
     return plan
 
 
@@ -169,7 +202,7 @@ def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
     MaskNet's calibration measured k 3.5 on the H100), the prediction is scaled by k. Sites the budget can
     no longer afford, largest s * e first, lose their static scale and stay in high precision."""
     budget = record.output_budget
-    if budget is None or not config.max_output_error:
+    if budget is None or not config.output_budget_on:
         return
     errors = {sid: row_errors.get(sid, e) for sid, e in budget.error.items()
               if sid not in budget.kept and sid not in plan.unsafe}
@@ -177,13 +210,15 @@ def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
         return
     k = output_budget.measured_scale(budget)
     labels = {sid: "static scale" for sid in row_errors}
-    kept, before, after = output_budget.keep_within(budget.sensitivity, errors, config.max_output_error, labels,
-                                                    scale=k)
-    for sid, detail in kept.items():
+    weighed = output_budget.keep_within(budget.sensitivity, errors,
+                                        budget.budget if budget.judged_outputs != "none" else None, labels, scale=k,
+                                        heads=tuple(budget.heads), ne_budget=budget.ne_budget,
+                                        budget_text=budget.describe_budget())
+    for sid, detail in weighed.kept.items():
         _keep_in_high_precision(plan, sid, errors[sid], detail)
     log.info("loka calibrate: %s: output budget as calibrated (static scales, prediction x %.2g): predicted "
              "output discrepancy %.3g -> %.3g, %d more site(s) kept in high precision",
-             record.name, k, before, after, len(kept))
+             record.name, k, weighed.before, weighed.after, len(weighed.kept))
 
 
 def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, decision, metric: str) -> float:
@@ -196,3 +231,129 @@ def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, deci
     reference = a_rows.double() @ b_cols.double().T
     value = (a_q.double() * a_s.double()) @ (b_q.double() * b_s.double()).T
     return getattr(metrics, metric)(reference, value)
+
+
+def _budget_order(plan: Plan, budgets: list) -> list:
+    """The plan's FP8 sites, the largest share of the output budget first: per site the
+    largest of (s e / budget)^2 and each binary head's predicted NE increase over its
+    budget; sites the budget did not weigh last, by id."""
+    share = {}
+    for budget in budgets:
+        for sid, e in budget.error.items():
+            shares = [(budget.sensitivity[sid] * e / budget.budget) ** 2] \
+                if budget.judged_outputs != "none" and budget.budget else []
+            ne_budget = budget.ne_budget or DEFAULT_TOLERANCE
+            shares += [head.relative_increase({sid: e})[sid] / ne_budget for head in budget.heads]
+            share[sid] = max(shares, default=0.0)
+    fp8 = [sid for sid, entry in plan.sites.items() if entry.fp8 and sid not in plan.unsafe]
+    return sorted(fp8, key=lambda sid: (-share.get(sid, -1.0), sid))
+
+
+def _site_error(budgets: list, sid: str) -> float:
+    """The FP8 error the output budget weighed a site at (+inf where it weighed none)."""
+    return next((budget.error[sid] for budget in budgets if sid in budget.error), math.inf)
+
+
+def _predictions(run, batches) -> torch.Tensor:
+    """Every floating output of `run` over the batches, concatenated, as logits (fp64):
+    outputs that all lie in [0, 1] are taken for probabilities."""
+    with torch.no_grad():
+        outs = [torch.cat([t.reshape(-1) for t in output_budget.float_outputs(_call(run, batch))]) for batch in batches]
+    values = torch.cat(outs).double()
+    if bool(((values >= 0) & (values <= 1)).all()):
+        return torch.logit(values.clamp(1e-7, 1 - 1e-7))
+    return values
+
+
+def _task_loss(metric, logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """The metric as a loss, lower is better (AUC negated)."""
+    if metric == "ne":
+        return task_metrics.normalized_entropy(logits, labels)
+    if metric == "auc":
+        return -task_metrics.auc(logits, labels)
+    return float(metric(logits, labels))
+
+
+def _plan_predictions(model, batches, plan: Plan, config: LokaConfig) -> torch.Tensor:
+    """The predictions of `model` compiled with `plan` (saved to a temporary file), as served."""
+    known = {id(r) for r in backend.GRAPHS}
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "plan.json")
+        plan.save(path)
+        served = dataclasses.replace(config, plan=path, speed_check=False)
+        compiled = torch.compile(model, backend=functools.partial(backend.loka_backend, options=served))
+        try:
+            return _predictions(compiled, batches)
+        finally:
+            backend.GRAPHS[:] = [r for r in backend.GRAPHS if id(r) in known]
+
+
+def _within_task_tolerance(model, batches, labels, plan: Plan, config: LokaConfig, budgets: list, metric,
+                           tolerance: float) -> None:
+    """Back off the plan's FP8 sites, largest budget share first, until its task metric on
+    the calibration data is within `tolerance` (relative) of the high-precision model's."""
+    y = torch.cat([torch.as_tensor(l).reshape(-1) for l in labels]).double()
+    reference = _predictions(model, batches)
+    if reference.numel() != y.numel():
+        raise ValueError(f"labels give {y.numel()} values for {reference.numel()} predictions")
+    name = metric if isinstance(metric, str) else getattr(metric, "__name__", "metric")
+    high = _task_loss(metric, reference, y)
+    order = _budget_order(plan, budgets)
+    # Every compile of the model with a plan is a new backend: Dynamo keeps one entry each.
+    limit = max(torch._dynamo.config.recompile_limit, len(order) + 8)
+    backed_off = []
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        value = before = _task_loss(metric, _plan_predictions(model, batches, plan, config), y)
+        while _worse_by(value, high) > tolerance and order:
+            sid = order.pop(0)
+            _keep_in_high_precision(plan, sid, _site_error(budgets, sid),
+                                    f"calibrate: {name} {_shown(metric, value):.5g} vs high precision "
+                                    f"{_shown(metric, high):.5g} on the calibration data, worse by "
+                                    f"{_worse_by(value, high):.3g} > tolerance {tolerance:g}; the largest budget share")
+            backed_off.append(sid)
+            value = _task_loss(metric, _plan_predictions(model, batches, plan, config), y)
+    plan.task_metric = {"metric": name, "high_precision": _shown(metric, high), "before": _shown(metric, before),
+                        "after": _shown(metric, value), "tolerance": tolerance, "backed_off": backed_off,
+                        "measured": True}
+    log.info("loka calibrate: %s on the calibration data: high precision %.5g, the plan %.5g before, %.5g after "
+             "backing off %d site(s) (tolerance %g)", name, _shown(metric, high), _shown(metric, before),
+             _shown(metric, value), len(backed_off), tolerance)
+
+
+def _worse_by(value: float, reference: float) -> float:
+    """The relative degradation of a loss-like value (a NaN is infinitely worse)."""
+    if not value == value:
+        return math.inf
+    return (value - reference) / max(abs(reference), 1e-12)
+
+
+def _shown(metric, value: float) -> float:
+    return -value if metric == "auc" else value
+
+
+def _within_predicted_ne(plan: Plan, budgets: list, tolerance: float) -> None:
+    """Without labels: the output budget's predicted relative NE increase of each binary
+    head, summed over the plan's FP8 sites, brought within `tolerance` by backing off the
+    sites with the largest share of it."""
+    heads = [(budget, head) for budget in budgets for head in budget.heads]
+    if not heads:
+        log.info("loka calibrate: no labels and no binary head among the outputs: the output budget's verdicts stand")
+        return
+
+    def predicted() -> float:
+        fp8 = {sid for sid, entry in plan.sites.items() if entry.fp8 and sid not in plan.unsafe}
+        return max(sum(head.relative_increase({s: e for s, e in budget.error.items() if s in fp8}).values())
+                   for budget, head in heads)
+
+    before, backed_off = predicted(), []
+    order = _budget_order(plan, budgets)
+    while predicted() > tolerance and order:
+        sid = order.pop(0)
+        _keep_in_high_precision(plan, sid, _site_error(budgets, sid),
+                                f"calibrate: predicted relative NE increase {predicted():.3g} > tolerance "
+                                f"{tolerance:g} (no labels); the largest budget share")
+        backed_off.append(sid)
+    plan.task_metric = {"metric": "predicted relative NE increase", "before": before, "after": predicted(),
+                        "tolerance": tolerance, "backed_off": backed_off, "measured": False}
+    log.info("loka calibrate: predicted relative NE increase %.3g before, %.3g after backing off %d site(s) "
+             "(no labels; tolerance %g)", before, plan.task_metric["after"], len(backed_off), tolerance)

@@ -68,6 +68,10 @@ PROBE_METRICS = {"row_rel_error": 0.1, "mere": 0.2}
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+# `max_output_error`'s default: a budget of noise_floor_multiple times the graph's noise floor.
+RELATIVE_BUDGET = "relative"
+
+
 @dataclasses.dataclass(frozen=True)
 class LokaConfig:
     """Options of the loka backend. Pass as `torch.compile(m, backend="loka",
@@ -126,21 +130,32 @@ class LokaConfig:
         Needs probe_steps > 0. A rebuild compiles from the graph's first call, so with
         re-checks on each compiled graph keeps that call's inputs (off: they are dropped
         after the FP8 variant's first run).
-    max_output_error: a budget on the graph's output discrepancy D, the relative error
-        ||y_fp8 - y|| / ||y|| over its floating outputs between the FP8 variant and the
-        high-precision one, applied when a probe window closes (on by default; with
+    max_output_error: the output budget, a bound on the graph's output discrepancy D, the
+        relative error ||y_fp8 - y|| / ||y|| over its floating outputs between the FP8
+        variant and the high-precision one, applied when a probe window closes (with
         probe_steps=0 or a `plan` there is no window and it does nothing). At the window's
         close each forward GEMM's sensitivity s (relative output change per unit of
         relative noise injected at its output) is measured, D is predicted as
         sqrt(sum (s * e)^2) over the forward sites going FP8 (e: the site's measured row
-        relative error in the scaling it will run), and while D
-        exceeds the budget the site with the largest s * e stays in high precision
-        (`probe_unsafe`, the budget named in its detail). Default 0.003: FP8 error adds
-        to bf16's own output error B in quadrature, sqrt(B^2 + D^2) <= 2 B needs
-        D <= sqrt(3) B = 1.73 B, and bf16 output errors measure 0.0019-0.009 on the LRM zoo,
-        so 0.003 keeps the compiled model within 2x of bf16's error for any B >= 0.0017.
-        None or 0: off (per-site bounds only). Costs one extra forward per forward site at
-        the window's close.
+        relative error in the scaling it will run), and while D exceeds the budget the
+        site with the largest s * e stays in high precision (`probe_unsafe`, the budget
+        named in its detail). "relative" (default): the budget is `noise_floor_multiple`
+        times the graph's noise floor F, the discrepancy its own bf16 arithmetic has
+        (`output_budget.py`). A number: that absolute budget (0.003 was the default
+        before the relative one); below F it is reported as such. None or 0: off
+        (per-site bounds only). Costs one extra forward per forward site at the window's
+        close (two where a binary head's loss is among the outputs).
+    noise_floor_multiple: k of the relative budget: FP8 may add at most k F in quadrature
+        (the FP8 model's total sqrt(1 + k^2) F). Provisional (docs/guide.md says why and
+        what measurement will set it).
+    max_ne_increase: the budget of the graph's binary heads (sigmoid outputs, a
+        binary cross-entropy loss among the outputs, `binary_outputs`), as a
+        relative increase of their normalized entropy predicted from the FP8 logit noise
+        (no labels needed). Other outputs keep the discrepancy budget. Provisional, as
+        noise_floor_multiple. None or 0: binary heads are judged by the discrepancy
+        budget like other outputs.
+    binary_outputs: module-path prefixes of heads whose outputs are logits of binary
+        events (CTR, CVR), judged by max_ne_increase besides the heads found in the graph.
     refit_output_budget: when the FP8 variant's measured D exceeds 1.5x max_output_error,
         weigh the sites left in FP8 again with every s * e scaled by measured / predicted D,
         keep those that no longer fit in high precision, and compile the FP8 variant once
@@ -181,7 +196,10 @@ class LokaConfig:
     plan: Optional[str] = None
     probe_metric: str = "row_rel_error"
     recheck_every: int = 0
-    max_output_error: Optional[float] = 0.003  # None or 0: off
+    max_output_error: "Optional[float] | str" = RELATIVE_BUDGET  # a number: absolute; None or 0: off
+    noise_floor_multiple: float = 16.0
+    max_ne_increase: Optional[float] = 0.001  # None or 0: binary heads take the discrepancy budget
+    binary_outputs: tuple = ()
     refit_output_budget: bool = False
     amax_guard: bool = True
 
@@ -202,7 +220,12 @@ class LokaConfig:
                              "probe variant the window compiled")
         for name in ("max_probe_error", "min_fp8_speedup"):
             self._set(name, _check_positive_number(name, getattr(self, name)))
-        self._set("max_output_error", _check_off_or_positive("max_output_error", self.max_output_error))
+        if self.max_output_error != RELATIVE_BUDGET:
+            self._set("max_output_error", _check_off_or_positive("max_output_error", self.max_output_error,
+                                                                       f", {RELATIVE_BUDGET!r}"))
+        self._set("noise_floor_multiple", _check_positive_number("noise_floor_multiple", self.noise_floor_multiple))
+        self._set("max_ne_increase", _check_off_or_positive("max_ne_increase", self.max_ne_increase))
+        self._set("binary_outputs", _check_names("binary_outputs", self.binary_outputs))
         self._set("providers", _check_names("providers", self.providers, provider_registry.names()))
         self._set("exclude_modules", _check_names("exclude_modules", self.exclude_modules))
         self._set("disabled_mods", _check_names("disabled_mods", self.disabled_mods, mods.MODS))
@@ -212,6 +235,14 @@ class LokaConfig:
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
+
+    @property
+    def output_budget_on(self) -> bool:
+        return bool(self.max_output_error)
+
+    @property
+    def relative_budget(self) -> bool:
+        return self.max_output_error == RELATIVE_BUDGET
 
     @property
     def recipe_spec(self) -> Recipe:
@@ -296,12 +327,13 @@ def _check_positive_number(name: str, value) -> float:
     return float(value)
 
 
-def _check_off_or_positive(name: str, value) -> Optional[float]:
-    """None or 0 (off, normalized to None), else a positive finite number."""
+def _check_off_or_positive(name: str, value, also: str = "") -> Optional[float]:
+    """None or 0 (off, normalized to None), else a positive finite number (`also`: other
+    valid values, named in the error)."""
     if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real) and value == 0):
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
-        raise ValueError(f"{name} must be a positive finite number, or None or 0 for off, got {value!r}")
+        raise ValueError(f"{name} must be a positive finite number{also}, or None or 0 for off, got {value!r}")
     return float(value)
 
 

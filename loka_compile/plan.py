@@ -115,6 +115,8 @@ class Plan:
     # "from", "to", "change", "detail"}, ...], oldest first. Optional in the file.
     history: dict = dataclasses.field(default_factory=dict)
     source: str = ""                                          # the file it was loaded from ("": made here)
+    # `calibrate`'s task metric before and after backing off sites (not saved in the file)
+    task_metric: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict:
         return {"version": self.version, "device_type": self.device_type, "recipe": self.recipe,

@@ -32,7 +32,10 @@ from loka_compile.kernels import ops
 
 log = logging.getLogger("loka")
 
-_SUMMED = ("rel_error", "mere", "a_rms", "b_rms")
+_SUMMED = ("a_rms", "b_rms")
+# Error means count only informative observations (`gemm_statistics`' `informative`: no
+# all-zero operand); bf16_rel_error: the same product's error in bf16 (the noise floor).
+_ERROR_SUMMED = ("rel_error", "mere", "bf16_rel_error")
 _MAXED = ("rel_error", "a_amax", "b_amax", "rel_error_rowwise")
 _METRICS = ("rel_error", "mere", "sqnr_db")  # sqnr_db: higher is better, bounded below
 
@@ -195,30 +198,52 @@ class _OperandStats:
 
 
 class _CandidateStats:
+    """A candidate's error across observations; an uninformative one (an all-zero operand,
+    `informative` False) enters with weight 0, on the device, so it moves neither the mean,
+    the spread, the worst nor the count n that the confidence bound takes."""
+
     def __init__(self):
-        self.n = 0
+        self.count = None  # informative observations, a device scalar
         self.moments = {m: Moments() for m in _METRICS}
         self.worst = {}
 
-    def record(self, stats: dict) -> None:
-        self.n += 1
+    def record(self, stats: dict, informative) -> None:
+        weight = informative.double() if isinstance(informative, torch.Tensor) else float(bool(informative))
+        self.count = weight if self.count is None else self.count + weight
         for m in _METRICS:
             value = stats[m].double()
-            self.moments[m].add(value)
+            value = torch.where(informative, value, torch.zeros_like(value)) if isinstance(weight, torch.Tensor) \
+                else value
+            self.moments[m].merge(weight, value, torch.zeros_like(value))
             pick = torch.minimum if m == "sqnr_db" else torch.maximum
-            self.worst[m] = value if m not in self.worst else pick(self.worst[m], value)
+            sentinel = math.inf if m == "sqnr_db" else -math.inf
+            seen = torch.where(informative, value, torch.full_like(value, sentinel)) \
+                if isinstance(weight, torch.Tensor) else (value if weight else torch.full_like(value, sentinel))
+            self.worst[m] = seen if m not in self.worst else pick(self.worst[m], seen)
+
+    @property
+    def n(self) -> int:
+        return 0 if self.count is None else int(round(float(self.count)))
 
     def summary(self) -> dict:
-        out = {"n": self.n}
+        n = self.n
+        if n == 0:  # every observation had an all-zero operand: the error was never measured
+            out = {"n": 0, "uninformative": True}
+            for m in _METRICS:
+                far = -math.inf if m == "sqnr_db" else math.inf
+                out[m] = {"mean": far, "bound": far, ("min" if m == "sqnr_db" else "max"): far}
+            out.update(mean=math.inf, bound=math.inf)
+            return out
+        out = {"n": n}
         for m in _METRICS:
             mean = float(self.moments[m].mean)
-            std = math.sqrt(max(float(self.moments[m].variance(ddof=1)), 0.0)) if self.n > 1 else 0.0
+            std = math.sqrt(max(float(self.moments[m].variance(ddof=1)), 0.0)) if n > 1 else 0.0
             worst = float(self.worst[m])
             if m == "sqnr_db":  # a lower bound: negate, bound, negate back
-                bound = -upper_bound(-mean, std, self.n, -worst) if math.isfinite(worst) else -math.inf
+                bound = -upper_bound(-mean, std, n, -worst) if math.isfinite(worst) else -math.inf
                 out[m] = {"mean": mean if math.isfinite(worst) else -math.inf, "bound": bound, "min": worst}
             else:
-                bound = upper_bound(mean, std, self.n, worst)
+                bound = upper_bound(mean, std, n, worst)
                 out[m] = {"mean": mean if math.isfinite(worst) else math.inf, "bound": bound, "max": worst}
         # The verdict metric at the top: row relative error.
         out.update(mean=out["rel_error"]["mean"], bound=out["rel_error"]["bound"])
@@ -245,15 +270,22 @@ class ProbeStore:
                 return
             sums = self._sums.setdefault(key, {})
             maxes = self._maxes.setdefault(key, {})
-            for name in _SUMMED:
-                sums[name] = stats[name] if name not in sums else sums[name] + stats[name]
+            informative = stats.get("informative", True)
+            weight = informative.double() if isinstance(informative, torch.Tensor) else float(bool(informative))
+            values = {name: stats[name] for name in _SUMMED}
+            values.update({name: torch.where(informative, stats[name].double(), 0.0) * weight
+                           if isinstance(weight, torch.Tensor) else stats[name] * weight
+                           for name in _ERROR_SUMMED if name in stats})
+            values["informative"] = weight
+            for name, value in values.items():
+                sums[name] = value if name not in sums else sums[name] + value
             for name in _MAXED:
                 if name in stats:  # rel_error_rowwise: tensorwise sites only
                     maxes[name] = stats[name] if name not in maxes else torch.maximum(maxes[name], stats[name])
             for operand, s in stats.get("operands", {}).items():
                 self._operands.setdefault(key, {}).setdefault(operand, _OperandStats()).record(s)
             for name, s in stats.get("candidates", {}).items():
-                self._candidates.setdefault(key, {}).setdefault(name, _CandidateStats()).record(s)
+                self._candidates.setdefault(key, {}).setdefault(name, _CandidateStats()).record(s, informative)
             if "chosen" in stats:
                 self._chosen[key] = stats["chosen"]
 
@@ -274,8 +306,11 @@ class ProbeStore:
             if key in self._failed:
                 return {"observations": count, "failed": self._failed[key]}
             sums, maxes = self._sums[key], self._maxes[key]
-            out = {"observations": count}
+            informative = int(round(float(sums.get("informative", count))))
+            out = {"observations": count, "informative": informative}
             out.update({f"mean_{n}": float(sums[n]) / count for n in _SUMMED})
+            out.update({f"mean_{n}": float(sums[n]) / informative if informative else math.inf
+                        for n in _ERROR_SUMMED if n in sums})
             out.update({f"max_{n}": float(maxes[n]) for n in _MAXED if n in maxes})
             if key in self._operands:
                 out["operands"] = {op: s.summary() for op, s in self._operands[key].items()}
@@ -373,6 +408,7 @@ def chain_steps(summary: dict, metric: str = "row_rel_error") -> list:
 
 
 LABELS = {"row_rel_error": "rel. error", "mere": "MERE"}
+UNINFORMATIVE = "every observation had an all-zero operand, so its FP8 error was never measured"
 
 
 def describe_steps(steps, max_error: float, metric: str = "row_rel_error") -> str:
@@ -385,6 +421,8 @@ def describe_summary(summary: dict, max_error: float, metric: str = "row_rel_err
     """What a site's verdict rests on: each chain step's bound, or why it was not measured."""
     if "failed" in summary:
         return f"an observation failed: {summary['failed']}"
+    if summary.get("informative") == 0:
+        return UNINFORMATIVE
     return describe_steps(chain_steps(summary, metric), max_error, metric)
 
 
@@ -417,6 +455,10 @@ def verdicts(keys, max_error: float, metric=None, chain: bool = False,
         if "failed" in summary:
             unsafe[key] = math.inf
             log.warning("loka probe: %s keeps high precision: an observation failed (%s)", key, summary["failed"])
+            continue
+        if summary.get("informative") == 0:
+            unsafe[key] = math.inf
+            log.warning("loka probe: %s keeps high precision: %s", key, UNINFORMATIVE)
             continue
         steps = chain_steps(summary, site_metric)
         own_bound = steps[0][1]

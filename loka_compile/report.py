@@ -67,6 +67,7 @@ class GraphReport:
     # What the output budget measured and kept (`output_budget.OutputBudget`: sensitivities,
     # errors, kept sites, predicted and measured output discrepancy), None when it did not act
     output_budget: Optional[object] = None
+    output_budget_skipped: str = ""  # why the budget, on, did not act on this graph
 
     @property
     def predicted_output_error(self) -> Optional[float]:
@@ -154,7 +155,8 @@ class Report:
     def __init__(self, records):
         self.graphs = [GraphReport(r.name, r.phase, r.fallback or "; ".join(r.fallen_back.values()) or None,
                                    {kind.value: gm for (phase, kind), gm in r.graph_modules.items() if phase == r.phase},
-                                   r.config, getattr(r, "output_budget", None)) for r in records]
+                                   r.config, getattr(r, "output_budget", None),
+                                   getattr(r, "output_budget_skipped", "")) for r in records]
         self.sites = [row for r in records for row in _site_records(r)]
         results = collections.defaultdict(list)
         for r in records:
@@ -226,17 +228,37 @@ class Report:
                           *self._history_lines()])
 
     def _budget_lines(self) -> list:
-        """One line per graph where the output budget (`max_output_error`) acted."""
+        """One line per graph where the output budget (`max_output_error`) acted: its noise
+        floor, the budget, the predicted and measured output discrepancy, the predicted NE
+        increase of each binary head; and one per graph where it was on and did not act."""
         lines = []
         for g in self.graphs:
             b = g.output_budget
             if b is None:
+                if g.output_budget_skipped:
+                    lines.append(f"output budget {g.name}: not applied ({g.output_budget_skipped})")
                 continue
+            floor = ""
+            if b.floor is not None:
+                measured_floor = f"measured {b.floor.measured:.3g}" if b.floor.measured is not None else \
+                    f"not measured: {b.floor.why_unmeasured}"
+                floor = f"noise floor {b.floor.value:.3g} (predicted {b.floor.predicted:.3g}, {measured_floor}); "
             measured = f", measured {b.measured:.3g}" if b.measured is not None else ""
-            lines.append(f"output budget {g.name}: predicted output discrepancy {b.predicted_before:.3g} with every "
-                         f"safe forward site in FP8, {g.predicted_output_error:.3g} as compiled{measured} "
-                         f"(max_output_error {b.budget:g}); {len(b.kept)} of {len(b.sensitivity)} forward site(s) "
-                         f"kept in high precision")
+            judged = "" if b.judged_outputs == "all" else f" over the outputs {b.judged_outputs}"
+            finite = f", on the {b.finite_fraction:.1%} finite output elements" if b.finite_fraction < 1 else ""
+            waited = f", computed after waiting {b.deferred_calls} call(s) for a finite output" if b.deferred_calls \
+                else ""
+            lines.append(f"output budget {g.name}: {floor}budget {b.describe_budget()}; predicted output discrepancy"
+                         f"{judged} {b.predicted_before:.3g} with every safe forward site in FP8, "
+                         f"{g.predicted_output_error:.3g} as compiled{measured}{finite}{waited}; {len(b.kept)} of "
+                         f"{len(b.sensitivity)} forward site(s) kept in high precision")
+            for head in b.heads:
+                after = b.ne_after.get(head.name, b.ne_predicted.get(head.name, 0.0))
+                absolute = head.ne_increase(after)
+                absolute = f" ({absolute:.3g} in NE units)" if absolute is not None else ""
+                lines.append(f"  binary head {head.name}: predicted relative NE increase {after:.3g}{absolute} as "
+                             f"compiled, {b.ne_before.get(head.name, 0.0):.3g} with every safe forward site in FP8 "
+                             f"(max_ne_increase {b.ne_budget:g})")
         return lines
 
     def _history_lines(self) -> list:

@@ -241,7 +241,7 @@ def test_conv1x1_benchmark_runs_each_kind_of_variant_on_cpu(tmp_path, one_thread
     """The CIN benchmark (a GPU tool) at tiny sizes on CPU: the block as written, a
     Dynamo-graph rewrite before Inductor (conv1x1 and transposed_linear) and loka, each a
     row without error whose output and gradients are those of the fp32 block within bf16's
-    error; the JSON and the table written."""
+    error (loka's within FP8's); the JSON and the table written."""
     from benchmarks import conv1x1
     torch.set_num_threads(1)
     variants = ["inductor_conv", "inductor_w_at_x", "loka"]
@@ -256,7 +256,10 @@ def test_conv1x1_benchmark_runs_each_kind_of_variant_on_cpu(tmp_path, one_thread
     for name, r in rows.items():
         assert r["error"] is None, (name, r["error"])
         assert r["ms"] > 0 and math.isfinite(r["ms"]) and r["vs_inductor_conv"] > 0
-        assert 0 < r["out_err_vs_fp32"] < 0.05 and 0 < r["grad_err_vs_fp32"] < 0.1, r
+        # loka's row runs forward and dgrad GEMMs in FP8 (the relative output budget admits
+        # them here): its gradient error measured 0.128 (tiny CIN, CPU), bf16 rows' under 0.1.
+        grad_bound = 0.2 if name == "loka" else 0.1
+        assert 0 < r["out_err_vs_fp32"] < 0.05 and 0 < r["grad_err_vs_fp32"] < grad_bound, r
     assert rows["inductor_conv"]["vs_inductor_conv"] == pytest.approx(1.0)
     assert rows["inductor_conv"]["cin_fp8_sites"] is None
     # loka's CIN GEMMs are sites of every role (the Mod made linears of the convolutions)

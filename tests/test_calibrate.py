@@ -231,11 +231,11 @@ def test_calibrate_rejects_bad_arguments(calibrated):
 
 
 def test_calibration_applies_the_output_budget():
-    """calibrate closes each window on a call (its last batch again), so the default output
-    budget weighs the sites: here each carries the output, and the budget keeps them in high
-    precision with its reason; off, both get static scales (above)."""
+    """calibrate closes each window on a call (its last batch again), so the output budget
+    weighs the sites: here each carries the output, and the absolute budget 0.003 keeps them
+    in high precision with its reason; off, both get static scales (above)."""
     model = MLP()
-    plan = loka_compile.calibrate(model, batches())
+    plan = loka_compile.calibrate(model, batches(), options={"max_output_error": 0.003})
     assert not plan.a_scales
     for sid in ("inference/fc1:fwd#1", "inference/fc2:fwd#1"):
         entry = plan.sites[sid]
@@ -297,3 +297,92 @@ def test_calibration_scales_the_budget_by_what_the_fp8_variant_measured(measured
     for sid in kept:
         assert plan.sites[sid].reason == Reason.PROBE_UNSAFE.value
         assert "x 3 (the prediction's measured shortfall)" in plan.sites[sid].detail, plan.sites[sid].detail
+
+
+# ---- task quality: the metric with labels, the predicted NE increase without -----------
+
+class CtrTower(nn.Module):
+    """Linear-LayerNorm-ReLU x2 and a one-logit head: a CTR model's dense tower."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d), nn.ReLU(), nn.Linear(d, d), nn.LayerNorm(d),
+                                  nn.ReLU())
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x)).squeeze(-1)
+
+
+def _ctr_data(n=2, rows=256, seed=2):
+    """Batches with labels drawn from the model's own probabilities (a calibrated model)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = CtrTower()
+    xs = [torch.randn(rows, 64, generator=g) for _ in range(n)]
+    with torch.no_grad():
+        labels = [torch.bernoulli(torch.sigmoid(model(x)), generator=g) for x in xs]
+    return model, xs, labels
+
+
+def test_the_defaults_calibrate_an_mlp_to_fp8_sites():
+    """Linear-LayerNorm-ReLU, batch 256, no options: the relative budget keeps FP8 sites."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.ReLU(), nn.Linear(128, 128), nn.LayerNorm(128),
+                          nn.ReLU(), nn.Linear(128, 16))
+    plan = loka_compile.calibrate(model, [torch.randn(256, 64) for _ in range(2)])
+    fp8 = [sid for sid, entry in plan.sites.items() if entry.fp8]
+    assert len(fp8) >= 2 and all(sid in plan.a_scales for sid in fp8)
+
+
+def test_calibration_with_labels_measures_ne_and_backs_off_until_within_tolerance():
+    """NE with a loose tolerance: the plan keeps its FP8 sites and NE before = after (moved
+    from high precision's, in either direction: FP8 noise on 512 labels). A metric only high
+    precision meets (the logits' distance from its own) backs off every FP8 site, largest
+    budget share first, until it does."""
+    model, xs, labels = _ctr_data()
+    loose = loka_compile.calibrate(model, xs, labels=labels, tolerance=0.5)
+    record = loose.task_metric
+    assert record["metric"] == "ne" and record["measured"] and not record["backed_off"]
+    assert record["before"] == record["after"] and 0.3 < record["high_precision"] < 1.0
+    assert record["after"] != record["high_precision"]  # FP8 sites ran: NE moved (a little)
+    assert any(entry.fp8 for entry in loose.sites.values())
+
+    with torch.no_grad():
+        reference = torch.cat([model(x).double() for x in xs])
+
+    def distance(logits, y):
+        return float((logits - reference).abs().max())
+
+    strict = loka_compile.calibrate(model, xs, labels=labels, metric=distance, tolerance=0.0)
+    record = strict.task_metric
+    assert record["before"] > 0 and record["backed_off"] and not any(entry.fp8 for entry in strict.sites.values())
+    assert record["high_precision"] == 0 and record["after"] < 1e-5  # compiled vs eager fp32 rounding
+    assert all("calibrate: distance" in strict.sites[sid].detail for sid in record["backed_off"])
+
+
+def test_calibration_with_labels_takes_auc_and_a_callable():
+    model, xs, labels = _ctr_data()
+    plan = loka_compile.calibrate(model, xs, labels=labels, metric="auc", tolerance=0.5)
+    assert plan.task_metric["metric"] == "auc" and 0.5 < plan.task_metric["high_precision"] <= 1.0
+
+    def logloss(logits, y):
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, y).item()
+
+    plan = loka_compile.calibrate(model, xs, labels=labels, metric=logloss, tolerance=0.5)
+    assert plan.task_metric["metric"] == "logloss" and plan.task_metric["high_precision"] > 0
+    with pytest.raises(ValueError, match="one tensor per batch"):
+        loka_compile.calibrate(model, xs, labels=labels[:1])
+    with pytest.raises(ValueError, match="metric must be one of"):
+        loka_compile.calibrate(model, xs, labels=labels, metric="accuracy")
+
+
+def test_without_labels_the_predicted_ne_increase_stands_in():
+    """A sigmoid head, no labels: the output budget's predicted NE increase is brought
+    within the tolerance by backing off sites; a tiny tolerance backs off every weighed site."""
+    model, xs, _ = _ctr_data()
+    tower = nn.Sequential(model, nn.Sigmoid())
+    plan = loka_compile.calibrate(tower, xs, tolerance=1e-9, options={"max_ne_increase": 1.0})
+    record = plan.task_metric
+    assert record["metric"] == "predicted relative NE increase" and not record["measured"]
+    assert record["before"] > 1e-9 >= record["after"] and record["backed_off"]

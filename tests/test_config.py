@@ -26,7 +26,8 @@ def test_probing_is_on_by_default():
     """A probe window of 2 calls (the fewest that bound a site's error with a standard
     deviation) and with it the output budget; probe_steps=0 opts out of both."""
     config = LokaConfig()
-    assert config.probe_steps == 2 and config.max_output_error == 0.003 and config.recheck_every == 0
+    assert config.probe_steps == 2 and config.max_output_error == "relative" and config.recheck_every == 0
+    assert config.noise_floor_multiple == 16 and config.max_ne_increase == 0.001 and config.output_budget_on
     assert LokaConfig(recheck_every=100).recheck_every == 100  # the default window allows re-checks
     assert LokaConfig(probe_steps=0).probe_steps == 0
 
@@ -82,7 +83,10 @@ BAD_OPTIONS = [
     ({"probe_metric": None}, "valid probe_metrics"),
     ({"recheck_every": -1, "probe_steps": 1}, "recheck_every must be a non-negative int"),
     ({"recheck_every": 100, "probe_steps": 0}, "recheck_every=100 needs probe_steps > 0"),
-    ({"max_output_error": -0.1}, r"max_output_error must be a positive finite number, or None or 0 for off"),
+    ({"max_output_error": -0.1}, r"max_output_error must be a positive finite number, 'relative', or None or 0 for off"),
+    ({"noise_floor_multiple": 0}, "noise_floor_multiple must be a positive finite number"),
+    ({"max_ne_increase": -1e-3}, "max_ne_increase must be a positive finite number, or None or 0 for off"),
+    ({"binary_outputs": "head"}, "binary_outputs must be a list or tuple of strings"),
     ({"max_output_error": "0.003"}, "max_output_error must be a positive finite number"),
 ]
 

@@ -261,3 +261,32 @@ def test_observer_works_on_batched_and_gradient_sites(store):
                                     "rowwise/e5m2/e4m3"}
     assert all(c["bound"] < 0.1 for c in s["candidates"].values())
     assert s["operands"]["a"]["count"].tolist() == [120.0] * 32 and s["operands"]["b"]["rows_seen"] == 48
+
+
+def test_all_zero_operand_observations_do_not_count(store):
+    """A zero batch inside the window measures error 0 at every candidate: counted, it would
+    widen the site's confidence bound (two real observations and a zero give a large spread);
+    it is left out, so the bound is that of the real observations alone."""
+    g = torch.Generator().manual_seed(0)
+    real = [torch.randn(64, 32, generator=g) for _ in range(2)]
+    b = torch.randn(32, 48, generator=g)
+    for a in real:
+        store.record("with_zero", ops.gemm_statistics(a, b, "rowwise", "e4m3", "e4m3"))
+        store.record("real_only", ops.gemm_statistics(a, b, "rowwise", "e4m3", "e4m3"))
+    store.record("with_zero", ops.gemm_statistics(torch.zeros(64, 32), b, "rowwise", "e4m3", "e4m3"))
+    with_zero, real_only = store.summary("with_zero"), store.summary("real_only")
+    assert with_zero["observations"] == 3 and with_zero["informative"] == 2
+    chosen = with_zero["chosen"]
+    assert with_zero["candidates"][chosen]["n"] == 2
+    assert with_zero["bound_rel_error"] == pytest.approx(real_only["bound_rel_error"], rel=1e-9)
+    assert with_zero["mean_rel_error"] == pytest.approx(real_only["mean_rel_error"], rel=1e-9)
+    assert 0 < with_zero["mean_bf16_rel_error"] < 0.01  # bf16's own error of the product
+
+
+def test_a_site_seen_only_with_zero_operands_is_unsafe_unmeasured(store):
+    b = torch.randn(32, 48)
+    for _ in range(2):
+        store.record("zero", ops.gemm_statistics(torch.zeros(64, 32), b, "rowwise", "e4m3", "e4m3"))
+    unsafe, upgraded = probe.verdicts(["zero"], 0.1, chain=True)
+    assert unsafe == {"zero": math.inf} and not upgraded
+    assert probe.describe_summary(store.summary("zero"), 0.1) == probe.UNINFORMATIVE
