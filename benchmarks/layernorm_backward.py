@@ -122,10 +122,12 @@ def _backward_step(variant: str, model: nn.Module, device: torch.device):
     cache = {}
 
     def step(x, dy):
-        key = x.data_ptr()
-        if key not in cache:   # the forward's statistics, computed once per input set, untimed
-            cache[key] = torch.ops.aten.native_layer_norm(x, [d], weight, bias, EPS)[1:]
-        return backward(dy, x, *cache[key])
+        key = (x.data_ptr(), dy.data_ptr())
+        if key not in cache:   # per input set, untimed: the forward's statistics; under autocast
+            # (fp32 weights) x and dy in fp32, as autocast's fp32 LayerNorm saves and receives them
+            x_in, dy_in = x.to(weight.dtype), dy.to(weight.dtype)
+            cache[key] = (dy_in, x_in, *torch.ops.aten.native_layer_norm(x_in, [d], weight, bias, EPS)[1:])
+        return backward(*cache[key])
 
     step.loka = False
     return step
