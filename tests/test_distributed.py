@@ -1,4 +1,4 @@
-"""loka under torch.distributed, two CPU ranks over gloo: both DDP forms train as one
+"""loka under torch.distributed, two CPU ranks over gloo: both DDP forms and FSDP2 train as one
 process on the ranks' joint batch would, every rank compiles the same plan when each sees
 different data, a recompile on every rank keeps the collectives lined up, and sparse
 embedding gradients stay sparse.
@@ -57,6 +57,33 @@ class SparseTower(nn.Module):
         return self.fc(self.table(ids).mean(dim=1))
 
 
+class Block(nn.Module):
+    def __init__(self, width_in, width_out):
+        super().__init__()
+        self.fc = nn.Linear(width_in, width_out)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class BlockNet(nn.Module):
+    """Blocks for FSDP2: each compiled, then sharded (FSDP2's pattern; Dynamo does not trace
+    fully_shard's hooks, so a compiled root would break its graph at every sharded module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.b1, self.b2, self.head = Block(32, 64), Block(64, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.head(self.b2(self.b1(x)))
+
+
+def compiled_blocks(model):
+    for block in (model.b1, model.b2):
+        block.compile(backend="loka", options={"probe_steps": 0})
+    return model
+
+
 def batches(rank, model_kind):
     """STEPS (input, target) pairs of this rank, fresh random per rank."""
     data = torch.Generator().manual_seed(100 + rank)
@@ -85,7 +112,7 @@ def train(model, forward, steps):
 
 def fresh(model_kind):
     torch.manual_seed(0)
-    return SparseTower() if model_kind == "sparse" else Mlp()
+    return {"sparse": SparseTower, "blocks": BlockNet}.get(model_kind, Mlp)()
 
 
 def _train_form(rank, form):
@@ -107,6 +134,23 @@ def _train_form(rank, form):
     sites = [(s.graph, s.module, s.role, s.fp8, s.reason) for s in loka_compile.report(forward).sites]
     return {"initial": initial, "params": [p.detach().clone() for p in model.parameters()], "losses": losses,
             "sparse_grads": sparse_grads, "sites": sites}
+
+
+def _fsdp2(rank):
+    """FSDP2: loka-compiled blocks, each sharded over the ranks, the root too."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    loka_compile.reset()
+    model = compiled_blocks(fresh("blocks"))
+    initial = [p.detach().clone() for p in model.parameters()]
+    for block in (model.b1, model.b2):
+        fully_shard(block)
+    fully_shard(model)
+    losses = train(model, model, batches(rank, "dense"))
+    sites = [(s.graph, s.module, s.role, s.fp8, s.reason) for s in loka_compile.report().sites]
+    return {"initial": initial, "params": [p.full_tensor().detach().clone() for p in model.parameters()],
+            "losses": losses, "sites": sites}
 
 
 def _plans(rank):
@@ -172,6 +216,7 @@ def _rank(rank, world_size, store_dir):
                                 timeout=datetime.timedelta(seconds=60))
         try:
             result = {form: _train_form(rank, form) for form in ("ddp_compile", "compile_ddp", "sparse")}
+            result["fsdp2"] = _fsdp2(rank)
             result["plans"] = _plans(rank)
         finally:
             dist.destroy_process_group()
@@ -196,15 +241,18 @@ def single_process(kind):
     torch._dynamo.reset()
     loka_compile.reset()
     model = fresh(kind)
-    per_rank = [batches(rank, kind) for rank in range(WORLD_SIZE)]
+    per_rank = [batches(rank, "dense" if kind == "blocks" else kind) for rank in range(WORLD_SIZE)]
     joint = [tuple(torch.cat(parts) for parts in zip(*steps)) for steps in zip(*per_rank)]
-    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+    if kind == "blocks":
+        compiled = compiled_blocks(model)
+    else:
+        compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     train(model, compiled, joint)
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("form", ["ddp_compile", "compile_ddp", "sparse"])
-def test_ddp_trains_as_one_process(ranks, form):
+@pytest.mark.parametrize("form", ["ddp_compile", "compile_ddp", "sparse", "fsdp2"])
+def test_ddp_and_fsdp2_train_as_one_process(ranks, form):
     r0, r1 = ranks[0][form], ranks[1][form]
     for r in (r0, r1):
         assert all(torch.isfinite(torch.tensor(r["losses"]))), r["losses"]
@@ -212,7 +260,7 @@ def test_ddp_trains_as_one_process(ranks, form):
     assert r0["losses"] != r1["losses"]  # each rank trained on its own data
     for p0, p1 in zip(r0["params"], r1["params"]):
         assert torch.equal(p0, p1)  # the gradients were averaged: the same steps on both ranks
-    reference = single_process("sparse" if form == "sparse" else "dense")
+    reference = single_process({"sparse": "sparse", "fsdp2": "blocks"}.get(form, "dense"))
     for start, ddp, one in zip(r0["initial"], r0["params"], reference):
         assert not torch.equal(start, one)
         error = rel_error(ddp - start, one - start)
