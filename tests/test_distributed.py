@@ -67,8 +67,8 @@ class Block(nn.Module):
 
 
 class BlockNet(nn.Module):
-    """Blocks for FSDP2: each compiled, then sharded (FSDP2's pattern; Dynamo does not trace
-    fully_shard's hooks, so a compiled root would break its graph at every sharded module)."""
+    """Blocks for FSDP2: each compiled, then sharded (FSDP2's pattern: the all-gather runs in
+    fully_shard's hooks, outside the compiled graphs)."""
 
     def __init__(self):
         super().__init__()
