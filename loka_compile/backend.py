@@ -49,8 +49,7 @@ from torch._inductor import fx_utils
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from loka_compile import dispatch, graph_cache, output_budget, passes, probe, speed
-from loka_compile import ranks
+from loka_compile import dispatch, graph_cache, output_budget, passes, probe, ranks, speed
 from loka_compile.ranks import decide_once
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.config import LokaConfig
@@ -1057,7 +1056,7 @@ class LokaCompiledGraph:
         record, config, step = self.record, self.record.config, self.calls
         sites = {key: (sid, own) for key, (sid, own) in self._observed_sites().items() if probe.STORE.observed(key)}
         unsafe, upgraded = decide_once(lambda: _verdicts_by_id({k: sid for k, (sid, _) in sites.items()}, config,
-                                                                log_level=logging.DEBUG))
+                                                               log_level=logging.DEBUG))
         # The output budget decided once, at the window's close: its sites stay kept.
         kept = record.output_budget.kept if record.output_budget is not None else {}
         unsafe.update({sid: record.plan.unsafe[sid] for sid, _ in sites.values()
