@@ -442,6 +442,9 @@ class NoProviderRuns(RuntimeError):
         super().__init__("; ".join(f"{name}: {why}" for name, why in failed.items()))
         self.failed = failed
 
+    def __reduce__(self):  # pickled whole: rank 0's verdict reaches every rank as itself (`ranks.py`)
+        return NoProviderRuns, (self.failed,)
+
 
 _runnable: dict = {}
 

@@ -7,6 +7,7 @@ The two ranks run once for the module (`ranks`, each scenario in turn in one pro
 group, so the file pays for one spawn); each test checks its scenario. A deadlock fails
 at the join's timeout (the process group's own timeout is shorter)."""
 
+import dataclasses
 import datetime
 import os
 import pathlib
@@ -29,9 +30,11 @@ JOIN_TIMEOUT_S = 300
 STEPS = 3
 BATCH = 16  # per rank
 # Joint-batch training against DDP's and FSDP2's averaged gradients: the default recipe's
-# scales are per row (whatever the batch) and the weights alike, so only float summation
-# order differs: measured <= 1e-6 relative on every parameter's update.
-UPDATE_REL_ERROR_FLOOR = 1e-4
+# scales are per row (whatever the batch), so only float summation order differs. Measured:
+# <= 1e-6 relative on the dense layers' updates, 6e-4 on the sparse table's (an fp32 difference
+# flips a few e4m3 roundings of its gradient). The floor is a sixth of one e4m3 rounding step
+# (2^-3 relative).
+UPDATE_REL_ERROR_FLOOR = 0.02
 # Plan agreement: the per-site rule in tensorwise, where rank 1's outliers would send sites rowwise.
 WINDOW = {"recipe": "tensorwise", "probe_steps": 2, "max_probe_error": 0.1, "recheck_every": 3}
 
@@ -207,6 +210,30 @@ def _plans(rank):
             "graphs": len(backend.GRAPHS)}
 
 
+def _decisions(rank, store_dir):
+    """`ranks.decide_once` on its own: a speed check timed on rank 0 alone (each rank with its
+    own performance database), a failure on rank 0 raised on both, trips merged."""
+    from loka_compile import ranks, speed
+
+    os.environ["LOKA_CACHE_DIR"] = os.path.join(store_dir, f"cache{rank}")
+    speed.clear_cache()
+    shape = speed.SiteShape(64, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
+    timing = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", ("emulated",))
+    stored = os.path.exists(os.path.join(store_dir, f"cache{rank}"))
+
+    def fail():
+        raise speed.NoProviderRuns({"emulated": f"raised on rank {rank}"})
+
+    try:
+        ranks.decide_once(fail)
+        raised = None
+    except speed.NoProviderRuns as error:
+        raised = error.failed
+    merged = ranks.decide_once(lambda: {f"site{rank}": rank}, merge=lambda views: sorted(k for v in views for k in v))
+    speed.clear_cache()
+    return {"timing": dataclasses.asdict(timing), "stored": stored, "raised": raised, "merged": merged}
+
+
 def _rank(rank, world_size, store_dir):
     import torch.distributed as dist
 
@@ -217,6 +244,7 @@ def _rank(rank, world_size, store_dir):
         try:
             result = {form: _train_form(rank, form) for form in ("ddp_compile", "compile_ddp", "sparse")}
             result["fsdp2"] = _fsdp2(rank)
+            result["decisions"] = _decisions(rank, store_dir)
             result["plans"] = _plans(rank)
         finally:
             dist.destroy_process_group()
@@ -288,3 +316,11 @@ def test_recompile_on_every_rank_keeps_collectives_lined_up(ranks):
     for r in ranks:
         assert r["plans"]["graphs"] >= 2  # the new batch size compiled a graph of its own, on both ranks
     assert ranks[0]["plans"]["final"] == ranks[1]["plans"]["final"]
+
+
+def test_rank0_decides_timings_and_failures_for_all(ranks):
+    d0, d1 = ranks[0]["decisions"], ranks[1]["decisions"]
+    assert d0["timing"] == d1["timing"] and d0["timing"]["bf16_us"] > 0  # rank 0's wall-clock timing, on both
+    assert d0["stored"] and not d1["stored"]  # rank 1 measured nothing, stored nothing
+    assert d0["raised"] == d1["raised"] == {"emulated": "raised on rank 0"}  # the same exception type on both
+    assert d0["merged"] == d1["merged"] == ["site0", "site1"]
