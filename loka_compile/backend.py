@@ -49,7 +49,8 @@ from torch._inductor import fx_utils
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from loka_compile import dispatch, graph_cache, output_budget, passes, probe, speed
+from loka_compile import dispatch, graph_cache, output_budget, passes, probe, ranks, speed
+from loka_compile.ranks import decide_once
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import ops as loka_ops
@@ -696,7 +697,7 @@ class LokaCompiledGraph:
         ids = {s.key: s.id for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites}
         keys = list(ids)
         # probe.verdicts logs each verdict with every scaling's bound.
-        unsafe, upgraded = _decide_once(lambda: _verdicts_by_id(ids, record.config))
+        unsafe, upgraded = decide_once(lambda: _verdicts_by_id(ids, record.config))
         # Kept by stable id in the graph's own plan: the FP8 variant's sites have the same ids.
         record.plan.unsafe.update(unsafe)
         record.plan.upgraded.update(upgraded)
@@ -705,11 +706,14 @@ class LokaCompiledGraph:
         if record.config.amax_guard:
             record.amax_guards = AmaxGuards.of_window(record.name, self._observed_sites(), self._tensorwise_sites())
         self.variants["fp8"] = self._compile_fp8()
-        if measured is not None:
-            self._verify_output_budget(*measured)
-            if self._tighten_output_budget(_decide_once(self._weigh_at_measured_scale)):
-                self.variants["fp8"] = self._compile_fp8()
+        # Whether the budget acted is rank 0's word; this rank's own measurement may have failed.
+        if record.output_budget is not None:
+            if measured is not None:
                 self._verify_output_budget(*measured)
+            if self._tighten_output_budget(decide_once(self._weigh_at_measured_scale)):
+                self.variants["fp8"] = self._compile_fp8()
+                if measured is not None:
+                    self._verify_output_budget(*measured)
         if record.config.recheck_every or record.amax_guards is not None:
             self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants["fp8"])
         if record.config.recheck_every:
@@ -751,10 +755,8 @@ class LokaCompiledGraph:
             return None
         if reference and not bool(output_budget.finite_mask(reference).any()):
             self._budget_waits += 1
-            dist = torch.distributed
-            # Ranks close their windows at the same call (`_decide_once`): none may wait alone.
-            alone = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            if self._budget_waits <= BUDGET_WAIT_CALLS and not alone:
+            # Ranks close their windows at the same call (`decide_once`): none may wait alone.
+            if self._budget_waits <= BUDGET_WAIT_CALLS and not ranks.distributed():
                 log.warning("loka: %s: output budget: every output of call %d is non-finite; the probe window stays "
                             "open and the budget is computed at the next finite call", record.name, self.calls + 1)
                 return "wait"
@@ -799,7 +801,7 @@ class LokaCompiledGraph:
                 self._skip_budget(f"weighing the sites failed ({type(error).__name__}: {error})")
                 return None
 
-        decided = _decide_once(decide)
+        decided = decide_once(decide)
         if decided is None:
             return None
         decided.deferred_calls = self._budget_waits
@@ -819,6 +821,8 @@ class LokaCompiledGraph:
         if decided.below_floor:
             log.warning("loka: %s: max_output_error %g is below the graph's noise floor %.3g: bf16 itself would not "
                         "meet it", record.name, decided.budget, decided.floor.value)
+        if measured is None:  # rank 0 weighed the sites; this rank's own measurement failed
+            return None
         return measured["runs"], measured["reference"], measured["judged"]
 
     def _measure_sensitivities(self, args, sites: dict, runs: "_SideRuns", reference: list) -> dict:
@@ -1051,8 +1055,8 @@ class LokaCompiledGraph:
         variant is switched to one built with the new verdicts (compiled once per set)."""
         record, config, step = self.record, self.record.config, self.calls
         sites = {key: (sid, own) for key, (sid, own) in self._observed_sites().items() if probe.STORE.observed(key)}
-        unsafe, upgraded = _decide_once(lambda: _verdicts_by_id({k: sid for k, (sid, _) in sites.items()}, config,
-                                                                log_level=logging.DEBUG))
+        unsafe, upgraded = decide_once(lambda: _verdicts_by_id({k: sid for k, (sid, _) in sites.items()}, config,
+                                                               log_level=logging.DEBUG))
         # The output budget decided once, at the window's close: its sites stay kept.
         kept = record.output_budget.kept if record.output_budget is not None else {}
         unsafe.update({sid: record.plan.unsafe[sid] for sid, _ in sites.values()
@@ -1100,19 +1104,23 @@ class LokaCompiledGraph:
         where the window measured no finer scaling within the bound), amended in the plan
         as a re-check amends it: logged, kept in its history, the FP8 variant switched."""
         record, config, plan = self.record, self.record.config, self.record.plan
-        trips = record.amax_guards.trips()
+        # A trip on any rank demotes the site on all (each rank's amaxes are its own data).
+        trips = decide_once(record.amax_guards.trips, merge=_first_reason_per_site)
         if not trips:
             return
         keys = {sid: key for key, (sid, _) in self._observed_sites().items()}
+
+        def demotions():  # from the window's statistics, rank 0's when distributed
+            return {sid: demotion(probe.STORE.summary(keys[sid]) if sid in keys else {}, config.max_probe_error,
+                                  config.probe_metric, why)
+                    for sid, why in trips.items() if sid not in plan.unsafe and sid not in plan.upgraded}
+
+        moves = decide_once(demotions)
         saved = dict(plan.unsafe), dict(plan.upgraded)
         changes = []
-        for sid, why in trips.items():
-            if sid in plan.unsafe or sid in plan.upgraded:
-                continue  # moved already (a trip still in flight when it was)
-            table, entry = demotion(probe.STORE.summary(keys[sid]) if sid in keys else {}, config.max_probe_error,
-                                    config.probe_metric, why)
+        for sid, (table, entry) in moves.items():  # a site moved already had a trip still in flight when it was
             (plan.upgraded if table == "upgraded" else plan.unsafe)[sid] = entry
-            changes.append((sid, _standing(sid, "tensorwise", plan.unsafe, plan.upgraded), why))
+            changes.append((sid, _standing(sid, "tensorwise", plan.unsafe, plan.upgraded), trips[sid]))
         record.amax_guards.forget(trips)
         if not changes:
             return
@@ -1280,16 +1288,14 @@ def _verdicts_by_id(ids: dict, config: LokaConfig, log_level: int = logging.WARN
     return {ids[k]: v for k, v in unsafe.items()}, {ids[k]: tuple(v) for k, v in upgraded.items()}
 
 
-def _decide_once(verdicts):
-    """`verdicts()` on this process, or, when torch.distributed is initialized with more
-    than one rank, on rank 0 and broadcast, so every rank compiles the same plan. Ranks
-    close a graph's probe window at the same call, so the collective lines up."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return verdicts()
-    payload = [verdicts() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+def _first_reason_per_site(trips_per_rank: list) -> dict:
+    """The ranks' amax guard trips merged: every site that tripped on any rank, with the
+    reason of the lowest rank that saw it."""
+    merged = {}
+    for trips in trips_per_rank:
+        for sid, why in trips.items():
+            merged.setdefault(sid, why)
+    return merged
 
 
 def _graph_fingerprint(gm: torch.fx.GraphModule, example_inputs) -> tuple[dict, str]:

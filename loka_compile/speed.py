@@ -76,6 +76,7 @@ from typing import Optional
 import torch
 
 from loka_compile.kernels import providers as provider_registry
+from loka_compile.ranks import decide_once
 from loka_compile.passes.mods.benchmarked_reductions import PERSISTENT_ROW_MAX, persistent_row_max
 from loka_compile.passes.mods.cat_casts import per_piece_row_max
 from loka_compile.passes.mods.gemm_epilogue import MOD as GEMM_EPILOGUE
@@ -255,8 +256,9 @@ def site_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str, pr
 
     db_key = perfdb.site_key(shape, scaling, a_format, b_format, providers, fast_accum,
                              method=TIMING_METHOD)
-    timing, stored = _stored_or_measured(db_key, SiteTiming, lambda: _measure_site(
-        shape, scaling, a_format, b_format, providers, fast_accum))
+    # Timings differ per rank: rank 0's decide for all (`ranks.py`).
+    timing, stored = decide_once(lambda: _stored_or_measured(db_key, SiteTiming, lambda: _measure_site(
+        shape, scaling, a_format, b_format, providers, fast_accum)))
     _cache[key] = timing
     log.debug("loka speed: %s %s/%s/%s: aten %.1f us, fp8 %.1f us on %s (%.2fx; GEMMs %s, casts %.1f us)%s",
               shape, scaling, a_format, b_format, timing.bf16_us, timing.fp8_us, timing.provider, timing.speedup,
@@ -372,7 +374,8 @@ def epilogue_timing(shape: SiteShape, scaling: str, a_format: str, b_format: str
     from loka_compile import perfdb
 
     db_key = perfdb.epilogue_key(shape, *key[1:], method=TIMING_METHOD)
-    timing, stored = _stored_or_measured(db_key, EpilogueTiming, lambda: _measure_epilogue(shape, *key[1:]))
+    timing, stored = decide_once(lambda: _stored_or_measured(db_key, EpilogueTiming,
+                                                             lambda: _measure_epilogue(shape, *key[1:])))
     _epilogue_cache[key] = timing
     log.debug("loka speed: %s GEMM into the next FP8 operand (%s%s%s): fused %.1f us, %s + pointwise %.1f us%s",
               shape, activation, " + residual" if residual else "", f" + {norm} norm" if norm else "",
@@ -439,6 +442,9 @@ class NoProviderRuns(RuntimeError):
         super().__init__("; ".join(f"{name}: {why}" for name, why in failed.items()))
         self.failed = failed
 
+    def __reduce__(self):  # pickled whole: rank 0's verdict reaches every rank as itself (`ranks.py`)
+        return NoProviderRuns, (self.failed,)
+
 
 _runnable: dict = {}
 
@@ -448,36 +454,42 @@ def runnable_providers(shape: SiteShape, scaling: str, a_format: str, b_format: 
     """The providers whose GEMM runs at the site's shape, each tried once on random
     operands (cached per process): an FP8 site that is not timed (speed_check off) must
     still not get a kernel that raises at its shape, as cuBLASLt's rowwise GEMM does at
-    some. Raises NoProviderRuns when none does."""
+    some. Raises NoProviderRuns when none does. Rank 0's trial decides for all ranks."""
+    key = (shape, scaling, a_format, b_format, providers, fast_accum)
+    if key not in _runnable:
+        _runnable[key] = decide_once(lambda: _try_providers(shape, scaling, a_format, b_format, providers, fast_accum))
+    runs, failed = _runnable[key]
+    if not runs:
+        raise NoProviderRuns(failed)
+    return runs
+
+
+def _try_providers(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
+                   fast_accum: bool) -> tuple:
+    """(providers whose GEMM ran at the site's shape, name -> why each other failed)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from loka_compile.kernels.quantize import Fp8Format, Scaling
     from loka_compile.kernels.scaled_gemm import GemmSpec, gemm_quantized
 
-    key = (shape, scaling, a_format, b_format, providers, fast_accum)
-    if key not in _runnable:
-        failed = {}
-        with unset_fake_temporarily(), torch.no_grad():
-            _, _, bias, a, b = _site_operands(shape)
-            a_q, a_s = (_batched(t, "a", shape.batch) for t in torch.ops.loka.quantize_operand(a, "a", scaling,
-                                                                                                  a_format))
-            b_q, b_s = (_batched(t, "b", shape.batch) for t in torch.ops.loka.quantize_operand(b, "b", scaling,
-                                                                                                  b_format))
-            for name in providers:
-                spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), name, shape.dtype,
-                                shape.pad_k, shape.pad_n, fast_accum=fast_accum)
-                try:
-                    gemm_quantized(a_q, a_s, b_q, b_s, bias, spec)
-                    if shape.device.type == "cuda":
-                        torch.cuda.synchronize(shape.device)
-                except RuntimeError as error:
-                    failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                    log.warning("loka: provider %s cannot run %s (%s); not chosen there", name, shape, failed[name])
-        _runnable[key] = (tuple(name for name in providers if name not in failed), failed)
-    runs, failed = _runnable[key]
-    if not runs:
-        raise NoProviderRuns(failed)
-    return runs
+    failed = {}
+    with unset_fake_temporarily(), torch.no_grad():
+        _, _, bias, a, b = _site_operands(shape)
+        a_q, a_s = (_batched(t, "a", shape.batch) for t in torch.ops.loka.quantize_operand(a, "a", scaling,
+                                                                                              a_format))
+        b_q, b_s = (_batched(t, "b", shape.batch) for t in torch.ops.loka.quantize_operand(b, "b", scaling,
+                                                                                              b_format))
+        for name in providers:
+            spec = GemmSpec(Scaling(scaling), Fp8Format(a_format), Fp8Format(b_format), name, shape.dtype,
+                            shape.pad_k, shape.pad_n, fast_accum=fast_accum)
+            try:
+                gemm_quantized(a_q, a_s, b_q, b_s, bias, spec)
+                if shape.device.type == "cuda":
+                    torch.cuda.synchronize(shape.device)
+            except RuntimeError as error:
+                failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                log.warning("loka: provider %s cannot run %s (%s); not chosen there", name, shape, failed[name])
+    return tuple(name for name in providers if name not in failed), failed
 
 
 def clear_cache() -> None:
