@@ -830,7 +830,7 @@ class LokaCompiledGraph:
         -z, where a loss is among the binary heads): per site its sensitivity over the
         judged outputs and each binary head's second-order loss change; and the measured
         noise floor."""
-        record, config = self.record, self.record.config
+        config = self.record.config
         start = time.perf_counter()
         variant = self.variants["probe"]
         kinds = output_budget.head_kinds(self._source.gm, config.binary_outputs) if self._source.kept else []
