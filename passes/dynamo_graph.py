@@ -3,12 +3,16 @@ call's arguments, module path, weights and example values are read and kept up t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from .find_sites import clean_module_path
 
 LINEARS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
+
+log = logging.getLogger("loka.passes")
 
 
 def arg(node: torch.fx.Node, index: int, name: str, default=None):
@@ -114,3 +118,24 @@ def replace_call(gm: torch.fx.GraphModule, node: torch.fx.Node, target, args, kw
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+
+
+def matches_to_rewrite(gm: torch.fx.GraphModule, example_inputs, mod_name: str, match, decline_reason,
+                       declined, exclude_modules=()) -> list:
+    """(module path, match) for each node of `gm` that `match(gm, node)` recognizes (a record
+    with `.module`), unless its module is excluded or `decline_reason(gm, match, inputs)` names
+    a reason; each decline is counted in `declined` and logged at debug level."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = dict(zip(placeholders, example_inputs))
+    todo = []
+    for node in list(gm.graph.nodes):
+        found = match(gm, node)
+        if found is None:
+            continue
+        reason = "excluded_module" if excluded(found.module, exclude_modules) else decline_reason(gm, found, inputs)
+        if reason is not None:
+            declined[reason] += 1
+            log.debug("%s: %s (%s) declined: %s", mod_name, node.name, found.module or "<root>", reason)
+            continue
+        todo.append((found.module, found))
+    return todo

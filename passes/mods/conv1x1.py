@@ -72,7 +72,7 @@ import logging
 import torch
 from torch._inductor import config as inductor_config
 
-from ..dynamo_graph import arg, excluded, fake_mode, module_of, set_example_values, tensor_of
+from ..dynamo_graph import arg, fake_mode, matches_to_rewrite, module_of, set_example_values, tensor_of
 from ..rewrite import rewrite_graph_and_bodies
 from .mod import Mod, Stage, total
 
@@ -185,19 +185,7 @@ def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modu
     """Rewrite each 1x1 convolution of `gm` that is a linear over channels in place (module
     docstring); return what was rewritten and declined."""
     result = Conv1x1Linears()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = dict(zip(placeholders, example_inputs))
-    todo = []
-    for node in list(gm.graph.nodes):
-        conv = _conv_of(gm, node)
-        if conv is None:
-            continue
-        reason = "excluded_module" if excluded(conv.module, exclude_modules) else _decline_reason(gm, conv, inputs)
-        if reason is not None:
-            result.declined[reason] += 1
-            log.debug("conv1x1: %s (%s) declined: %s", node.name, conv.module or "<root>", reason)
-            continue
-        todo.append((conv.module, conv))
+    todo = matches_to_rewrite(gm, example_inputs, "conv1x1", _conv_of, _decline_reason, result.declined, exclude_modules)
 
     def rewrite_one(conv: _Conv) -> None:
         _rewrite(gm, conv)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from loka_compile.kernels.layer_norm_backward import layer_norm
 
-from ..dynamo_graph import arg, example_value, excluded, module_of, tensor_of
+from ..dynamo_graph import arg, example_value, matches_to_rewrite, module_of, tensor_of
 from ..rewrite import rewrite_graph_and_bodies
 from ..shapes import size_hint
 from .mod import Mod, Stage, total
@@ -161,19 +161,7 @@ def rewrite_layer_norm_backwards(gm: torch.fx.GraphModule, example_inputs=(), *,
     """Rewrite each matching LayerNorm of `gm` in place (module docstring); return what was
     rewritten and declined."""
     result = LayerNormBackwards()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = dict(zip(placeholders, example_inputs))
-    todo = []
-    for node in list(gm.graph.nodes):
-        norm = _norm_of(gm, node)
-        if norm is None:
-            continue
-        reason = "excluded_module" if excluded(norm.module, exclude_modules) else _decline_reason(gm, norm, inputs)
-        if reason is not None:
-            result.declined[reason] += 1
-            log.debug("layernorm_backward: %s (%s) declined: %s", node.name, norm.module or "<root>", reason)
-            continue
-        todo.append((norm.module, norm))
+    todo = matches_to_rewrite(gm, example_inputs, "layernorm_backward", _norm_of, _decline_reason, result.declined, exclude_modules)
 
     def rewrite_one(norm: _Norm) -> None:
         _rewrite(gm, norm)
