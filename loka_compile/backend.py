@@ -869,24 +869,19 @@ class LokaCompiledGraph:
                 "judged_outputs": "all" if not heads else ("other than the binary heads" if other else "none")}
 
     def _measure_floor(self, runs: "_SideRuns", judged: list, finite) -> tuple:
-        """(measured noise floor or None, why not): the Dynamo graph run eagerly with its
-        floating inputs in bf16 against the same in fp32, on the closing call's arguments
-        (copies). Only where that is cheap and means something: a graph that holds no
-        parameters of its own (they would keep their dtype) and sets no autocast (it would
-        override both runs), with inputs under FLOOR_RUN_MAX_BYTES."""
+        """(measured noise floor or None, why not): the Dynamo graph run eagerly in its bf16
+        arithmetic against the same function in fp32 (`output_budget.floor_graphs`), on the
+        closing call's arguments (copies), where the inputs' copies fit FLOOR_RUN_MAX_BYTES."""
         gm = self._source.gm
         if gm is None:
             return None, "the graph's source is gone"
-        if any(n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "") for n in gm.graph.nodes):
-            return None, "the graph sets its own precision (autocast)"
-        if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
-            return None, "the graph holds parameters of its own"
         floating = [a for a in runs.args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         if sum(a.numel() for a in floating) * 6 > FLOOR_RUN_MAX_BYTES:  # an fp32 and a bf16 copy
             return None, "its inputs are too large to copy"
         try:
-            high = [o.double() for o in runs.run_eager(gm, torch.float32)]
-            low = runs.run_eager(gm, torch.bfloat16)
+            high_gm, low_gm, low_dtype = output_budget.floor_graphs(gm, runs.args)
+            high = [o.double() for o in runs.run_eager(high_gm, torch.float32)]
+            low = runs.run_eager(low_gm, low_dtype)
             if len(high) != len(low) or max(judged, default=-1) >= len(high):
                 return None, "its eager outputs differ from the compiled ones"
             select = lambda outputs: [outputs[i] for i in judged]  # noqa: E731
@@ -1193,12 +1188,13 @@ class _SideRuns:
                         self.inputs[i] = (tensor, saved, tensor._version)
 
 
-    def run_eager(self, gm: torch.fx.GraphModule, dtype: torch.dtype) -> list:
+    def run_eager(self, gm: torch.fx.GraphModule, dtype: Optional[torch.dtype]) -> list:
         """The floating outputs of the Dynamo graph run eagerly on copies of the arguments,
-        every floating one in `dtype` but those that carry integers past bf16's exact range
-        (ids in a float tensor, as deepctr-torch passes them): bf16 would change the ids."""
+        every floating one in `dtype` (None: as it is) but those that carry integers past
+        bf16's exact range (ids in a float tensor, as deepctr-torch passes them): bf16 would
+        change the ids."""
         def cast(a):
-            if not (isinstance(a, torch.Tensor) and a.is_floating_point()):
+            if not (isinstance(a, torch.Tensor) and a.is_floating_point()) or dtype is None:
                 return a
             ids = a.numel() > 0 and bool((a == a.round()).all()) and float(a.abs().max()) > BF16_EXACT_INTEGERS
             return a.detach().clone() if ids else a.detach().to(dtype, copy=True)

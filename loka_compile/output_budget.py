@@ -320,6 +320,101 @@ def measured_scale(budget: OutputBudget) -> float:
     return max(1.0, budget.measured / budget.predicted_after)
 
 
+# The measured noise floor runs the Dynamo graph eagerly twice: once in fp32 (the same function
+# with every low-precision conversion and autocast region computing in fp32) and once in bf16
+# (the model's own low-precision arithmetic; for a graph that has none, its conversions to
+# fp32 made bf16 ones). Dtypes below fp32 that a graph may compute in:
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Tensor methods that convert to a dtype they name, and the method that names each dtype.
+_DTYPE_METHODS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32}
+_METHOD_OF_DTYPE = {dtype: name for name, dtype in _DTYPE_METHODS.items()}
+# Tensor methods whose dtype argument is a conversion (not a factory's or a reduction's dtype).
+_CONVERSIONS = {"to", "type"}
+
+
+def _is_autocast_entry(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.amp.autocast_mode._enter_autocast
+
+
+def _floating_attr(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[torch.Tensor]:
+    """The floating tensor a get_attr node reads, else None."""
+    value = gm
+    for name in node.target.split("."):
+        value = getattr(value, name, None)
+    return value if isinstance(value, torch.Tensor) and value.is_floating_point() else None
+
+
+def _dtype_constants(node: torch.fx.Node) -> list:
+    found = []
+    torch.fx.node.map_aggregate((node.args, node.kwargs),
+                                lambda a: found.append(a) if isinstance(a, torch.dtype) else None)
+    return found
+
+
+def computes_in_low_precision(gm: torch.fx.GraphModule, args) -> bool:
+    """Whether a Dynamo graph has low-precision arithmetic of its own (called on `args`): a
+    bf16/fp16 floating input or attribute, a conversion to bf16/fp16, or an autocast region."""
+    if any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype in LOW_PRECISION for a in args):
+        return True
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _floating_attr(gm, node)
+            if value is not None and value.dtype in LOW_PRECISION:
+                return True
+        elif _is_autocast_entry(node):
+            if len(node.args) > 2 and node.args[2]:
+                return True
+        elif node.op == "call_method" and _DTYPE_METHODS.get(node.target) in LOW_PRECISION:
+            return True
+        elif node.op in ("call_method", "call_function") and any(d in LOW_PRECISION for d in _dtype_constants(node)):
+            return True
+    return False
+
+
+def precision_copy(gm: torch.fx.GraphModule, dtype: torch.dtype, convert: tuple = (),
+                   conversions_only: bool = False, autocast_off: bool = False) -> torch.fx.GraphModule:
+    """A copy of a Dynamo graph (the original is left as it is) in which every dtype of
+    `convert` the graph names becomes `dtype`: conversions (`.to(torch.bfloat16)`,
+    `.bfloat16()`, `.half()`, `.float()`) and, unless `conversions_only`, any op's dtype
+    argument (factories, `softmax(dtype=)`); floating attributes it reads of a dtype in
+    `convert` are converted at read. `autocast_off`: its autocast regions are disabled.
+    Floating attributes are read through a copy, so an eager run leaves buffers as they were."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    swap = lambda a: dtype if isinstance(a, torch.dtype) and a in convert else a  # noqa: E731
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            value = _floating_attr(gm, node)
+            if value is None:
+                continue
+            with graph.inserting_after(node):
+                read = graph.call_method("to", (node, swap(value.dtype)), {"copy": True})
+            node.replace_all_uses_with(read, delete_user_cb=lambda user: user is not read)
+        elif _is_autocast_entry(node):
+            if autocast_off and len(node.args) > 2:
+                node.args = (*node.args[:2], False, *node.args[3:])
+        elif node.op == "call_method" and node.target in _DTYPE_METHODS:
+            if _DTYPE_METHODS[node.target] in convert:
+                node.target = _METHOD_OF_DTYPE[dtype]
+        elif node.op in ("call_method", "call_function") and (not conversions_only or node.target in _CONVERSIONS):
+            node.args = torch.fx.node.map_aggregate(node.args, swap)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def floor_graphs(gm: torch.fx.GraphModule, args) -> tuple:
+    """(fp32 graph, bf16 graph, dtype for the bf16 run's floating inputs or None: as they
+    are) of the measured noise floor. The fp32 graph computes the graph's function in fp32:
+    its bf16/fp16 conversions made fp32 ones, autocast off, inputs in fp32. The bf16 graph
+    is the model's own low-precision arithmetic where it has some (the graph as it is, on its
+    own inputs); a graph without any runs in bf16: its conversions to fp32 (`.to(weight.dtype)`
+    in an fp32 model) made bf16 ones, inputs in bf16."""
+    high = precision_copy(gm, torch.float32, LOW_PRECISION, autocast_off=True)
+    if computes_in_low_precision(gm, args):
+        return high, precision_copy(gm, torch.float32), None
+    return high, precision_copy(gm, torch.bfloat16, (torch.float32,), conversions_only=True), torch.bfloat16
+
+
 # Dynamo-graph ops whose output is a probability of a binary event, and those of a binary
 # cross-entropy loss (on logits or on probabilities); ops a loss passes through on its way to
 # the output (sums, weights, the mean of several heads' losses).

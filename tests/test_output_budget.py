@@ -521,3 +521,91 @@ def test_head_kinds_of_a_dynamo_graph():
     gm = torch._dynamo.export(f)(torch.randn(4, 8), torch.rand(4)).graph_module
     kinds = output_budget.head_kinds(gm)
     assert kinds == ["loss", "probability", None, None, None]
+
+
+# ---- the measured floor of graphs that set their own precision --------------------------
+
+class CastingTower(nn.Module):
+    """Written as public model code is: fp32 inputs and an fp32 embedding table, a dense MLP
+    whose parameters are in `low`, inputs cast to it with `.to(...)`, the logits cast back
+    with `.float()`; `low=torch.float32` is the same model in fp32."""
+
+    def __init__(self, low=torch.bfloat16):
+        super().__init__()
+        self.low = low
+        self.emb = nn.Embedding(100, 32)
+        self.mlp = MLPWithNorm(64, 64, 16).to(low)
+
+    def forward(self, dense, ids):
+        x = torch.cat([dense, self.emb(ids)], dim=1)
+        return self.mlp(x.to(self.low)).float()
+
+
+class AutocastTower(nn.Module):
+    """fp32 parameters, the MLP under `torch.autocast(bf16)` (off: the same model in fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.autocast = True
+        self.mlp = MLPWithNorm(64, 64, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            h = torch.relu(self.mlp(x))
+        return self.head(h.float())
+
+
+def _closing_floor(compiled, *args):
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(*args)
+    return loka_compile.report(compiled).graphs[0].output_budget.floor
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_the_measured_floor_of_a_graph_with_bf16_casts_is_its_own_bf16_against_fp32(store):
+    """`.to(torch.bfloat16)` into bf16 parameters, `.float()` out: the floor is measured (the
+    eager runs used to fail on mixed dtypes) and equals the same model's bf16 output against
+    the model built in fp32, computed here independently."""
+    torch.manual_seed(0)
+    model = CastingTower()
+    dense, ids = torch.randn(128, 32), torch.randint(0, 100, (128,))
+    floor = _closing_floor(torch.compile(model, backend="loka", options={"recipe": "rowwise"}), dense, ids)
+    reference = CastingTower(torch.float32)
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        expected = rel_error(reference(dense, ids).double(), model(dense, ids))
+    assert floor.measured is not None, floor.why_unmeasured
+    assert 1e-3 < expected < 0.05 and floor.measured == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_the_measured_floor_of_an_autocast_graph_is_autocast_against_fp32(store):
+    torch.manual_seed(0)
+    model, x = AutocastTower(), torch.randn(128, 64)
+    floor = _closing_floor(torch.compile(model, backend="loka", options={"recipe": "rowwise"}), x)
+    with torch.no_grad():
+        low = model(x)
+        model.autocast = False
+        expected = rel_error(model(x).double(), low)
+    assert floor.measured is not None, floor.why_unmeasured
+    assert 1e-3 < expected < 0.05 and floor.measured == pytest.approx(expected, rel=1e-3)
+
+
+def test_precision_copies_rewrite_conversions_and_leave_the_graph_as_it_was():
+    def f(x, w):
+        y = torch.softmax(x.to(torch.bfloat16) @ w.bfloat16(), -1, dtype=torch.float32)
+        return y.float() + torch.zeros(3, 1, dtype=torch.float32)
+
+    gm = torch._dynamo.export(f)(torch.randn(3, 4), torch.randn(4, 5)).graph_module
+    dtypes = lambda g: [d for n in g.graph.nodes for d in output_budget._dtype_constants(n)]  # noqa: E731
+    before = dtypes(gm)
+    assert output_budget.computes_in_low_precision(gm, [])
+    high = output_budget.precision_copy(gm, torch.float32, output_budget.LOW_PRECISION, autocast_off=True)
+    assert torch.bfloat16 not in dtypes(high) and dtypes(gm) == before
+    assert not output_budget.computes_in_low_precision(high, [])
+    low = output_budget.precision_copy(gm, torch.bfloat16, (torch.float32,), conversions_only=True)
+    # the softmax's and the factory's fp32 stay; the `.float()` conversion becomes bf16
+    assert [n.target for n in low.graph.nodes if n.op == "call_method"].count("float") == 0
+    assert dtypes(low).count(torch.float32) == 2
