@@ -252,9 +252,12 @@ def _decide(site, record: GraphRecord, phase: str, **kwargs) -> Decision:
     """Dispatch's decision; a site the output budget keeps in high precision (in the plan's
     unsafe verdicts) says so in its detail."""
     decision = dispatch.decide(site, config=record.config, phase=phase, plan=record.plan, **kwargs)
-    kept = record.output_budget.kept if record.output_budget is not None else {}
-    if site.id in kept and decision.reason is Reason.PROBE_UNSAFE:
-        decision = dataclasses.replace(decision, detail=kept[site.id])
+    budget = record.output_budget
+    if budget is not None and site.id in budget.kept and decision.reason is Reason.PROBE_UNSAFE:
+        decision = dataclasses.replace(decision, detail=budget.kept[site.id])
+    elif budget is not None and site.id in budget.made_safe and decision.fp8:
+        decision = dataclasses.replace(decision, detail="; ".join(filter(None, (budget.made_safe[site.id],
+                                                                                 decision.detail))))
     return decision
 
 
@@ -808,6 +811,7 @@ class LokaCompiledGraph:
         record.output_budget = decided
         for sid in decided.kept:
             record.plan.unsafe[sid] = decided.error[sid]
+        record.plan.upgraded.update(decided.upgraded)  # sites a finer scaling made safe for the budget
         heads = "".join(f"; {name}: predicted relative NE increase {decided.ne_before[name]:.3g} -> "
                         f"{decided.ne_predicted[name]:.3g} (max_ne_increase {decided.ne_budget:g})"
                         for name in decided.ne_predicted)
@@ -894,7 +898,8 @@ class LokaCompiledGraph:
         with its error in the scaling it would run (its own, or its upgrade's)."""
         plan, config = self.record.plan, self.record.config
         sensitivity = measured["sensitivity"]
-        error, labels, bf16 = {}, {}, {}
+        error, labels, bf16, finer, steps = {}, {}, {}, {}, {}
+        site_of = {s.id: s for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for s in ctx.sites}
         for key, sid in sites.items():
             summary = probe.STORE.summary(key)
             if math.isfinite(summary.get("mean_bf16_rel_error", math.inf)):
@@ -907,6 +912,14 @@ class LokaCompiledGraph:
             if e is None:  # no candidate statistics: the largest observed error
                 e = float(summary.get("max_rel_error", math.inf))
             error[sid], labels[sid] = e, (candidate or "own").split("/")[0]
+            runs = (lambda scaling, site=site_of.get(sid): site is not None
+                    and dispatch.upgrade_runs(site, config, scaling))
+            finer[sid] = output_budget.finer_scalings(summary, labels[sid], e, config.max_probe_error,
+                                                      config.probe_metric, runs)
+            if finer[sid]:
+                steps[sid] = probe.chain_steps(summary, config.probe_metric)
+        last_modules = output_budget.last_gemm_modules(self._source.gm) if self._source.kept else set()
+        last_gemms = tuple(sid for sid in sensitivity if sid in site_of and site_of[sid].module in last_modules)
         floor = output_budget.NoiseFloor(predicted=output_budget.floor_prediction(sensitivity, bf16),
                                          measured=measured["floor_measured"], why_unmeasured=measured["why"])
         relative = config.relative_budget
@@ -921,8 +934,14 @@ class LokaCompiledGraph:
                               finite_fraction=measured["finite_fraction"])
         weighed = output_budget.keep_within(sensitivity, error, budget if measured["judge_d"] else None, labels,
                                             heads=tuple(result.heads), ne_budget=ne_budget,
-                                            budget_text=result.describe_budget())
+                                            budget_text=result.describe_budget(), finer=finer,
+                                            last_gemms=frozenset(last_gemms))
         result.kept, result.predicted_before, result.predicted = weighed.kept, weighed.before, weighed.after
+        result.last_gemms = last_gemms
+        for sid, (scaling, detail) in weighed.made_safe.items():
+            result.error[sid], result.made_safe[sid] = weighed.error[sid], detail
+            own = steps[sid][0]
+            result.upgraded[sid] = (scaling, [own, *[step for step in steps[sid][1:] if step[0] == scaling]])
         result.ne_before, result.ne_predicted = weighed.ne_before, weighed.ne_after
         return result
 
@@ -1056,6 +1075,9 @@ class LokaCompiledGraph:
         kept = record.output_budget.kept if record.output_budget is not None else {}
         unsafe.update({sid: record.plan.unsafe[sid] for sid, _ in sites.values()
                        if sid in kept and sid not in unsafe and sid in record.plan.unsafe})
+        made_safe = record.output_budget.upgraded if record.output_budget is not None else {}
+        upgraded.update({sid: made_safe[sid] for sid, _ in sites.values()
+                         if sid in made_safe and sid not in unsafe and sid not in upgraded})
         plan = record.plan
         changes = []
         for key, (sid, own) in sites.items():

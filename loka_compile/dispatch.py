@@ -44,6 +44,7 @@ slower than the high-precision GEMM it replaces.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Mapping, Optional
 
@@ -159,13 +160,7 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
         planned = _from_plan(site, entry, plan.source, config, hardware, padding)
         if planned is not None:
             return planned
-    def runnable(recipe):
-        a_format, b_format = recipe.formats(site.a_is_grad, site.b_is_grad)
-        request = providers.GemmRequest(site.device, recipe.scaling, a_format, b_format, site.dtype,
-                                        site.batch is not None)
-        return a_format, b_format, request, [p.name for p in providers.select(request)
-                                             if (not config.providers or p.name in config.providers)
-                                             and p.emulated != hardware]
+    runnable = functools.partial(_runnable, site, config, hardware)
 
     upgrade_note = ""
     if upgrade is not None:  # unsafe in its own scaling: the first finer one within the bound that runs here
@@ -246,6 +241,26 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
         return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, **chosen, **measured,
                         detail=f"{detail} ({timing.speedup:.2f}x < {config.min_fp8_speedup})")
     return Decision(fp8=True, reason=Reason.FP8, detail=detail, **chosen, **measured)
+
+
+def _runnable(site: Site, config: LokaConfig, hardware: bool, recipe) -> tuple:
+    """(A's format, B's format, the request, the providers that run it here) of a site in `recipe`."""
+    a_format, b_format = recipe.formats(site.a_is_grad, site.b_is_grad)
+    request = providers.GemmRequest(site.device, recipe.scaling, a_format, b_format, site.dtype,
+                                    site.batch is not None)
+    return a_format, b_format, request, [p.name for p in providers.select(request)
+                                         if (not config.providers or p.name in config.providers)
+                                         and p.emulated != hardware]
+
+
+def upgrade_runs(site: Site, config: LokaConfig, scaling: str) -> bool:
+    """Whether an upgrade of the site to a finer `scaling` has a provider here."""
+    if scaling not in _UPGRADE_RECIPES:
+        return False
+    hardware = providers.has_fp8_hardware(site.device)
+    if not hardware and not config.emulate:
+        return False
+    return bool(_runnable(site, config, hardware, _UPGRADE_RECIPES[scaling])[3])
 
 
 def _candidates(timing: speed.SiteTiming, fp8: bool) -> tuple:

@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Optional
 
 import torch
 
+from loka_compile import probe
 from loka_compile.kernels import metrics, ops
 from loka_compile.passes.find_sites import module_path
 
@@ -115,6 +117,9 @@ class OutputBudget:
     judged_outputs: str = "all"              # which outputs D covers: "all", "other than the binary heads", "none"
     finite_fraction: float = 1.0             # of the reference outputs' elements, the finite ones D covers
     deferred_calls: int = 0                  # calls the budget waited for a finite output
+    made_safe: dict = dataclasses.field(default_factory=dict)  # site id -> detail: kept in FP8 at a finer scaling
+    upgraded: dict = dataclasses.field(default_factory=dict)   # site id -> (scaling, steps): the plan's upgrades
+    last_gemms: tuple = ()                   # site ids of the model's last GEMMs (its prediction heads)
 
     @property
     def below_floor(self) -> bool:
@@ -245,30 +250,44 @@ def predicted(contributions) -> float:
 
 @dataclasses.dataclass
 class Weighed:
-    """What `keep_within` kept and predicted."""
+    """What `keep_within` kept, made safe and predicted."""
 
     kept: dict                  # site id -> detail
     before: float               # D over every site given
     after: float                # D over those left in FP8
     ne_before: dict = dataclasses.field(default_factory=dict)  # head name -> relative dNE, every site
     ne_after: dict = dataclasses.field(default_factory=dict)   # head name -> relative dNE, those left
+    made_safe: dict = dataclasses.field(default_factory=dict)  # site id -> (the finer scaling it takes, detail)
+    error: dict = dataclasses.field(default_factory=dict)      # site id -> e as it goes FP8 (a finer scaling's)
 
 
 def keep_within(sensitivity: dict, error: dict, budget: Optional[float], labels: Optional[dict] = None,
                 scale: float = 1.0, heads: tuple = (), ne_budget: Optional[float] = None,
-                budget_text: Optional[str] = None) -> Weighed:
+                budget_text: Optional[str] = None, finer: Optional[dict] = None,
+                last_gemms: frozenset = frozenset()) -> Weighed:
     """The sites of `error` (those going FP8; `sensitivity` has each) kept in high
     precision until every budget holds: the predicted D within `budget` (None: D is not
     judged) and each binary head's predicted relative NE increase within `ne_budget`.
     Each budget's use is a sum of shares, (s e / budget)^2 or dNE / ne_budget; while one
-    exceeds 1, the site with the largest share of the most exceeded one stays. `labels`:
-    site id -> the scaling e was measured in; `scale`: a factor on every prediction
-    (`measured_scale`); `budget_text`: how the discrepancy budget is named in details."""
-    labels = labels or {}
+    exceeds 1, the site with the largest share of the most exceeded one is made safer: it
+    takes its next finer scaling (`finer`: site id -> [(scaling, e), ...], each e below the
+    one before, the scalings a provider runs), or, with none left, stays in high precision.
+    `labels`: site id -> the scaling e was measured in; `scale`: a factor on every
+    prediction (`measured_scale`); `budget_text`: how the discrepancy budget is named in
+    details; `last_gemms`: the sites that are the model's last GEMMs (its prediction heads),
+    which the details name as such."""
+    labels = dict(labels or {})
+    error = dict(error)
+    finer = {sid: list(steps) for sid, steps in (finer or {}).items() if sid in error}
     budget_text = budget_text or (f"max_output_error {budget:g}" if budget else "")
-    contribution = {sid: scale * sensitivity[sid] * e for sid, e in error.items()}
-    contribution = {sid: (c if c == c else math.inf) for sid, c in contribution.items()}  # NaN -> inf
+
+    def contribution_of(sid):
+        c = scale * sensitivity[sid] * error[sid]
+        return c if c == c else math.inf  # NaN -> inf
+
+    contribution = {sid: contribution_of(sid) for sid in error}
     ne = {head.name: head.relative_increase(error, scale) for head in heads} if ne_budget else {}
+    by_name = {head.name: head for head in heads}
     left = set(error)
 
     def uses() -> dict:
@@ -281,29 +300,60 @@ def keep_within(sensitivity: dict, error: dict, budget: Optional[float], labels:
 
     totals = lambda: {name: sum(terms[s] for s in left) for name, terms in ne.items()}  # noqa: E731
     before, ne_before = predicted(contribution.values()), totals()
-    kept = {}
+    kept, made_safe = {}, {}
     used = uses()
     while left and used and max(used.values()) > 1:
         worst = max(used, key=used.get)
         label = lambda sid: f" ({labels[sid]})" if sid in labels else ""  # noqa: E731
         factor = f" x {scale:.2g} (the prediction's measured shortfall)" if scale != 1.0 else ""
+        head = lambda sid: " at the model's last GEMM (its prediction head)" if sid in last_gemms else ""  # noqa: E731
         if worst == "D":
             sid = max(left, key=lambda s: contribution[s])
             d = predicted(contribution[s] for s in left)
-            kept[sid] = (f"output budget: sensitivity {sensitivity[sid]:.3g} x rel. error {error[sid]:.3g}"
-                         f"{label(sid)}{factor} = {contribution[sid]:.3g}, the largest share of a predicted output "
-                         f"discrepancy {d:.3g} > {budget_text}")
+            why = (f"output budget: sensitivity {sensitivity[sid]:.3g} x rel. error {error[sid]:.3g}"
+                   f"{label(sid)}{factor} = {contribution[sid]:.3g}{head(sid)}, the largest share of a predicted "
+                   f"output discrepancy {d:.3g} > {budget_text}")
         else:
             terms = ne[worst]
             sid = max(left, key=lambda s: terms[s])
             total = sum(terms[s] for s in left)
-            kept[sid] = (f"output budget: {worst}: predicted relative NE increase {terms[sid]:.3g} from rel. error "
-                         f"{error[sid]:.3g}{label(sid)}{factor}, the largest share of {total:.3g} > max_ne_increase "
-                         f"{ne_budget:g}")
-        left.discard(sid)
+            why = (f"output budget: {worst}: predicted relative NE increase {terms[sid]:.3g} from rel. error "
+                   f"{error[sid]:.3g}{label(sid)}{factor}{head(sid)}, the largest share of {total:.3g} > "
+                   f"max_ne_increase {ne_budget:g}")
+        if finer.get(sid):
+            scaling, e = finer[sid].pop(0)
+            made_safe[sid] = (scaling, f"{why}: made safe by {scaling} scaling (rel. error {error[sid]:.3g} -> "
+                                       f"{e:.3g})")
+            error[sid], labels[sid] = e, scaling
+            contribution[sid] = contribution_of(sid)
+            for name in ne:
+                ne[name][sid] = by_name[name].relative_increase({sid: e}, scale)[sid]
+        else:
+            made_safe.pop(sid, None)
+            kept[sid] = why
+            left.discard(sid)
         used = uses()
     return Weighed(kept=kept, before=before, after=predicted(contribution[s] for s in left),
-                   ne_before=ne_before, ne_after=totals())
+                   ne_before=ne_before, ne_after=totals(), made_safe=made_safe,
+                   error={sid: error[sid] for sid in left})
+
+
+def finer_scalings(summary: dict, scaling: str, e: float, max_error: float, metric: str, runs) -> list:
+    """[(scaling, e), ...]: the scalings finer than `scaling` (`probe.SCALING_CHAIN`) that
+    the Probe measured at a site within its per-site bound (`max_error` in `metric`), each
+    with a mean row relative error below the one before (from `e`), that a provider runs
+    (`runs(scaling)`)."""
+    if "chosen" not in summary or scaling not in probe.SCALING_CHAIN:
+        return []
+    steps, rank = [], probe.SCALING_CHAIN.index
+    for finer, bound in probe.chain_steps(summary, metric)[1:]:
+        if rank(finer) <= rank(scaling):
+            continue
+        finer_e = candidate_error(summary, probe._target_name(finer))
+        if finer_e is not None and finer_e < e and bound <= max_error and runs(finer):
+            steps.append((finer, finer_e))
+            e = finer_e
+    return steps
 
 
 def floor_prediction(sensitivity: dict, bf16_error: dict) -> float:
@@ -464,6 +514,35 @@ def _through_views(node: torch.fx.Node) -> torch.fx.Node:
 def _under(node: torch.fx.Node, prefixes: tuple) -> bool:
     path = module_path(node)
     return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+
+# Dynamo-graph ops that are GEMMs (the sites' sources), for finding a model's last GEMMs.
+_GEMM_OPS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
+             torch.baddbmm, torch.einsum, operator.matmul}
+
+
+def _is_gemm(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), torch.nn.Linear)
+    return (node.op == "call_function" and node.target in _GEMM_OPS) or \
+        (node.op == "call_method" and node.target in ("matmul", "mm", "bmm", "__matmul__"))
+
+
+def last_gemm_modules(gm: torch.fx.GraphModule) -> set:
+    """Module paths of a Dynamo graph's last GEMMs: those an output is reached from through
+    no other GEMM (the model's prediction heads)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    stack, seen, found = list(output.all_input_nodes), set(), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _is_gemm(gm, node):
+            found.add(node.target if node.op == "call_module" else module_path(node))
+        else:
+            stack.extend(node.all_input_nodes)
+    return found
 
 
 def head_kinds(gm: torch.fx.GraphModule, prefixes: tuple = ()) -> list:

@@ -146,6 +146,18 @@ def _flops(site: SiteRecord) -> Optional[int]:
     return 2 * m * k * n * batch
 
 
+
+def _budget_changes(budget) -> str:
+    """What the output budget changed besides keeping sites: those a finer scaling made safe,
+    and whether the sites it kept are only the model's last GEMMs (its prediction heads)."""
+    text = ""
+    if budget.made_safe:
+        text += f"; {len(budget.made_safe)} made safe by a finer scaling: " + ", ".join(
+            f"{sid} ({budget.upgraded[sid][0]})" for sid in budget.made_safe)
+    if budget.kept and set(budget.kept) <= set(budget.last_gemms):
+        text += "; only the model's last GEMM (its prediction head) kept: " + ", ".join(budget.kept)
+    return text
+
 class Report:
     """`report.sites`: one SiteRecord per GEMM site of every matching graph;
     `report.graphs`: per Dynamo graph, its phase, fallback and rewritten GraphModules;
@@ -251,7 +263,7 @@ class Report:
             lines.append(f"output budget {g.name}: {floor}budget {b.describe_budget()}; predicted output discrepancy"
                          f"{judged} {b.predicted_before:.3g} with every safe forward site in FP8, "
                          f"{g.predicted_output_error:.3g} as compiled{measured}{finite}{waited}; {len(b.kept)} of "
-                         f"{len(b.sensitivity)} forward site(s) kept in high precision")
+                         f"{len(b.sensitivity)} forward site(s) kept in high precision{_budget_changes(b)}")
             for head in b.heads:
                 after = b.ne_after.get(head.name, b.ne_predicted.get(head.name, 0.0))
                 absolute = head.ne_increase(after)

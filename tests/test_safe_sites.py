@@ -1,0 +1,119 @@
+"""Sites made safe before the output budget keeps them in high precision: a finer scaling
+(rowwise -> 1x128 blockwise) where the Probe measured it within the budget, and, where the
+model's last GEMM (its prediction head) alone makes the predicted discrepancy, that GEMM
+alone kept."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import loka_compile
+from loka_compile import output_budget
+
+from models import MLPWithNorm
+
+K, HALF = 256, 128
+# A's second half and B's first half are this much smaller than the other halves: one rowwise
+# scale per row of A (column of B) flushes them to zero in e4m3, one per 1x128 block does not.
+SPLIT = 1e-5
+
+
+class SplitScales(nn.Module):
+    """One linear whose operands have two magnitudes along K, in 128-wide halves, that
+    contribute alike to the output: rowwise FP8 loses one of them (rel. error ~1), blockwise
+    keeps both (~0.03)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(K, 64, bias=False)
+        with torch.no_grad():
+            self.fc.weight[:, :HALF] *= SPLIT
+            self.fc.weight[:, HALF:] /= SPLIT
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def split_input(rows=64):
+    x = torch.randn(rows, K)
+    x[:, HALF:] *= SPLIT
+    return x
+
+
+def _compiled_report(model, x, options):
+    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise", **options})
+    with torch.no_grad():
+        for _ in range(3):
+            out = compiled(x)
+    return compiled, out, loka_compile.report(compiled)
+
+
+# The per-site bound is loose, so that only the output budget judges the site.
+LOOSE_SITE_BOUND = {"max_probe_error": 5.0}
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_a_site_over_the_budget_in_rowwise_goes_blockwise_and_the_report_says_so(store):
+    torch.manual_seed(0)
+    model, x = SplitScales(), split_input()
+    compiled, out, report = _compiled_report(model, x, {**LOOSE_SITE_BOUND, "max_output_error": 0.1})
+    budget = report.graphs[0].output_budget
+    (site,) = [s for s in report.sites if s.role == "fwd"]
+    assert site.fp8 and site.scaling == "blockwise" and not budget.kept
+    assert "made safe by blockwise scaling" in site.detail, site.detail
+    assert "1 made safe by a finer scaling" in report.summary()
+    # the measurements behind it: rowwise loses a half, blockwise is within the budget
+    (sid,) = budget.made_safe
+    assert budget.upgraded[sid][0] == "blockwise" and budget.error[sid] < 0.1
+    with torch.no_grad():
+        reference = model(x).double()
+    assert 0 < budget.measured < 0.1 and torch.isfinite(out).all()
+    assert budget.measured == pytest.approx(float((out - reference).norm() / reference.norm()), rel=1e-3)
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_a_site_within_the_budget_in_rowwise_stays_rowwise(store):
+    torch.manual_seed(0)
+    _, _, report = _compiled_report(SplitScales(), split_input(), {**LOOSE_SITE_BOUND, "max_output_error": 2.0})
+    (site,) = [s for s in report.sites if s.role == "fwd"]
+    assert site.fp8 and site.scaling == "rowwise" and not report.graphs[0].output_budget.made_safe
+
+
+class DominantHead(nn.Module):
+    """A head over a residual that the tower adds 1% to: the head's output is the model's
+    (sensitivity 1), the tower's GEMMs barely move it (sensitivity ~0.01)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tower = MLPWithNorm(64, 64, 64)
+        self.head = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.head(x + 0.01 * self.tower(x))
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_a_dominant_head_alone_stays_in_high_precision(store):
+    torch.manual_seed(0)
+    _, _, report = _compiled_report(DominantHead(), torch.randn(128, 64), {"max_output_error": 0.02})
+    budget = report.graphs[0].output_budget
+    fwd = {s.module: s for s in report.sites if s.role == "fwd"}
+    assert set(fwd) == {"head", "tower.fc1", "tower.fc2", "tower.head"}
+    assert not fwd["head"].fp8 and "the model's last GEMM (its prediction head)" in fwd["head"].detail
+    assert all(fwd[m].fp8 for m in ("tower.fc1", "tower.fc2", "tower.head"))
+    assert list(budget.kept) == list(budget.last_gemms) and budget.predicted <= 0.02
+    assert "only the model's last GEMM (its prediction head) kept" in report.summary()
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_when_the_tower_matters_more_than_the_head_the_report_does_not_blame_the_head(store):
+    torch.manual_seed(0)
+    _, _, report = _compiled_report(MLPWithNorm(64, 64, 16), torch.randn(128, 64), {"max_output_error": 0.02})
+    budget = report.graphs[0].output_budget
+    assert len(budget.kept) >= 2 and "only the model's last GEMM" not in report.summary()
+
+
+def test_last_gemm_modules_of_a_dynamo_graph():
+    model = DominantHead()
+    gm = torch._dynamo.export(model)(torch.randn(4, 64)).graph_module
+    assert output_budget.last_gemm_modules(gm) == {"head"}
