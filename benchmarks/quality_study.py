@@ -1,10 +1,12 @@
 """The quality study (issue "quality", item 3): which output budget keeps held-out NE at
 bf16's while putting the most GEMM FLOPs in FP8?
 
-    python -m benchmarks.quality_study --zoo dlrm_dcnv2,wukong --public deepctr_torch.DeepFM \
-        --steps 500 --seeds 3 --total-seconds 520 --out $OUT        # one 9-minute GPU call
-    python -m benchmarks.quality_study --zoo dlrm_dcnv2 --public "" --preset tiny \
-        --steps 6 --seeds 2 --batch 64 --timed 2 --eval-batches 1 --out /tmp/qs   # CPU smoke test
+    python -m benchmarks.quality_study --zoo dlrm_dcnv2,wukong --public deepctr_torch.DeepFM,torch_rechub.DCNv2 \
+        --batch 256 --steps 500 --seeds 3 --multiples 16,64 --ne-increases 0.001,0.003 --rules "" \
+        --eval-batches 8 --max-seconds 120 --total-seconds 480 --out $OUT      # one 9-minute GPU call
+    python -m benchmarks.quality_study --zoo dlrm_dcnv2 --public deepctr_torch.DeepFM --preset tiny \
+        --steps 6 --seeds 2 --batch 64 --timed 2 --eval-batches 1 --multiples 8,32 \
+        --ne-increases 0.0003,0.003 --rules "" --out /tmp/qs                   # CPU smoke test
 
 Per model and seed, every configuration trains from the same initial weights on the same
 batches for --steps steps, then held-out NE is measured on --eval-batches batches:
@@ -31,7 +33,13 @@ model under bf16 autocast, their own loss, Adam); a multi-task model's NE is tha
 head against its first label, a listwise model (DSSM, YouTubeDNN) gets none.
 
 --total-seconds stops starting rows once spent (later rows record `skipped`), so a run fits a
-device call; the JSON is rewritten after every row. Output: <out>/<name>.json (rows, summary,
+device call; the JSON is rewritten after every row. Runs resume and merge: rows of earlier runs'
+JSON files (--merge; by default <stem>.json under benchmarks/results and under --out, stem
+<date>_<device>_quality_study) are kept, and those that finished (NE measured, or failed other
+than by a time budget) are not run again, so calls of one day add up to one file; the summary
+covers the rows of this run's setting (preset, steps, batch, mode). Before the first row the
+run prints how many rows it will run and an estimate of their time, from the wall time of
+earlier rows of the same model and config where merged, else a guess. Output: <out>/<name>.json (rows, summary,
 environment), <name>.md (the summary table), <name>.png when matplotlib imports (speedup
 against dNE per model, one point per configuration).
 """
@@ -39,6 +47,7 @@ against dNE per model, one point per configuration).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime as _dt
 import json
@@ -56,17 +65,26 @@ _T0 = time.perf_counter()
 BASELINE = "bf16"
 
 
-def study_configs(multiples: list, ne_increases: list, mode: str) -> dict:
-    """The study's rows, name -> benchmarks.train Config (loka rows carry their options)."""
+RULES = ("loka_mere", "loka_per_site", "loka_all_fp8")
+
+
+def study_configs(multiples: list, ne_increases: list, mode: str, rules: tuple = RULES) -> dict:
+    """The study's rows, name -> benchmarks.train Config (loka rows carry their options);
+    `rules`: which of RULES (the rows without the output budget) to add."""
+    unknown = sorted(set(rules) - set(RULES))
+    if unknown:
+        raise ValueError(f"unknown rule rows {unknown}; valid: {', '.join(RULES)}")
     inductor = "inductor_bf16_ro" if mode == "reduce-overhead" else "inductor_bf16"
     configs = {BASELINE: dataclasses.replace(train.CONFIGS[inductor], name=BASELINE)}
     for k, ne in zip(multiples, ne_increases):
         name = f"loka_k{k:g}_ne{ne:g}"
         configs[name] = Config(name, "loka", mode, options=(("noise_floor_multiple", k), ("max_ne_increase", ne)))
-    configs["loka_mere"] = Config("loka_mere", "loka", mode,
-                                  options=(("max_output_error", None), ("probe_metric", "mere")))
-    configs["loka_per_site"] = Config("loka_per_site", "loka", mode, options=(("max_output_error", None),))
-    configs["loka_all_fp8"] = Config("loka_all_fp8", "loka", mode, options=(("speed_check", False), ("probe_steps", 0)))
+    every = {"loka_mere": Config("loka_mere", "loka", mode,
+                                 options=(("max_output_error", None), ("probe_metric", "mere"))),
+             "loka_per_site": Config("loka_per_site", "loka", mode, options=(("max_output_error", None),)),
+             "loka_all_fp8": Config("loka_all_fp8", "loka", mode,
+                                    options=(("speed_check", False), ("probe_steps", 0)))}
+    configs.update({name: every[name] for name in RULES if name in rules})
     return configs
 
 
@@ -106,11 +124,12 @@ def zoo_setup(name: str, seed: int, args, device) -> tuple:
     return train.ModelSetup(name, train_args, device), train_args
 
 
-def zoo_row(setup, train_args, cfg_name: str, seed: int, deadline) -> dict:
+def zoo_row(setup, train_args, cfg_name: str, seed: int, deadline, args) -> dict:
     """One (zoo model, config, seed) row through benchmarks.train.run_config."""
     row = train.run_config(setup, cfg_name, train_args, deadline)
     sites = (row.get("loka_sites") or {}).get("sites", [])
-    return {"model": setup.name, "source": "zoo", "config": cfg_name, "seed": seed, "ne": row.get("final_ne"),
+    return {"model": setup.name, "source": "zoo", "config": cfg_name, "seed": seed, **setting(args),
+            "ne": row.get("final_ne"),
             "step_ms": row.get("step_ms"), **(fp8_shares(sites) if sites else {}), "error": row.get("error"),
             "wall_s": row.get("wall_s")}
 
@@ -136,8 +155,8 @@ def public_row(name: str, cfg_name: str, seed: int, args, device, deadline) -> d
     """One (public model, config, seed) row: benchmarks.public.run's training unit, Adam."""
     from benchmarks.public.models import build
     from benchmarks.public.run import TrainUnit
-    row = {"model": name, "source": "public", "config": cfg_name, "seed": seed, "ne": None, "step_ms": None,
-           "error": None}
+    row = {"model": name, "source": "public", "config": cfg_name, "seed": seed, **setting(args), "ne": None,
+           "step_ms": None, "error": None}
     start = time.perf_counter()
     try:
         if deadline is not None and time.perf_counter() > deadline:
@@ -259,11 +278,83 @@ def plot(summary: list, path: Path) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------ resuming and merging
+
+
+# What makes rows comparable: a row counts toward the summary only where these match the run's.
+SETTING = ("preset", "steps", "batch", "mode")
+# The guess of one row's wall time before any row of the study has run (GPU: the first compile
+# of a tiny zoo model's graphs, probe and FP8 variants, and 500 steps); measured rows replace it.
+GUESS_ROW_SECONDS = 20.0
+
+
+def setting(args) -> dict:
+    return {name: getattr(args, name) for name in SETTING}
+
+
+def row_key(row: dict) -> tuple:
+    return (row["model"], row["config"], row["seed"], *(row.get(name) for name in SETTING))
+
+
+def finished(row: dict) -> bool:
+    """A row that need not run again: it measured NE, or failed other than by a time budget."""
+    error = row.get("error") or ""
+    return row.get("ne") is not None or (bool(error) and "BudgetExceeded" not in error)
+
+
+def load_rows(paths: list) -> list:
+    """The rows of earlier runs' JSON files (missing files skipped), later files' rows
+    replacing earlier ones with the same key, unfinished ones after finished ones dropped."""
+    rows = {}
+    for path in paths:
+        path = Path(path)
+        if not path.exists():
+            continue
+        for row in json.loads(path.read_text()).get("rows", []):
+            key = row_key(row)
+            if key not in rows or finished(row) or not finished(rows[key]):
+                rows[key] = row
+    return list(rows.values())
+
+
+def planned_rows(zoo: list, public: list, configs: dict, seeds: int) -> list:
+    """(model, source, config, seed) in run order: seeds outermost, so a time budget cuts whole seeds."""
+    return [(name, source, config, seed) for seed in range(seeds)
+            for source, names in (("zoo", zoo), ("public", public)) for name in names for config in configs]
+
+
+def estimate_seconds(todo: list, done: list) -> tuple:
+    """(seconds, basis) for the rows `todo` [(model, source, config, seed)]: each the median
+    wall time of finished rows of its model and config, else of its model, else of any row
+    `done`, else GUESS_ROW_SECONDS."""
+    walls = [r for r in done if r.get("wall_s") and finished(r)]
+
+    def median(rows):
+        return statistics.median(r["wall_s"] for r in rows) if rows else None
+
+    total, basis = 0.0, collections.Counter()
+    for model, _, config, _ in todo:
+        for level, rows in (("model and config", [r for r in walls if (r["model"], r["config"]) == (model, config)]),
+                            ("model", [r for r in walls if r["model"] == model]), ("any row", walls)):
+            if rows:
+                total += median(rows)
+                basis[level] += 1
+                break
+        else:
+            total += GUESS_ROW_SECONDS
+            basis[f"{GUESS_ROW_SECONDS:g} s guessed"] += 1
+    return total, ", ".join(f"{n} from {level}" for level, n in basis.items())
+
+
 # ------------------------------------------------------------------ main
 
 
 def _floats(text: str) -> list:
     return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _names(text: str) -> list:
+    return [m.strip() for m in text.split(",") if m.strip()]
 
 
 def parse_args(argv=None):
@@ -280,6 +371,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--multiples", default="4,16,64", help="noise_floor_multiple per budget level")
     p.add_argument("--ne-increases", default="0.0003,0.001,0.003", help="max_ne_increase per budget level")
+    p.add_argument("--rules", default=",".join(RULES),
+                   help=f"comma list of the rows without the output budget among {', '.join(RULES)} ('' for none)")
     p.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
     p.add_argument("--lr", type=float, default=1e-3, help="Adam lr (public models)")
     p.add_argument("--device", default="auto")
@@ -287,10 +380,16 @@ def parse_args(argv=None):
     p.add_argument("--total-seconds", type=float, default=None, help="no row starts after this")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default=None, help="file stem instead of <date>_<device>_quality_study")
+    p.add_argument("--merge", default=None,
+                   help="comma list of earlier runs' JSON files whose rows this run keeps and does not run again "
+                        "(default: <stem>.json under benchmarks/results and under --out, where they exist)")
     args = p.parse_args(argv)
     args.multiples, args.ne_increases = _floats(args.multiples), _floats(args.ne_increases)
     if len(args.multiples) != len(args.ne_increases):
         p.error("--multiples and --ne-increases give one value per budget level each")
+    args.rules = tuple(_names(args.rules))
+    if set(args.rules) - set(RULES):
+        p.error(f"--rules: unknown {sorted(set(args.rules) - set(RULES))}; valid: {', '.join(RULES)}")
     return args
 
 
@@ -301,7 +400,7 @@ def main(argv=None) -> Path:
     else:
         device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
-    configs = study_configs(args.multiples, args.ne_increases, args.mode)
+    configs = study_configs(args.multiples, args.ne_increases, args.mode, args.rules)
     train.CONFIGS.update(configs)  # run_config and compile_unit resolve rows by name there
     deadline = None if args.total_seconds is None else _T0 + args.total_seconds
     stem = args.name or f"{_dt.date.today().isoformat()}_{train.device_tag(device)}_quality_study"
@@ -309,33 +408,48 @@ def main(argv=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
-    rows = []
+    merge = _names(args.merge) if args.merge is not None else \
+        list(dict.fromkeys([str(Path("benchmarks/results") / f"{stem}.json"), str(out / f"{stem}.json")]))
+    rows = load_rows(merge)
+    here = setting(args)
+    current = lambda: [r for r in rows if all(r.get(k) == v for k, v in here.items())]  # noqa: E731
+    if rows:
+        train.log(f"merged {len(rows)} rows of {', '.join(m for m in merge if Path(m).exists())} "
+                  f"({len(current())} of this run's setting {here})")
+    done = {row_key(r) for r in rows if finished(r)}
+    plan = planned_rows(_names(args.zoo), _names(args.public), configs, args.seeds)
+    todo = [p for p in plan if (p[0], p[2], p[3], *here.values()) not in done]
+    seconds, basis = estimate_seconds(todo, rows)
+    budget = f"; --total-seconds {args.total_seconds:g} cuts it" if args.total_seconds and \
+        seconds > args.total_seconds else ""
+    train.log(f"{len(todo)} of {len(plan)} rows to run ({len(plan) - len(todo)} done earlier), "
+              f"estimated {seconds:.0f} s ({basis}){budget}")
+
+    def write() -> None:
+        (out / f"{stem}.json").write_text(json.dumps(
+            {"environment": env, "rows": rows, "summary": summarize(current())}, indent=1, default=str))
 
     def keep(row: dict) -> None:
-        rows.append(row)
-        (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows, "summary": summarize(rows)},
-                                                     indent=1, default=str))
+        rows[:] = [r for r in rows if row_key(r) != row_key(row)] + [row]
+        write()
 
-    zoo = [m.strip() for m in args.zoo.split(",") if m.strip()]
-    public = [m.strip() for m in args.public.split(",") if m.strip()]
-    for seed in range(args.seeds):  # seeds outermost: a time budget cuts whole seeds, last first
-        for name in zoo:
+    built = None  # (model, seed, setup, its train args): the zoo model and seed whose rows run
+    for model, source, cfg_name, seed in todo:
+        train.log(f"{model}/{cfg_name}/seed {seed}: start ({time.perf_counter() - _T0:.0f} s in)")
+        if source == "public":
+            keep(public_row(model, cfg_name, seed, args, device, deadline))
+            continue
+        if built is None or built[:2] != (model, seed):
+            built = None  # the previous model's batches go before this one's are made
             try:
-                setup, train_args = zoo_setup(name, seed, args, device)
-            except Exception as e:  # noqa: BLE001 - a model that cannot be built still gets rows
-                for cfg_name in configs:
-                    keep({"model": name, "source": "zoo", "config": cfg_name, "seed": seed, "ne": None,
-                          "step_ms": None, "error": f"setup: {train._error_text(e)}"})
+                built = (model, seed, *zoo_setup(model, seed, args, device))
+            except Exception as e:  # noqa: BLE001 - a model that cannot be built still gets its rows
+                keep({"model": model, "source": "zoo", "config": cfg_name, "seed": seed, **here, "ne": None,
+                      "step_ms": None, "error": f"setup: {train._error_text(e)}"})
                 continue
-            for cfg_name in configs:
-                train.log(f"{name}/{cfg_name}/seed {seed}: start")
-                keep(zoo_row(setup, train_args, cfg_name, seed, deadline))
-            del setup
-        for name in public:
-            for cfg_name in configs:
-                train.log(f"{name}/{cfg_name}/seed {seed}: start")
-                keep(public_row(name, cfg_name, seed, args, device, deadline))
-    summary = summarize(rows)
+        keep(zoo_row(built[2], built[3], cfg_name, seed, deadline, args))
+    write()
+    summary = summarize(current())
     table = markdown(summary)
     (out / f"{stem}.md").write_text(table + "\n")
     try:

@@ -41,3 +41,50 @@ def test_study_configs_name_each_budget_level():
     assert configs["bf16"].kind == "inductor"
     with pytest.raises(SystemExit):
         study.parse_args(["--multiples", "4,16", "--ne-increases", "0.001"])
+
+
+def _row(model, config, seed, ne=0.8, error=None, wall_s=10.0, **setting):
+    return {"model": model, "config": config, "seed": seed, "ne": ne, "error": error, "wall_s": wall_s,
+            **{"preset": "tiny", "steps": 500, "batch": None, "mode": "default", **setting}}
+
+
+def test_rows_merge_across_calls_and_finished_rows_are_not_run_again(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"rows": [_row("m", "bf16", 0), _row("m", "bf16", 1, ne=None,
+                                                                      error="BudgetExceeded: skipped")]}))
+    second.write_text(json.dumps({"rows": [_row("m", "bf16", 1, ne=0.81), _row("m", "bf16", 0, ne=None,
+                                                                             error="BudgetExceeded: skipped")]}))
+    rows = study.load_rows([first, second, tmp_path / "missing.json"])
+    # a finished row is never replaced by an unfinished one; an unfinished one is by a finished one
+    assert sorted((r["seed"], r["ne"]) for r in rows) == [(0, 0.8), (1, 0.81)]
+    assert study.finished(_row("m", "c", 0, ne=None, error="RuntimeError: boom"))
+    assert not study.finished(_row("m", "c", 0, ne=None, error="BudgetExceeded: --max-seconds 60 spent"))
+    plan = study.planned_rows(["z"], ["p"], {"bf16": None, "loka": None}, seeds=2)
+    assert plan[:4] == [("z", "zoo", "bf16", 0), ("z", "zoo", "loka", 0), ("p", "public", "bf16", 0),
+                        ("p", "public", "loka", 0)] and len(plan) == 8
+
+
+def test_the_estimate_uses_the_closest_measured_rows_and_guesses_the_rest():
+    done = [_row("m", "bf16", 0, wall_s=10.0), _row("m", "loka", 0, wall_s=30.0), _row("m", "loka", 1, wall_s=50.0)]
+    seconds, basis = study.estimate_seconds([("m", "zoo", "loka", 2), ("m", "zoo", "other", 0),
+                                             ("n", "zoo", "bf16", 0)], done)
+    assert seconds == pytest.approx(40.0 + 30.0 + 30.0)  # model and config; model; any row
+    assert "1 from model and config" in basis and "1 from model" in basis and "1 from any row" in basis
+    seconds, basis = study.estimate_seconds([("m", "zoo", "bf16", 0)], [])
+    assert seconds == study.GUESS_ROW_SECONDS and "guessed" in basis
+
+
+def test_a_run_whose_rows_are_all_done_writes_the_merged_study_without_training(tmp_path, capsys):
+    earlier = tmp_path / "earlier.json"
+    rows = [_row("dlrm_dcnv2", config, seed, ne=0.80 + 0.001 * seed + (config != "bf16") * 0.0005, batch=64)
+            for seed in range(2) for config in ("bf16", "loka_k16_ne0.001")]
+    rows.append(_row("dlrm_dcnv2", "bf16", 0, ne=0.5, steps=6, batch=64))  # another setting: kept, not summarized
+    earlier.write_text(json.dumps({"rows": rows}))
+    path = study.main(["--zoo", "dlrm_dcnv2", "--public", "", "--seeds", "2", "--batch", "64", "--multiples", "16",
+                       "--ne-increases", "0.001", "--rules", "", "--device", "cpu", "--merge", str(earlier),
+                       "--out", str(tmp_path), "--name", "merged"])
+    data = json.loads(path.read_text())
+    assert len(data["rows"]) == 5
+    by = {e["config"]: e for e in data["summary"]}
+    assert by["bf16"]["seeds"] == 2 and by["loka_k16_ne0.001"]["dne"] == pytest.approx(0.0005 / 0.8005)
+    assert "0 of 4 rows to run (4 done earlier)" in capsys.readouterr().out
