@@ -1256,7 +1256,7 @@ BF16_EXACT_INTEGERS = 256
 # hovers at the budget costs a switch rather than a compile at each re-check.
 _MAX_FP8_BUILDS = 4
 # Rank of a verdict along the upgrade chain: moving up is a demotion.
-_CHAIN_RANK = {**{s: i for i, s in enumerate(probe.SCALING_CHAIN)}, "high precision": len(probe.SCALING_CHAIN)}
+_CHAIN_RANK = {**{s: i for i, s in enumerate(probe.CHAIN_ORDER)}, "high precision": len(probe.CHAIN_ORDER)}
 
 
 class _Fp8Build:

@@ -281,6 +281,12 @@ def _candidates(timing: speed.SiteTiming, fp8: bool) -> tuple:
 _UPGRADE_RECIPES = {"rowwise": RECIPES["rowwise"],
                     "blockwise": dataclasses.replace(RECIPES["rowwise"], name="blockwise", scaling=Scaling.BLOCKWISE,
                                                      description="one scale per 1x128 tile of A, 128x128 of B")}
+# ... and each scaling with its gradient operands in e5m2 (`probe.CHAIN_ORDER`).
+_UPGRADE_RECIPES.update({
+    scaling + probe.E5M2_GRADIENTS: dataclasses.replace(
+        RECIPES["rowwise"], name=scaling + probe.E5M2_GRADIENTS, scaling=Scaling(scaling),
+        grad_format=Fp8Format.E5M2, description=f"{scaling}, gradient operands in e5m2")
+    for scaling in probe.SCALING_CHAIN})
 
 
 def _upgrade_steps(entry) -> Optional[list]:

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import threading
+from typing import Optional
 
 import numpy as np
 import torch
@@ -379,6 +380,11 @@ ops.set_observer_sink(STORE.record)
 METRICS = {"row_rel_error": "rel_error", "mere": "mere"}
 # Finer scalings, in order: a site unsafe in its own scaling tries each later one.
 SCALING_CHAIN = ("tensorwise", "rowwise", "blockwise")
+# Then, for a site with a gradient operand, the same scalings with that operand in e5m2 (wider
+# range, coarser steps: better where a gradient's rows span more than e4m3's range), as steps
+# named "<scaling> e5m2". Every step in order, for ranking verdicts:
+E5M2_GRADIENTS = " e5m2"
+CHAIN_ORDER = (*SCALING_CHAIN, *(s + E5M2_GRADIENTS for s in SCALING_CHAIN))
 
 
 def _target_name(scaling: str) -> str:
@@ -404,7 +410,21 @@ def chain_steps(summary: dict, metric: str = "row_rel_error") -> list:
         cand = candidates.get(_target_name(scaling))
         if cand is not None:
             steps.append([scaling, float(cand[field]["bound"])])
+    for scaling in (own, *finer) if own in SCALING_CHAIN else ():
+        name = e5m2_gradient_candidate(candidates, scaling)
+        if name is not None and name != chosen:
+            steps.append([scaling + E5M2_GRADIENTS, float(candidates[name][field]["bound"])])
     return steps
+
+
+def e5m2_gradient_candidate(candidates: dict, scaling: str) -> Optional[str]:
+    """The candidate of `scaling` with every gradient operand in e5m2 (the operands the
+    observers measured in e5m2 too, `ops.candidate_recipes`), the others e4m3; None for a
+    site without a gradient operand."""
+    a = any(name.startswith(f"{scaling}/e5m2/") for name in candidates)
+    b = any(name.startswith(f"{scaling}/") and name.endswith("/e5m2") for name in candidates)
+    name = ops.candidate_name(scaling, "e5m2" if a else "e4m3", "e5m2" if b else "e4m3")
+    return name if (a or b) and name in candidates else None
 
 
 LABELS = {"row_rel_error": "rel. error", "mere": "MERE"}
@@ -432,8 +452,9 @@ def verdicts(keys, max_error: float, metric=None, chain: bool = False,
     observations of `metric` ("row_rel_error" or "mere"; None: row relative error; the
     backend passes the config's `probe_metric`): a site whose bound for its own candidate
     exceeds max_error (a NaN counts) goes to the first finer scaling (tensorwise ->
-    rowwise -> blockwise, e4m3) whose bound is within it, else it is unsafe ({key: its
-    bound}).
+    rowwise -> blockwise, e4m3), then, with a gradient operand, the first of its own and the
+    finer scalings with that operand in e5m2 ("rowwise e5m2"), whose bound is within it, else
+    it is unsafe ({key: its bound}).
 
     chain=True: upgraded = {key: (target scaling, [[scaling, bound], ...])}, the site's
     own bound first, then every finer scaling measured (Dispatch takes the first within

@@ -117,3 +117,53 @@ def test_last_gemm_modules_of_a_dynamo_graph():
     model = DominantHead()
     gm = torch._dynamo.export(model)(torch.randn(4, 64)).graph_module
     assert output_budget.last_gemm_modules(gm) == {"head"}
+
+
+# ---- a gradient operand in e5m2 where e4m3 fails at every scaling ---------------------
+
+from loka_compile import LokaConfig, dispatch, probe  # noqa: E402
+from loka_compile.passes.context import GraphKind, Role, Site  # noqa: E402
+
+M = 64
+# A gradient whose rows span more than e4m3's range in every 128-wide block: a spike at each
+# block's start (its weight row zero), the signal 1e6 times smaller. Scaled to e4m3's 448 the
+# signal falls below e4m3's smallest subnormal and flushes to zero in every scaling; scaled to
+# e5m2's 57344 it stays normal, at e5m2's coarser steps.
+SPIKE = 1e6
+
+
+def _spiky_gradient(seed):
+    gen = torch.Generator().manual_seed(seed)
+    grad, weight = torch.randn(M, K, generator=gen), torch.randn(K, 32, generator=gen)
+    grad[:, ::HALF], weight[::HALF] = SPIKE, 0.0
+    return grad, weight
+
+
+def _dgrad_site():
+    return Site(key="g0/backward/mm", name="fc:dgrad:mm", graph="g0", kind=GraphKind.BACKWARD, node=None, op="mm",
+                role=Role.DGRAD, module="fc", shape=(M, K, 32), batch=None, dtype=torch.float32,
+                device=torch.device("cpu"), a_is_grad=True, b_is_grad=False, producers=(), consumers=(),
+                seq_nr=None, id="backward/fc:dgrad#0")
+
+
+def test_a_gradient_that_e4m3_flushes_at_every_scaling_goes_e5m2(store):
+    for seed in range(3):
+        torch.ops.loka.observe_gemm(*_spiky_gradient(seed), "d", "rowwise", "e4m3", "e4m3", a_is_grad=True)
+    steps = dict(probe.chain_steps(store.summary("d")))
+    assert list(steps) == ["rowwise", "blockwise", "rowwise e5m2", "blockwise e5m2"]
+    assert steps["rowwise"] > 0.5 and steps["blockwise"] > 0.5 and steps["rowwise e5m2"] < 0.1, steps
+    unsafe, upgraded = probe.verdicts(["d"], 0.1, chain=True)
+    assert unsafe == {} and upgraded["d"][0] == "rowwise e5m2"
+    decision = dispatch.decide(_dgrad_site(), LokaConfig(recipe="rowwise"), "fp8",
+                               upgraded_sites={"backward/fc:dgrad#0": upgraded["d"]})
+    assert decision.fp8 and decision.scaling == "rowwise" and (decision.a_format, decision.b_format) == \
+        ("e5m2", "e4m3")
+    assert "rowwise e5m2: the Probe measured rowwise rel. error" in decision.detail, decision.detail
+    # a bound e5m2 does not meet either: high precision
+    assert probe.verdicts(["d"], steps["rowwise e5m2"] / 2, chain=True) == ({"d": steps["rowwise"]}, {})
+
+
+def test_a_forward_site_has_no_gradient_format_step(store):
+    x, w = split_input(), SplitScales().fc.weight.detach().t()
+    torch.ops.loka.observe_gemm(x, w, "f", "rowwise", "e4m3", "e4m3")
+    assert [s for s, _ in probe.chain_steps(store.summary("f"))] == ["rowwise", "blockwise"]
