@@ -898,10 +898,9 @@ class LokaCompiledGraph:
         with its error in the scaling it would run (its own, or its upgrade's)."""
         plan, config = self.record.plan, self.record.config
         sensitivity = measured["sensitivity"]
-        error, labels, bf16, finer, steps = {}, {}, {}, {}, {}
-        site_of = {s.id: s for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for s in ctx.sites}
+        error, labels, bf16, summaries = {}, {}, {}, {}
         for key, sid in sites.items():
-            summary = probe.STORE.summary(key)
+            summary = summaries[sid] = probe.STORE.summary(key)
             if math.isfinite(summary.get("mean_bf16_rel_error", math.inf)):
                 bf16[sid] = summary["mean_bf16_rel_error"]
             if sid in plan.unsafe:
@@ -912,14 +911,9 @@ class LokaCompiledGraph:
             if e is None:  # no candidate statistics: the largest observed error
                 e = float(summary.get("max_rel_error", math.inf))
             error[sid], labels[sid] = e, (candidate or "own").split("/")[0]
-            runs = (lambda scaling, site=site_of.get(sid): site is not None
-                    and dispatch.upgrade_runs(site, config, scaling))
-            finer[sid] = output_budget.finer_scalings(summary, labels[sid], e, config.max_probe_error,
-                                                      config.probe_metric, runs)
-            if finer[sid]:
-                steps[sid] = probe.chain_steps(summary, config.probe_metric)
-        last_modules = output_budget.last_gemm_modules(self._source.gm) if self._source.kept else set()
-        last_gemms = tuple(sid for sid in sensitivity if sid in site_of and site_of[sid].module in last_modules)
+        site_of = {s.id: s for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for s in ctx.sites}
+        finer = output_budget.safer_scalings(summaries, error, labels, site_of, config)
+        last_gemms = output_budget.last_gemm_sites(self._source.gm, site_of, sensitivity) if self._source.kept else ()
         floor = output_budget.NoiseFloor(predicted=output_budget.floor_prediction(sensitivity, bf16),
                                          measured=measured["floor_measured"], why_unmeasured=measured["why"])
         relative = config.relative_budget
@@ -938,10 +932,7 @@ class LokaCompiledGraph:
                                             last_gemms=frozenset(last_gemms))
         result.kept, result.predicted_before, result.predicted = weighed.kept, weighed.before, weighed.after
         result.last_gemms = last_gemms
-        for sid, (scaling, detail) in weighed.made_safe.items():
-            result.error[sid], result.made_safe[sid] = weighed.error[sid], detail
-            own = steps[sid][0]
-            result.upgraded[sid] = (scaling, [own, *[step for step in steps[sid][1:] if step[0] == scaling]])
+        output_budget.record_made_safe(result, weighed, summaries, config.probe_metric)
         result.ne_before, result.ne_predicted = weighed.ne_before, weighed.ne_after
         return result
 

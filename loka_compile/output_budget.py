@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from loka_compile import probe
+from loka_compile import dispatch, probe
 from loka_compile.kernels import metrics, ops
 from loka_compile.passes.find_sites import module_path
 
@@ -354,6 +354,33 @@ def finer_scalings(summary: dict, scaling: str, e: float, max_error: float, metr
             steps.append((finer, finer_e))
             e = finer_e
     return steps
+
+
+def safer_scalings(summaries: dict, error: dict, labels: dict, sites: dict, config) -> dict:
+    """site id -> `finer_scalings` of each site of `error` (going FP8 at `labels`' scaling),
+    those a provider runs for the site (`sites`: id -> Site) under `config`."""
+    def runs(site):
+        return lambda scaling: site is not None and dispatch.upgrade_runs(site, config, scaling)
+
+    return {sid: finer_scalings(summaries[sid], labels[sid], e, config.max_probe_error, config.probe_metric,
+                                runs(sites.get(sid)))
+            for sid, e in error.items()}
+
+
+def record_made_safe(budget: OutputBudget, weighed: Weighed, summaries: dict, metric: str) -> None:
+    """Into `budget`: each site a finer scaling made safe (`Weighed.made_safe`), its error
+    there and its plan entry (scaling, [its own step, that scaling's step]), which Dispatch
+    reads as an upgrade."""
+    for sid, (scaling, detail) in weighed.made_safe.items():
+        steps = probe.chain_steps(summaries[sid], metric)
+        budget.error[sid], budget.made_safe[sid] = weighed.error[sid], detail
+        budget.upgraded[sid] = (scaling, [steps[0], *[step for step in steps[1:] if step[0] == scaling]])
+
+
+def last_gemm_sites(gm: torch.fx.GraphModule, sites: dict, ids) -> tuple:
+    """The site ids among `ids` (`sites`: id -> Site) of the model's last GEMMs (`last_gemm_modules`)."""
+    modules = last_gemm_modules(gm)
+    return tuple(sid for sid in ids if sid in sites and sites[sid].module in modules)
 
 
 def floor_prediction(sensitivity: dict, bf16_error: dict) -> float:
