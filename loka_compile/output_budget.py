@@ -15,7 +15,9 @@ quadrature:
 
     D^2 = sum_i (s_i e_i)^2    over the forward sites going FP8.
 
-While D exceeds the budget the site with the largest s_i e_i stays in high precision.
+While D exceeds the budget the site with the largest s_i e_i is made safer: it takes a finer
+scaling the Probe measured with a smaller e_i (rowwise -> 1x128 blockwise) where a provider
+runs it, and with none left it stays in high precision.
 Backward sites (dgrad, wgrad) do not move the forward's outputs: only their per-site bound
 applies. The backend runs the measurements (`backend.LokaCompiledGraph`); this module holds
 the arithmetic and the record.
@@ -24,8 +26,9 @@ The noise floor F: the discrepancy the model's own bf16 arithmetic already has. 
 through the same sensitivities from each site's bf16 error b_i (the Probe measures the same
 product with bf16 operands and output), F_pred = sqrt(sum_i (s_i b_i)^2) over every forward
 site; for an fp32 model too, since it is defined against bf16. Measured, where the graph
-allows, as the discrepancy of the graph run eagerly in bf16 from the same run in fp32
-(which also holds the rounding of norms and activations). F = the larger. The relative
+allows, as the discrepancy of the graph run eagerly in its own bf16 arithmetic from the same
+function in fp32 (`floor_graphs`; this also holds the rounding of norms and activations).
+F = the larger. The relative
 budget (`max_output_error="relative"`) is k F, k = `noise_floor_multiple`: FP8 adds at most
 k F in quadrature.
 
