@@ -51,7 +51,6 @@ import collections
 import dataclasses
 import datetime as _dt
 import json
-import math
 import statistics
 import time
 from pathlib import Path
