@@ -67,9 +67,11 @@ BASELINE = "bf16"
 RULES = ("loka_mere", "loka_per_site", "loka_all_fp8")
 
 
-def study_configs(multiples: list, ne_increases: list, mode: str, rules: tuple = RULES) -> dict:
+def study_configs(multiples: list, ne_increases: list, mode: str, rules: tuple = RULES,
+                  speed_check: bool = True) -> dict:
     """The study's rows, name -> benchmarks.train Config (loka rows carry their options);
-    `rules`: which of RULES (the rows without the output budget) to add."""
+    `rules`: which of RULES (the rows without the output budget) to add; `speed_check=False`
+    lets the quality rule alone decide every loka row's sites (small batches, where FP8 rarely pays)."""
     unknown = sorted(set(rules) - set(RULES))
     if unknown:
         raise ValueError(f"unknown rule rows {unknown}; valid: {', '.join(RULES)}")
@@ -84,6 +86,10 @@ def study_configs(multiples: list, ne_increases: list, mode: str, rules: tuple =
              "loka_all_fp8": Config("loka_all_fp8", "loka", mode,
                                     options=(("speed_check", False), ("probe_steps", 0)))}
     configs.update({name: every[name] for name in RULES if name in rules})
+    if not speed_check:
+        configs = {name: c if c.kind != "loka" or ("speed_check", False) in c.options
+                   else dataclasses.replace(c, options=(*c.options, ("speed_check", False)))
+                   for name, c in configs.items()}
     return configs
 
 
@@ -281,7 +287,7 @@ def plot(summary: list, path: Path) -> None:
 
 
 # What makes rows comparable: a row counts toward the summary only where these match the run's.
-SETTING = ("preset", "steps", "batch", "mode")
+SETTING = ("preset", "steps", "batch", "mode", "speed_check")
 # The guess of one row's wall time before any row of the study has run (GPU: the first compile
 # of a tiny zoo model's graphs, probe and FP8 variants, and 500 steps); measured rows replace it.
 GUESS_ROW_SECONDS = 20.0
@@ -373,6 +379,8 @@ def parse_args(argv=None):
     p.add_argument("--rules", default=",".join(RULES),
                    help=f"comma list of the rows without the output budget among {', '.join(RULES)} ('' for none)")
     p.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
+    p.add_argument("--speed-check", default="on", choices=["on", "off"],
+                   help="off: every loka row runs without the speed check, so its quality rule alone decides")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam lr (public models)")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-seconds", type=float, default=300.0, help="per row")
@@ -399,7 +407,7 @@ def main(argv=None) -> Path:
     else:
         device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
-    configs = study_configs(args.multiples, args.ne_increases, args.mode, args.rules)
+    configs = study_configs(args.multiples, args.ne_increases, args.mode, args.rules, args.speed_check == "on")
     train.CONFIGS.update(configs)  # run_config and compile_unit resolve rows by name there
     deadline = None if args.total_seconds is None else _T0 + args.total_seconds
     stem = args.name or f"{_dt.date.today().isoformat()}_{train.device_tag(device)}_quality_study"

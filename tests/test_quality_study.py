@@ -39,13 +39,16 @@ def test_study_configs_name_each_budget_level():
                              "loka_all_fp8"]
     assert dict(configs["loka_k16_ne0.001"].options) == {"noise_floor_multiple": 16, "max_ne_increase": 0.001}
     assert configs["bf16"].kind == "inductor"
+    unchecked = study.study_configs([16], [0.001], "default", ("loka_all_fp8",), speed_check=False)
+    assert dict(unchecked["loka_k16_ne0.001"].options)["speed_check"] is False
+    assert unchecked["loka_all_fp8"].options.count(("speed_check", False)) == 1 and unchecked["bf16"].options == ()
     with pytest.raises(SystemExit):
         study.parse_args(["--multiples", "4,16", "--ne-increases", "0.001"])
 
 
 def _row(model, config, seed, ne=0.8, error=None, wall_s=10.0, **setting):
     return {"model": model, "config": config, "seed": seed, "ne": ne, "error": error, "wall_s": wall_s,
-            **{"preset": "tiny", "steps": 500, "batch": None, "mode": "default", **setting}}
+            **{"preset": "tiny", "steps": 500, "batch": None, "mode": "default", "speed_check": "on", **setting}}
 
 
 def test_rows_merge_across_calls_and_finished_rows_are_not_run_again(tmp_path):
