@@ -8,10 +8,7 @@ group, so the file pays for one spawn); each test checks its scenario. A deadloc
 at the join's timeout (the process group's own timeout is shorter)."""
 
 import dataclasses
-import datetime
 import os
-import pathlib
-import traceback
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from torch import nn
 import loka_compile
 from loka_compile.report import plan_of
 from numerics import rel_error
-from test_model_patterns import _run_ranks
+from spawn_ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -234,33 +231,18 @@ def _decisions(rank, store_dir):
     return {"timing": dataclasses.asdict(timing), "stored": stored, "raised": raised, "merged": merged}
 
 
-def _rank(rank, world_size, store_dir):
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=60))
-        try:
-            result = {form: _train_form(rank, form) for form in ("ddp_compile", "compile_ddp", "sparse")}
-            result["fsdp2"] = _fsdp2(rank)
-            result["decisions"] = _decisions(rank, store_dir)
-            result["plans"] = _plans(rank)
-        finally:
-            dist.destroy_process_group()
-        torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
-    except BaseException:
-        pathlib.Path(store_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+def _rank(rank, store_dir):
+    result = {form: _train_form(rank, form) for form in ("ddp_compile", "compile_ddp", "sparse")}
+    result["fsdp2"] = _fsdp2(rank)
+    result["decisions"] = _decisions(rank, store_dir)
+    result["plans"] = _plans(rank)
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     store = tmp_path_factory.mktemp("ranks")
-    exitcodes = _run_ranks(_rank, (str(store),), WORLD_SIZE, JOIN_TIMEOUT_S)
-    errors = {f.name: f.read_text() for f in store.glob("rank*.err")}
-    assert exitcodes == [0] * WORLD_SIZE and not errors, (exitcodes, errors)  # None: a deadlock, killed
-    return [torch.load(store / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return run_ranks(_rank, (str(store),), WORLD_SIZE, JOIN_TIMEOUT_S, store)
 
 
 def single_process(kind):
