@@ -172,8 +172,9 @@ def warmup_steps(backend: str, loka_options: dict | None) -> int:
 
 def train(task: Task, forward: nn.Module, device: torch.device, steps: int, lr: float, warmup: int,
           on_step: Callable[[int], None] | None = None) -> dict:
-    """`steps` Adam steps on this rank's batches (index step * world + rank); the median step
-    time after `warmup` steps, the first and last loss."""
+    """`steps` Adam steps on this rank's batches (index step * world + rank), each followed by
+    `on_step(step)` (timed with it); the median step time after `warmup` steps, the first and
+    last loss."""
     rank, world = dist.get_rank(), dist.get_world_size()
     optimizer = torch.optim.Adam(task.model.parameters(), lr=lr)
     timer = StepTimer(device)
@@ -187,8 +188,8 @@ def train(task: Task, forward: nn.Module, device: torch.device, steps: int, lr: 
             loss = task.loss(out, labels)
             loss.backward()
             optimizer.step()
-        if on_step is not None:
-            on_step(step)
+            if on_step is not None:
+                on_step(step)
         if step in (0, steps - 1):
             losses.append(loss.item())
             if not torch.isfinite(loss):
