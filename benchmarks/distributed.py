@@ -4,6 +4,7 @@ float8 under FSDP2 with its FP8 all-gather, and loka (no FP8 communication yet) 
     python -m benchmarks.distributed --out "$OUT"                       # defaults below, 1/2/4 GPUs
     python -m benchmarks.distributed --gpus 1,2 --steps 100 --out /tmp/d   # a shorter run
     python -m benchmarks.distributed --device cpu --gpus 2 --preset tiny --steps 4 --batch 32  # CPU smoke
+    python -m benchmarks.distributed --merge a.json b.json --out DIR   # one table from several calls
 
 The launcher starts one `torchrun` per world size (NCCL_NVLS_ENABLE=0: NVLink multicast off);
 its ranks run every config in turn in one process group (examples/distributed.py's model
@@ -231,9 +232,15 @@ def worker(args) -> None:
 # ------------------------------------------------------------------ launcher and results
 
 
+DERIVED = ("speedup_vs_bf16", "scaling_efficiency", "throughput_vs_1gpu", "ne_rel_change_vs_ddp_bf16")
+
+
 def fill_derived(rows: list[dict]) -> None:
     """Speedup against the same strategy's bf16 row, scaling efficiency against 1 GPU, NE change
     against DDP bf16 at the same world size."""
+    for r in rows:
+        for key in DERIVED:
+            r.pop(key, None)
     def find(config, world):
         return next((r for r in rows if r["config"] == config and r["world_size"] == world and "error" not in r), None)
 
@@ -273,8 +280,9 @@ def markdown(env: dict, rows: list[dict]) -> str:
             f"{fmt(100 * r['ne_rel_change_vs_ddp_bf16'], '+.2f') + '%' if 'ne_rel_change_vs_ddp_bf16' in r else ''} | "
             f"{r.get('fp8_sites', '')}{'/' + str(r['sites']) if 'sites' in r else ''} |")
     methods = sorted({r["bytes_method"] for r in rows if "bytes_method" in r})
-    lines += ["", f"Bytes: {'; '.join(methods)}. Step time: median of CUDA-event timings on rank 0 after the "
-              "warm-up. Scaling efficiency: step time on 1 GPU / on N (weak scaling)."]
+    clock = "CUDA-event timings" if env["device"] != "CPU" else "perf_counter timings"
+    lines += ["", f"Bytes: {'; '.join(methods)}. Step time: median of {clock} on rank 0 after the warm-up. "
+              "Scaling efficiency: step time on 1 GPU / on N (weak scaling)."]
     return "\n".join(lines) + "\n"
 
 
@@ -339,8 +347,13 @@ def launch(args) -> Path:
                         "error": "did not finish (the ranks failed or ran out of time)"}
                        for c in args.configs.split(",") if c not in done]
         rows_file.unlink(missing_ok=True)
+    return write_results(out / f"{stem}.json", env, rows)
+
+
+def write_results(path: Path, env: dict, rows: list[dict]) -> Path:
+    """The JSON, the markdown table and the plot of `rows`, derived columns filled."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fill_derived(rows)
-    path = out / f"{stem}.json"
     path.write_text(json.dumps({"env": env, "rows": rows}, indent=1, default=str))
     table = markdown(env, rows)
     path.with_suffix(".md").write_text(table)
@@ -350,6 +363,18 @@ def launch(args) -> Path:
     except Exception as error:  # noqa: BLE001 - a missing matplotlib must not lose the results
         print(f"plot failed: {_error_text(error)}", flush=True)
     return path
+
+
+def merge(files: list[str], out: Path, name: str | None) -> Path:
+    """Rows of several runs (e.g. one call per world size) as one result; a later file's row
+    replaces an earlier one of the same config and world size."""
+    rows, env = {}, {}
+    for file in files:
+        data = json.loads(Path(file).read_text())
+        env = data["env"]
+        rows.update({(r["config"], r["world_size"]): r for r in data["rows"]})
+    stem = name or f"{time.strftime('%Y-%m-%d')}_{env['device']}_distributed"
+    return write_results(Path(out) / f"{stem}.json", env, list(rows.values()))
 
 
 def parse_args(argv=None):
@@ -370,6 +395,7 @@ def parse_args(argv=None):
     parser.add_argument("--total-seconds", type=float, default=510.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--name", default=None, help="file stem instead of <date>_<device>_distributed")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge these results into one; run nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rows-file", help=argparse.SUPPRESS)
     parser.add_argument("--worker-seconds", type=float, default=1e9, help=argparse.SUPPRESS)
@@ -390,6 +416,8 @@ def main(argv=None):
     if args.worker:
         worker(args)
         return None
+    if args.merge:
+        return merge(args.merge, Path(args.out), args.name)
     return launch(args)
 
 
