@@ -1,7 +1,7 @@
 """Train recommendation models with loka on several processes (DDP or FSDP2) on synthetic
 data, and print the step time and the held-out NE on rank 0.
 
-    torchrun --nproc-per-node 2 examples/distributed.py --device cpu --steps 3 --batch 32
+    torchrun --nproc-per-node 2 examples/distributed.py --device cpu --steps 6 --batch 32
     torchrun --nproc-per-node 4 examples/distributed.py --strategy fsdp2 --steps 500
     torchrun --nproc-per-node 4 examples/distributed.py --backend inductor   # the bf16 baseline
 
@@ -13,8 +13,9 @@ all-gathers run in FSDP2's hooks, between the compiled graphs). Every rank train
 own batches; the held-out batches are split over the ranks and their logits gathered.
 
 On CUDA (NCCL) the master weights stay fp32 and the GEMMs run in bf16 (autocast; FSDP2
-all-gathers bf16 and reduce-scatters fp32), where loka puts its FP8 sites. On CPU (gloo)
-loka emulates FP8, so only quality compares there.
+all-gathers the GEMM parts in bf16, the embedding tables in fp32, and reduce-scatters fp32),
+where loka puts its FP8 sites. On CPU (gloo) loka emulates FP8, so only quality compares
+there.
 """
 
 from __future__ import annotations
@@ -123,12 +124,16 @@ def wrap(task: Task, strategy: str, device: torch.device) -> nn.Module:
                                                    else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if device.type == "cuda" else MixedPrecisionPolicy())
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for part in task.parts:
-        fully_shard(part, mp_policy=policy)
-    fully_shard(task.model, mp_policy=policy)
+        # bf16 all-gathers for the GEMM parts on CUDA; tables stay fp32, as under DDP's autocast
+        fully_shard(part, mp_policy=bf16 if device.type == "cuda" and not has_tables(part) else MixedPrecisionPolicy())
+    fully_shard(task.model)
     return task.model
+
+
+def has_tables(module: nn.Module) -> bool:
+    return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in module.modules())
 
 
 def autocast(device: torch.device):
@@ -164,10 +169,10 @@ class StepTimer:
 
 
 def warmup_steps(backend: str, loka_options: dict | None) -> int:
-    """Untimed steps: the compiles, and for loka its probe window, the call that closes it and one more."""
-    if backend != "loka":
-        return 3
-    return loka_compile.LokaConfig.from_options(dict(loka_options or {})).probe_steps + 3
+    """Untimed steps: the first (it compiles) and one more; for loka with a probe window, the
+    window, the call that closes it (the FP8 variant compiles) and one more."""
+    window = loka_compile.LokaConfig.from_options(dict(loka_options or {})).probe_steps if backend == "loka" else 0
+    return window + 2
 
 
 def train(task: Task, forward: nn.Module, device: torch.device, steps: int, lr: float, warmup: int,
@@ -237,7 +242,7 @@ def run(name: str, args, device: torch.device) -> dict:
     options = {"probe_steps": args.probe_steps}
     compile_parts(task, args.backend, options)
     forward = wrap(task, args.strategy, device)
-    warmup = min(warmup_steps(args.backend, options), max(0, args.steps - 1))
+    warmup = warmup_steps(args.backend, options)
     row = {"model": name, "strategy": args.strategy, "backend": args.backend, "world_size": dist.get_world_size(),
            "batch_per_rank": args.batch, "steps": args.steps}
     row.update(train(task, forward, device, args.steps, args.lr, warmup))
@@ -283,7 +288,8 @@ def run_models(args, device: torch.device) -> list[dict]:
         row = run(name.strip(), args, device)
         rows.append(row)
         if dist.get_rank() == 0:
-            step = "n/a" if row["step_ms"] is None else f"{row['step_ms']:.2f} ms"
+            step = (f"n/a (all {args.steps} steps warm up: compiles, probe window)" if row["step_ms"] is None
+                    else f"{row['step_ms']:.2f} ms")
             fp8 = f", FP8 sites {row['fp8_sites']}/{row['sites']}" if "sites" in row else ""
             print(f"{name} [{args.strategy}, {args.backend}, {row['world_size']} ranks x batch {args.batch}]: "
                   f"step {step} (median of {row['timed_steps']}), held-out NE {row['ne']:.4f}, "
