@@ -104,7 +104,8 @@ def count_fsdp2(modules, counter: CommBytes) -> None:
     torch has no custom-collective hooks, the bytes from the parameter shards instead."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
-    if not all(hasattr(m, "set_custom_all_gather") for m in modules):
+    hooks = all(hasattr(m, "set_custom_all_gather") and hasattr(m, "set_custom_reduce_scatter") for m in modules)
+    if not (hooks and hasattr(collectives, "DefaultAllGather") and hasattr(collectives, "DefaultReduceScatter")):
         counter.method = "analytic (no custom-collective hooks in this torch)"
         return
 
@@ -126,12 +127,12 @@ def count_fsdp2(modules, counter: CommBytes) -> None:
 def analytic_fsdp2_bytes(task, counter: CommBytes, steps: int, all_gather_bytes_per_element) -> None:
     """FSDP2's traffic from the parameters: each part all-gathered in forward and again in
     backward (the root once: it is not resharded after forward), its gradients reduce-scattered
-    in fp32 (the mixed-precision policy's reduce dtype)."""
+    in fp32 (the mixed-precision policy's reduce dtype). `all_gather_bytes_per_element(part, p)`."""
     root_params = {id(p) for p in task.model.parameters(recurse=False)}
     for part in task.parts:
         for p in part.parameters():
             times = 1 if id(p) in root_params else 2
-            counter.all_gather += steps * times * p.numel() * all_gather_bytes_per_element(p)
+            counter.all_gather += steps * times * p.numel() * all_gather_bytes_per_element(part, p)
             counter.reduce_scatter += steps * p.numel() * 4
 
 
@@ -153,6 +154,14 @@ def torchao_scales(model):
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     return lambda step: precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def gathered_bytes(config: Config, device: torch.device, part, param) -> int:
+    """Bytes per element FSDP2 all-gathers (the wrapping in examples/distributed.py): tables in
+    their own dtype, GEMM parts in bf16 on CUDA, torchao's float8 Linear weights in FP8."""
+    if example.has_tables(part) or device.type != "cuda":
+        return param.element_size()
+    return 1 if config.torchao_float8 and param.dim() == 2 else 2
 
 
 def run_config(config: Config, args, device: torch.device) -> dict:
@@ -187,8 +196,7 @@ def run_config(config: Config, args, device: torch.device) -> dict:
         warmup = min(max(args.warmup, example.warmup_steps(config.backend, options)), args.steps - 1)
         row.update(example.train(task, forward, device, args.steps, args.lr, warmup, on_step=on_step))
         if counter.method != "counted":
-            analytic_fsdp2_bytes(task, counter, args.steps,
-                                 lambda p: 1 if config.torchao_float8 and p.dim() == 2 else 2)
+            analytic_fsdp2_bytes(task, counter, args.steps, lambda part, p: gathered_bytes(config, device, part, p))
         row.update(counter.per_step(args.steps))
         row.update(example.evaluate(task, forward, device, args.eval_batches, options["probe_steps"] + 1))
         row.update(example.fp8_sites(task, config.backend))

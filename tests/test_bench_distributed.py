@@ -57,7 +57,9 @@ def _count(rank):
     bench.count_fsdp2([*parts, model], counted)
     _steps(model, model, rank)
     analytic = bench.CommBytes(WORLD_SIZE)
-    bench.analytic_fsdp2_bytes(SimpleNamespace(model=model, parts=parts), analytic, STEPS, lambda p: 4)
+    config = bench.CONFIGS["fsdp2_bf16"]
+    bench.analytic_fsdp2_bytes(SimpleNamespace(model=model, parts=parts), analytic, STEPS,
+                               lambda part, p: bench.gathered_bytes(config, torch.device("cpu"), part, p))
     return {"ddp": ddp_bytes.per_step(STEPS), "fsdp2": counted.per_step(STEPS), "analytic": analytic.per_step(STEPS)}
 
 
