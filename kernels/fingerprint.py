@@ -69,7 +69,10 @@ def _reference_lane(words: np.ndarray, position: np.ndarray, word_k: int, pos_k:
 
 def reference_fingerprint(tensor: torch.Tensor) -> int:
     """The fingerprint computed with NumPy's wrapping uint32 arithmetic."""
-    words = _words(tensor).cpu().numpy().view(np.uint16)
+    words = _words(tensor)
+    # A copy: NumPy viewing the tensor's own memory would mark its storage non-resizable
+    # for good, and FSDP2 frees an all-gathered parameter by resizing its storage to 0.
+    words = (words.clone() if words.device.type == "cpu" else words.cpu()).numpy().view(np.uint16)
     lanes = [0, 0]
     with np.errstate(over="ignore"):
         for start in range(0, words.size, REFERENCE_CHUNK_WORDS):

@@ -73,9 +73,15 @@ def graph_digest(graph: torch.fx.Graph) -> str:
 
 def _tensor_digest(value: torch.Tensor) -> str:
     try:
-        return hashlib.sha256(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        return hashlib.sha256(_bytes_of(value)).hexdigest()
     except (RuntimeError, NotImplementedError, TypeError):  # no readable storage (packed weights)
         return f"unread {id(value)} {os.getpid()}"  # never matches: the graph is compiled again
+
+
+def _bytes_of(value: torch.Tensor) -> bytes:
+    """The tensor's bytes, read from a copy: NumPy viewing a tensor's own memory marks its
+    storage non-resizable for good (FSDP2 frees parameters by resizing storage to 0)."""
+    return value.detach().contiguous().view(torch.uint8).cpu().clone().numpy().tobytes()
 
 
 def _target_name(target) -> str:

@@ -1,17 +1,15 @@
-"""loka under torch.distributed, two CPU ranks over gloo: both DDP forms and FSDP2 train as one
-process on the ranks' joint batch would, every rank compiles the same plan when each sees
-different data, a recompile on every rank keeps the collectives lined up, and sparse
-embedding gradients stay sparse.
+"""loka under torch.distributed, two ranks: both DDP forms and FSDP2 train as one process on
+the ranks' joint batch would, every rank compiles the same plan when each sees different
+data, a recompile on every rank keeps the collectives lined up, and sparse embedding
+gradients stay sparse. On CPU over gloo (FP8 emulated), and, marked `cuda`, on two GPUs over
+NCCL (real FP8 kernels; the speed check off, so the tiny GEMMs run FP8 all the same).
 
-The two ranks run once for the module (`ranks`, each scenario in turn in one process
-group, so the file pays for one spawn); each test checks its scenario. A deadlock fails
-at the join's timeout (the process group's own timeout is shorter)."""
+The two ranks run once per module and device (`ranks`, `nccl_ranks`: each scenario in turn
+in one process group, so the file pays for one spawn each); each test checks its scenario. A
+deadlock fails at the join's timeout (the process group's own timeout is shorter)."""
 
 import dataclasses
-import datetime
 import os
-import pathlib
-import traceback
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from torch import nn
 import loka_compile
 from loka_compile.report import plan_of
 from numerics import rel_error
-from test_model_patterns import _run_ranks
+from spawn_ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +35,19 @@ BATCH = 16  # per rank
 UPDATE_REL_ERROR_FLOOR = 0.02
 # Plan agreement: the per-site rule in tensorwise, where rank 1's outliers would send sites rowwise.
 WINDOW = {"recipe": "tensorwise", "probe_steps": 2, "max_probe_error": 0.1, "recheck_every": 3}
+CPU_FORMS = ("ddp_compile", "compile_ddp", "sparse")
+# NCCL reduces no sparse gradients: the sparse-embedding scenario runs over gloo only.
+NCCL_FORMS = ("ddp_compile", "compile_ddp")
+
+
+def options(device, **extra):
+    """loka's options on `device`: FP8 from the first call; on a GPU without the speed check,
+    which would keep these tiny GEMMs in bf16."""
+    return {"probe_steps": 0, **({"speed_check": False} if device.type == "cuda" else {}), **extra}
+
+
+def rank_device(rank, backend):
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
 class Mlp(nn.Module):
@@ -81,14 +92,14 @@ class BlockNet(nn.Module):
         return self.head(self.b2(self.b1(x)))
 
 
-def compiled_blocks(model):
+def compiled_blocks(model, device):
     for block in (model.b1, model.b2):
-        block.compile(backend="loka", options={"probe_steps": 0})
+        block.compile(backend="loka", options=options(device))
     return model
 
 
-def batches(rank, model_kind):
-    """STEPS (input, target) pairs of this rank, fresh random per rank."""
+def batches(rank, model_kind, device):
+    """STEPS (input, target) pairs of this rank on `device`, fresh random per rank."""
     data = torch.Generator().manual_seed(100 + rank)
     out = []
     for _ in range(STEPS):
@@ -96,8 +107,13 @@ def batches(rank, model_kind):
             x = torch.randint(0, 100, (BATCH, 4), generator=data)
         else:
             x = torch.randn(BATCH, 32, generator=data)
-        out.append((x, torch.randn(BATCH, 16, generator=data)))
+        out.append((x.to(device), torch.randn(BATCH, 16, generator=data).to(device)))
     return out
+
+
+def autocast(device):
+    """bf16 GEMMs on a GPU (where loka's FP8 kernels take bf16), fp32 master weights."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def train(model, forward, steps):
@@ -106,57 +122,65 @@ def train(model, forward, steps):
     losses = []
     for x, y in steps:
         optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(forward(x), y)
+        with autocast(x.device):
+            out = forward(x)
+        loss = F.mse_loss(out.float(), y)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses
 
 
-def fresh(model_kind):
+def fresh(model_kind, device):
     torch.manual_seed(0)
-    return {"sparse": SparseTower, "blocks": BlockNet}.get(model_kind, Mlp)()
+    return {"sparse": SparseTower, "blocks": BlockNet}.get(model_kind, Mlp)().to(device)
 
 
-def _train_form(rank, form):
+def on_cpu(tensors):
+    return [t.detach().cpu().clone() for t in tensors]
+
+
+def _train_form(rank, form, device):
     """One DDP form: (initial, final parameters, losses, whether the embedding grad was sparse)."""
     torch._dynamo.reset()
     loka_compile.reset()
     kind = "sparse" if form == "sparse" else "dense"
-    model = fresh(kind)
-    initial = [p.detach().clone() for p in model.parameters()]
-    options = {"probe_steps": 0}
+    model = fresh(kind, device)
+    initial = on_cpu(model.parameters())
+    ids = [device.index] if device.type == "cuda" else None
     if form == "compile_ddp":
-        forward = torch.compile(nn.parallel.DistributedDataParallel(model), backend="loka", options=options)
+        forward = torch.compile(nn.parallel.DistributedDataParallel(model, device_ids=ids), backend="loka",
+                                options=options(device))
     else:  # "ddp_compile" and "sparse"
-        forward = nn.parallel.DistributedDataParallel(torch.compile(model, backend="loka", options=options))
+        forward = nn.parallel.DistributedDataParallel(torch.compile(model, backend="loka", options=options(device)),
+                                                      device_ids=ids)
     sparse_grads = []
     if kind == "sparse":
         model.table.weight.register_post_accumulate_grad_hook(lambda p: sparse_grads.append(p.grad.is_sparse))
-    losses = train(model, forward, batches(rank, kind))
+    losses = train(model, forward, batches(rank, kind, device))
     sites = [(s.graph, s.module, s.role, s.fp8, s.reason) for s in loka_compile.report(forward).sites]
-    return {"initial": initial, "params": [p.detach().clone() for p in model.parameters()], "losses": losses,
+    return {"initial": initial, "params": on_cpu(model.parameters()), "losses": losses,
             "sparse_grads": sparse_grads, "sites": sites}
 
 
-def _fsdp2(rank):
+def _fsdp2(rank, device):
     """FSDP2: loka-compiled blocks, each sharded over the ranks, the root too."""
     from torch.distributed.fsdp import fully_shard
 
     torch._dynamo.reset()
     loka_compile.reset()
-    model = compiled_blocks(fresh("blocks"))
-    initial = [p.detach().clone() for p in model.parameters()]
+    model = compiled_blocks(fresh("blocks", device), device)
+    initial = on_cpu(model.parameters())
     for block in (model.b1, model.b2):
         fully_shard(block)
     fully_shard(model)
-    losses = train(model, model, batches(rank, "dense"))
+    losses = train(model, model, batches(rank, "dense", device))
     sites = [(s.graph, s.module, s.role, s.fp8, s.reason) for s in loka_compile.report().sites]
-    return {"initial": initial, "params": [p.full_tensor().detach().clone() for p in model.parameters()],
+    return {"initial": initial, "params": on_cpu(p.full_tensor() for p in model.parameters()),
             "losses": losses, "sites": sites}
 
 
-def _plans(rank):
+def _plans(rank, device):
     """A window closing on different data per rank (rank 1's inputs 1000x larger with an
     outlier), an amax guard tripping on rank 1 alone, re-checks, then a new batch size on
     both ranks (Dynamo recompiles; the new graph opens its own window)."""
@@ -164,21 +188,23 @@ def _plans(rank):
 
     torch._dynamo.reset()
     loka_compile.reset()
-    model = fresh("dense")
-    compiled = torch.compile(model, backend="loka", options=WINDOW, dynamic=False)
+    model = fresh("dense", device)
+    compiled = torch.compile(model, backend="loka", options=options(device, **WINDOW), dynamic=False)
     data = torch.Generator().manual_seed(7 + rank)
 
     def batch(rows, outlier=0.0):
         x = torch.randn(rows, 32, generator=data) * (1000.0 if rank == 1 else 1.0)
         if outlier and rank == 1:
             x[3, 5] = outlier
-        return x, torch.randn(rows, 16, generator=data)
+        return x.to(device), torch.randn(rows, 16, generator=data).to(device)
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
-        F.mse_loss(compiled(x), y).backward()
+        with autocast(device):
+            out = compiled(x)
+        F.mse_loss(out.float(), y).backward()
         optimizer.step()
 
     for _ in range(WINDOW["probe_steps"]):
@@ -234,53 +260,47 @@ def _decisions(rank, store_dir):
     return {"timing": dataclasses.asdict(timing), "stored": stored, "raised": raised, "merged": merged}
 
 
-def _rank(rank, world_size, store_dir):
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=60))
-        try:
-            result = {form: _train_form(rank, form) for form in ("ddp_compile", "compile_ddp", "sparse")}
-            result["fsdp2"] = _fsdp2(rank)
-            result["decisions"] = _decisions(rank, store_dir)
-            result["plans"] = _plans(rank)
-        finally:
-            dist.destroy_process_group()
-        torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
-    except BaseException:
-        pathlib.Path(store_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+def _rank(rank, store_dir, backend):
+    device = rank_device(rank, backend)
+    result = {form: _train_form(rank, form, device) for form in (CPU_FORMS if backend == "gloo" else NCCL_FORMS)}
+    result["fsdp2"] = _fsdp2(rank, device)
+    if backend == "gloo":
+        result["decisions"] = _decisions(rank, store_dir)
+    result["plans"] = _plans(rank, device)
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     store = tmp_path_factory.mktemp("ranks")
-    exitcodes = _run_ranks(_rank, (str(store),), WORLD_SIZE, JOIN_TIMEOUT_S)
-    errors = {f.name: f.read_text() for f in store.glob("rank*.err")}
-    assert exitcodes == [0] * WORLD_SIZE and not errors, (exitcodes, errors)  # None: a deadlock, killed
-    return [torch.load(store / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return run_ranks(_rank, (str(store), "gloo"), WORLD_SIZE, JOIN_TIMEOUT_S, store)
 
 
-def single_process(kind):
+@pytest.fixture(scope="module")
+def nccl_ranks(tmp_path_factory):
+    if torch.cuda.device_count() < WORLD_SIZE:
+        pytest.skip(f"needs {WORLD_SIZE} GPUs for NCCL ranks, found {torch.cuda.device_count()}")
+    store = tmp_path_factory.mktemp("nccl_ranks")
+    return run_ranks(_rank, (str(store), "nccl"), WORLD_SIZE, JOIN_TIMEOUT_S, store, backend="nccl")
+
+
+def single_process(kind, device):
     """The same training in one process on both ranks' batches joined (the mean loss over
     equal halves is the mean of the ranks' losses: the same gradient DDP averages)."""
     torch._dynamo.reset()
     loka_compile.reset()
-    model = fresh(kind)
-    per_rank = [batches(rank, "dense" if kind == "blocks" else kind) for rank in range(WORLD_SIZE)]
+    model = fresh(kind, device)
+    per_rank = [batches(rank, "dense" if kind == "blocks" else kind, device) for rank in range(WORLD_SIZE)]
     joint = [tuple(torch.cat(parts) for parts in zip(*steps)) for steps in zip(*per_rank)]
     if kind == "blocks":
-        compiled = compiled_blocks(model)
+        compiled = compiled_blocks(model, device)
     else:
-        compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+        compiled = torch.compile(model, backend="loka", options=options(device))
     train(model, compiled, joint)
-    return [p.detach().clone() for p in model.parameters()]
+    return on_cpu(model.parameters())
 
 
-@pytest.mark.parametrize("form", ["ddp_compile", "compile_ddp", "sparse", "fsdp2"])
-def test_ddp_and_fsdp2_train_as_one_process(ranks, form):
+def check_trains_as_one_process(ranks, form, device):
     r0, r1 = ranks[0][form], ranks[1][form]
     for r in (r0, r1):
         assert all(torch.isfinite(torch.tensor(r["losses"]))), r["losses"]
@@ -288,19 +308,14 @@ def test_ddp_and_fsdp2_train_as_one_process(ranks, form):
     assert r0["losses"] != r1["losses"]  # each rank trained on its own data
     for p0, p1 in zip(r0["params"], r1["params"]):
         assert torch.equal(p0, p1)  # the gradients were averaged: the same steps on both ranks
-    reference = single_process({"sparse": "sparse", "fsdp2": "blocks"}.get(form, "dense"))
+    reference = single_process({"sparse": "sparse", "fsdp2": "blocks"}.get(form, "dense"), device)
     for start, ddp, one in zip(r0["initial"], r0["params"], reference):
         assert not torch.equal(start, one)
         error = rel_error(ddp - start, one - start)
         assert error <= UPDATE_REL_ERROR_FLOOR, (form, error)
 
 
-def test_sparse_embedding_grads_stay_sparse(ranks):
-    for r in ranks:
-        assert r["sparse"]["sparse_grads"] == [True] * STEPS
-
-
-def test_ranks_compile_one_plan_on_different_data(ranks):
+def check_one_plan(ranks):
     p0, p1 = ranks[0]["plans"], ranks[1]["plans"]
     assert p0["own"] != p1["own"]  # alone, the ranks would have decided differently
     for stage in ("closed", "after", "final"):
@@ -312,10 +327,44 @@ def test_ranks_compile_one_plan_on_different_data(ranks):
     assert tripped and p0["history"] == p1["history"]
 
 
-def test_recompile_on_every_rank_keeps_collectives_lined_up(ranks):
+def check_recompile_on_every_rank(ranks):
     for r in ranks:
         assert r["plans"]["graphs"] >= 2  # the new batch size compiled a graph of its own, on both ranks
     assert ranks[0]["plans"]["final"] == ranks[1]["plans"]["final"]
+
+
+@pytest.mark.parametrize("form", [*CPU_FORMS, "fsdp2"])
+def test_ddp_and_fsdp2_train_as_one_process(ranks, form):
+    check_trains_as_one_process(ranks, form, torch.device("cpu"))
+
+
+def test_ranks_compile_one_plan_on_different_data(ranks):
+    check_one_plan(ranks)
+
+
+def test_recompile_on_every_rank_keeps_collectives_lined_up(ranks):
+    check_recompile_on_every_rank(ranks)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", [*NCCL_FORMS, "fsdp2"])
+def test_nccl_ddp_and_fsdp2_train_as_one_process(nccl_ranks, form):
+    check_trains_as_one_process(nccl_ranks, form, torch.device("cuda", 0))
+
+
+@pytest.mark.cuda
+def test_nccl_ranks_compile_one_plan_on_different_data(nccl_ranks):
+    check_one_plan(nccl_ranks)
+
+
+@pytest.mark.cuda
+def test_nccl_recompile_on_every_rank_keeps_collectives_lined_up(nccl_ranks):
+    check_recompile_on_every_rank(nccl_ranks)
+
+
+def test_sparse_embedding_grads_stay_sparse(ranks):
+    for r in ranks:
+        assert r["sparse"]["sparse_grads"] == [True] * STEPS
 
 
 def test_rank0_decides_timings_and_failures_for_all(ranks):

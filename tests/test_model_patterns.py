@@ -2,15 +2,11 @@
 loka (emulated FP8 on CPU): no crash, finite loss that goes down, every parameter that
 takes part gets a gradient, and the report covers every GEMM site."""
 
-import datetime
 import math
 import os
-import time
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
@@ -502,79 +498,42 @@ DDP_WORLD_SIZE = 2
 DDP_TIMEOUT_S = 240
 
 
-def _ddp_rank(rank, world_size, store_dir, optimize_ddp):
-    """One rank: DDP over gloo, compiled with loka, three SGD steps on this rank's data.
-    Writes its parameters, losses and report sites to rank{rank}.pt, or its traceback to
-    rank{rank}.err."""
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
-        torch._dynamo.config.optimize_ddp = optimize_ddp
-        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
-        try:
-            torch.manual_seed(0)
-            model = DDPTower()
-            initial = [p.detach().clone() for p in model.parameters()]
-            # 1 MiB buckets (DDP's first bucket size): fc3's 1 MiB weight starts a second one
-            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
-            compiled = torch.compile(ddp, backend="loka", options={"probe_steps": 0})
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-            data = torch.Generator().manual_seed(100 + rank)
-            losses = []
-            for _ in range(3):
-                x, y = torch.randn(32, 64, generator=data), torch.randn(32, 16, generator=data)
-                optimizer.zero_grad(set_to_none=True)
-                loss = F.mse_loss(compiled(x), y)
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
-            report = loka_compile.report(compiled)
-            result = {
-                "initial": initial, "params": [p.detach().clone() for p in model.parameters()], "losses": losses,
-                "graphs": [(g.name, g.fallback) for g in report.graphs],
-                "sites": [(s.graph, s.module, s.role, s.fp8, s.reason) for s in report.sites],
-                "table": report.table(),
-            }
-        finally:
-            dist.destroy_process_group()
-        torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def _run_ranks(target, args, world_size, timeout_s):
-    """Start `world_size` spawned processes of target(rank, world_size, *args); join them
-    within timeout_s in all, killing any still running. Returns their exit codes."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, world_size, *args), daemon=True) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return [p.exitcode for p in procs]
+def _ddp_rank(rank, optimize_ddp):
+    """One rank: DDP over gloo, compiled with loka, three SGD steps on this rank's data:
+    its parameters, losses and report sites."""
+    torch._dynamo.config.optimize_ddp = optimize_ddp
+    torch.manual_seed(0)
+    model = DDPTower()
+    initial = [p.detach().clone() for p in model.parameters()]
+    # 1 MiB buckets (DDP's first bucket size): fc3's 1 MiB weight starts a second one
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    compiled = torch.compile(ddp, backend="loka", options={"probe_steps": 0})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(32, 64, generator=data), torch.randn(32, 16, generator=data)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(compiled(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    report = loka_compile.report(compiled)
+    return {
+        "initial": initial, "params": [p.detach().clone() for p in model.parameters()], "losses": losses,
+        "graphs": [(g.name, g.fallback) for g in report.graphs],
+        "sites": [(s.graph, s.module, s.role, s.fp8, s.reason) for s in report.sites],
+        "table": report.table(),
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimize_ddp", [True, False], ids=["ddp_optimizer", "whole_graph"])
 def test_ddp_two_cpu_ranks_gloo(optimize_ddp, tmp_path):
-    exitcodes = _run_ranks(_ddp_rank, (str(tmp_path), optimize_ddp), DDP_WORLD_SIZE, DDP_TIMEOUT_S)
-    errors = {f.name: f.read_text() for f in tmp_path.glob("rank*.err")}
-    assert exitcodes == [0] * DDP_WORLD_SIZE and not errors, (exitcodes, errors)  # None: killed at the timeout
-    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(DDP_WORLD_SIZE)]
+    from spawn_ranks import run_ranks
+
+    results = run_ranks(_ddp_rank, (optimize_ddp,), DDP_WORLD_SIZE, DDP_TIMEOUT_S, tmp_path,
+                        threads=max(1, (os.cpu_count() or 2) // DDP_WORLD_SIZE))
 
     for r in results:
         assert all(math.isfinite(loss) for loss in r["losses"]), r["losses"]

@@ -2,12 +2,8 @@
 plan for every rank."""
 
 import dataclasses
-import datetime
 import json
 import logging
-import os
-import pathlib
-import traceback
 
 import pytest
 import torch
@@ -268,42 +264,26 @@ def test_plan_keeps_speed_candidates_and_m_bucket_and_older_plans_load(tmp_path)
 WORLD_SIZE = 2
 
 
-def _rank(rank, world_size, store_dir):
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
-        try:
-            torch.manual_seed(0)
-            model = Tower()
-            compiled = torch.compile(model, backend="loka", options=TENSORWISE_PROBE)
-            x = outlier_batch() if rank == 1 else torch.randn(32, 32)  # only rank 1 sees the outlier
-            with torch.no_grad():
-                compiled(x)
-                ids = {s.key: s.id for s in GRAPHS[0].contexts[("probe", GraphKind.INFERENCE)].sites}
-                own = loka_compile.backend._verdicts_by_id(ids, GRAPHS[0].config)  # what this rank alone would decide
-                compiled(x)
-            plan = plan_of(compiled)
-            result = {"own": own, "upgraded": plan.upgraded, "unsafe": plan.unsafe,
-                      "scalings": {sid: e.scaling for sid, e in plan.sites.items()}}
-        finally:
-            dist.destroy_process_group()
-        torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
-    except BaseException:
-        pathlib.Path(store_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+def _rank(rank):
+    torch.manual_seed(0)
+    model = Tower()
+    compiled = torch.compile(model, backend="loka", options=TENSORWISE_PROBE)
+    x = outlier_batch() if rank == 1 else torch.randn(32, 32)  # only rank 1 sees the outlier
+    with torch.no_grad():
+        compiled(x)
+        ids = {s.key: s.id for s in GRAPHS[0].contexts[("probe", GraphKind.INFERENCE)].sites}
+        own = loka_compile.backend._verdicts_by_id(ids, GRAPHS[0].config)  # what this rank alone would decide
+        compiled(x)
+    plan = plan_of(compiled)
+    return {"own": own, "upgraded": plan.upgraded, "unsafe": plan.unsafe,
+            "scalings": {sid: e.scaling for sid, e in plan.sites.items()}}
 
 
 @pytest.mark.slow
 def test_ranks_share_rank0_probe_verdicts_over_gloo(tmp_path):
-    from test_model_patterns import _run_ranks
+    from spawn_ranks import run_ranks
 
-    exitcodes = _run_ranks(_rank, (str(tmp_path),), WORLD_SIZE, 180)
-    errors = {f.name: f.read_text() for f in tmp_path.glob("rank*.err")}
-    assert exitcodes == [0] * WORLD_SIZE and not errors, (exitcodes, errors)
-    r0, r1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE))
+    r0, r1 = run_ranks(_rank, (), WORLD_SIZE, 180, tmp_path)
     assert r1["own"][1] and not r0["own"][1]  # alone, rank 1 would have sent a site rowwise
     assert r0["upgraded"] == r1["upgraded"] == {} and r0["unsafe"] == r1["unsafe"] == {}
     assert r0["scalings"] == r1["scalings"] and set(r1["scalings"].values()) == {"tensorwise"}

@@ -235,3 +235,19 @@ def test_cached_weights_reach_a_custom_op_gemm(opaque_provider):
     assert sqnr_db(model(x), out) > OUTPUT_SQNR_FLOOR_DB
     report = loka_compile.report(compiled)
     assert len(_cached(report)) == 3 and {s.provider for s in report.sites} == {opaque_provider}
+
+
+def test_weights_stay_resizable_after_cached_inference():
+    """FSDP2 frees an all-gathered parameter by resizing its storage to 0 after each forward;
+    reading a weight for its fingerprint or a constant for the graph cache's digest must
+    leave its storage resizable (a NumPy view of it would not)."""
+    from loka_compile.graph_cache import _tensor_digest
+
+    model = MLPWithNorm().eval()
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+    assert torch.isfinite(_infer(compiled, torch.randn(32, 64))).all()
+    assert _refreshes(loka_compile.report(compiled)) > 0  # the weights were read for the cache
+    constant = torch.randn(8, 4)
+    _tensor_digest(constant)
+    for tensor in [*model.parameters(), constant]:
+        assert tensor.untyped_storage().resizable()

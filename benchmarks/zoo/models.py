@@ -384,27 +384,30 @@ _BUILDERS: dict[str, Callable[[DataSpec, dict, bool], RecModel]] = {
 }
 
 
-def data_spec(name: str, preset: str = "tiny", *, positive_rate: float = 0.1) -> DataSpec:
-    """The DataSpec of the inputs model `name` expects at `preset` (no model is built)."""
+def data_spec(name: str, preset: str = "tiny", *, positive_rate: float = 0.1,
+              max_rows: int | None = None) -> DataSpec:
+    """The DataSpec of the inputs model `name` expects at `preset` (no model is built);
+    `max_rows` caps every table below the preset's cap (smaller tables, same dense arch)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
     if preset not in PRESETS[name]:
         raise ValueError(f"unknown preset {preset!r} for {name}; valid: {', '.join(PRESETS[name])}")
     p = PRESETS[name][preset]
-    return criteo_like_spec(p.max_rows, p.pooling_cap, num_tables=p.num_tables, seq_len=p.seq_len,
+    rows = p.max_rows if max_rows is None else min(p.max_rows, max_rows)
+    return criteo_like_spec(rows, p.pooling_cap, num_tables=p.num_tables, seq_len=p.seq_len,
                             item_rows=p.item_rows, positive_rate=positive_rate)
 
 
 def build_model(name: str, preset: str = "tiny", *, positive_rate: float = 0.1, seed: int = 0,
-                device=None, sparse: bool | None = None) -> tuple[RecModel, DataSpec]:
+                device=None, sparse: bool | None = None, max_rows: int | None = None) -> tuple[RecModel, DataSpec]:
     """A freshly initialized fp32 model and the DataSpec of the inputs it expects.
 
     Initialization is deterministic for (seed, device), and the same with or without
     sparse gradients; device="meta" builds the shapes only (parameter counts of `paper`
     presets without allocating them). `sparse`: embedding tables with sparse gradients
-    (None: the preset's choice, see `Preset.sparse`).
+    (None: the preset's choice, see `Preset.sparse`); `max_rows`: see `data_spec`.
     """
-    spec = data_spec(name, preset, positive_rate=positive_rate)
+    spec = data_spec(name, preset, positive_rate=positive_rate, max_rows=max_rows)
     if sparse is None:
         sparse = PRESETS[name][preset].sparse
     device = torch.device(device) if device is not None else torch.device("cpu")

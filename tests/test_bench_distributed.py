@@ -1,0 +1,102 @@
+"""benchmarks/distributed.py: the bytes its hooks count are those the collectives move (two CPU
+ranks over gloo, against the parameter sizes and the analytic count), and its derived columns
+and merge."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spawn_ranks import run_ranks
+
+WORLD_SIZE = 2
+STEPS = 2
+
+
+class TwoParts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(32, 64), nn.Linear(64, 16)  # every dim 0 even: no shard padding
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+def _steps(model, forward, rank):
+    data = torch.Generator().manual_seed(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(forward(torch.randn(8, 32, generator=data)), torch.randn(8, 16, generator=data)).backward()
+        optimizer.step()
+
+
+def _count(rank):
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import fully_shard
+
+    from benchmarks import distributed as bench
+
+    torch.manual_seed(0)
+    model = TwoParts()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp_bytes = bench.CommBytes(WORLD_SIZE)
+    bench.count_ddp(ddp, ddp_bytes)
+    _steps(model, ddp, rank)
+
+    torch.manual_seed(0)
+    model = TwoParts()
+    parts = [model.first, model.second]
+    for part in parts:
+        fully_shard(part)
+    fully_shard(model)
+    counted = bench.CommBytes(WORLD_SIZE)
+    bench.count_fsdp2([*parts, model], counted)
+    _steps(model, model, rank)
+    analytic = bench.CommBytes(WORLD_SIZE)
+    config = bench.CONFIGS["fsdp2_bf16"]
+    bench.analytic_fsdp2_bytes(SimpleNamespace(model=model, parts=parts), analytic, STEPS,
+                               lambda part, p: bench.gathered_bytes(config, torch.device("cpu"), part, p))
+    return {"ddp": ddp_bytes.per_step(STEPS), "fsdp2": counted.per_step(STEPS), "analytic": analytic.per_step(STEPS)}
+
+
+@pytest.mark.slow
+def test_counted_bytes_are_what_the_collectives_move(tmp_path):
+    fp32_bytes = 4 * sum(p.numel() for p in TwoParts().parameters())
+    for r in run_ranks(_count, (), WORLD_SIZE, 180, tmp_path):
+        assert r["ddp"]["all_reduce_payload"] == fp32_bytes  # every gradient once per step
+        assert r["ddp"]["wire_bytes_per_rank"] == fp32_bytes  # a ring: 2 (N - 1) / N of it
+        fsdp2 = r["fsdp2"]
+        assert fsdp2["bytes_method"] == "counted"
+        # each part gathered for forward and again for backward; every gradient reduce-scattered once
+        assert fsdp2["all_gather_payload"] == 2 * fp32_bytes and fsdp2["reduce_scatter_payload"] == fp32_bytes
+        assert {k: fsdp2[k] for k in ("all_gather_payload", "reduce_scatter_payload")} == \
+            {k: r["analytic"][k] for k in ("all_gather_payload", "reduce_scatter_payload")}
+
+
+def _row(config, world, step_ms, ne, strategy):
+    return {"config": config, "world_size": world, "step_ms": step_ms, "ne": ne, "strategy": strategy}
+
+
+def test_derived_columns_and_merge(tmp_path):
+    from benchmarks import distributed as bench
+
+    one = [_row("ddp_bf16", 1, 10.0, 0.80, "ddp"), _row("ddp_loka", 1, 8.0, 0.802, "ddp")]
+    two = [_row("ddp_bf16", 2, 12.5, 0.79, "ddp"), _row("ddp_loka", 2, 9.0, 0.79, "ddp"),
+           {"config": "fsdp2_bf16", "world_size": 2, "error": "boom"}]
+    env = {"model": "m", "preset": "p", "batch_per_rank": 4, "steps": 3, "device": "H100"}
+    for name, rows in (("one", one), ("two", two)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"env": env, "rows": rows}))
+    merged = json.loads(bench.merge([str(tmp_path / "one.json"), str(tmp_path / "two.json")], tmp_path, "all")
+                        .read_text())["rows"]
+    loka2 = next(r for r in merged if r["config"] == "ddp_loka" and r["world_size"] == 2)
+    assert loka2["speedup_vs_bf16"] == pytest.approx(12.5 / 9.0)
+    assert loka2["scaling_efficiency"] == pytest.approx(8.0 / 9.0)
+    assert loka2["ne_rel_change_vs_ddp_bf16"] == pytest.approx(0.0)
+    assert next(r for r in merged if r["config"] == "ddp_bf16" and r["world_size"] == 2)["scaling_efficiency"] == \
+        pytest.approx(0.8)
+    table = (tmp_path / "all.md").read_text()
+    assert "| 2 | fsdp2_bf16 | error: boom |" in table and "| 1 | ddp_loka | 8.00 | 1.25 |" in table
