@@ -556,13 +556,24 @@ class _GraphSource:
         self.gm = self.example_inputs = self.tracing_context = None
         self.input_contexts = []
 
+    @contextlib.contextmanager
     def tracing(self):
         """Dynamo's tracing context of this graph's compile, with each input's fakification restored."""
         if self.tracing_context is None:
-            return contextlib.nullcontext()
+            yield
+            return
         for tensor, symbolic_context in self.input_contexts:
             self.tracing_context.tensor_to_context[tensor] = symbolic_context
-        return torch._guards.tracing(self.tracing_context)
+        context, buckets = self.tracing_context, self.tracing_context.ddp_optimizer_ctx
+        if buckets is not None:
+            # Under DDP's graph splitting every bucket's lazy backward compile takes its forward
+            # metadata from one shared countdown, spent by the first variants: a recompile gets its own.
+            context = copy.copy(context)
+            context.ddp_optimizer_ctx = own = type(buckets)()
+        with torch._guards.tracing(context):
+            yield
+        if buckets is not None:
+            own.curr_bucket, own.metadata_per_bucket = 0, [context.fw_metadata]
 
 
 class LokaCompiledGraph:

@@ -51,12 +51,15 @@ def rank_device(rank, backend):
 
 
 class Mlp(nn.Module):
+    """Its 1 MB middle layer makes DDP's graph splitting (buckets of 1 MB) compile several buckets."""
+
     def __init__(self):
         super().__init__()
-        self.fc1, self.norm, self.fc2 = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 16)
+        self.fc1, self.norm, self.fc2 = nn.Linear(32, 512), nn.LayerNorm(512), nn.Linear(512, 16)
+        self.mid = nn.Linear(512, 512)
 
     def forward(self, x):
-        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+        return self.fc2(torch.relu(self.mid(torch.relu(self.norm(self.fc1(x))))))
 
 
 class SparseTower(nn.Module):
@@ -149,8 +152,8 @@ def _train_form(rank, form, device):
     initial = on_cpu(model.parameters())
     ids = [device.index] if device.type == "cuda" else None
     if form == "compile_ddp":
-        forward = torch.compile(nn.parallel.DistributedDataParallel(model, device_ids=ids), backend="loka",
-                                options=options(device))
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=1)
+        forward = torch.compile(ddp, backend="loka", options=options(device))
     else:  # "ddp_compile" and "sparse"
         forward = nn.parallel.DistributedDataParallel(torch.compile(model, backend="loka", options=options(device)),
                                                       device_ids=ids)
@@ -161,6 +164,21 @@ def _train_form(rank, form, device):
     sites = [(s.graph, s.module, s.role, s.fp8, s.reason) for s in loka_compile.report(forward).sites]
     return {"initial": initial, "params": on_cpu(model.parameters()), "losses": losses,
             "sparse_grads": sparse_grads, "sites": sites}
+
+
+def _window_in_ddp_buckets(rank, device):
+    """`torch.compile(DDP(model))` with a probe window: DDP's graph splitting compiles one graph per
+    bucket, and each bucket's FP8 variant (compiled when the window closes) gets its own backward."""
+    torch._dynamo.reset()
+    loka_compile.reset()
+    model = fresh("dense", device)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=1)
+    forward = torch.compile(ddp, backend="loka", options=options(device, probe_steps=2))
+    losses = train(model, forward, batches(rank, "dense", device))
+    report = loka_compile.report(forward)
+    return {"losses": losses, "params": on_cpu(model.parameters()), "graphs": len(report.graphs),
+            "phases": sorted({g.phase for g in report.graphs}), "fp8_sites": sum(s.fp8 for s in report.sites)}
 
 
 def _fsdp2(rank, device):
@@ -264,6 +282,7 @@ def _rank(rank, store_dir, backend):
     device = rank_device(rank, backend)
     result = {form: _train_form(rank, form, device) for form in (CPU_FORMS if backend == "gloo" else NCCL_FORMS)}
     result["fsdp2"] = _fsdp2(rank, device)
+    result["window_in_buckets"] = _window_in_ddp_buckets(rank, device)
     if backend == "gloo":
         result["decisions"] = _decisions(rank, store_dir)
     result["plans"] = _plans(rank, device)
@@ -315,6 +334,14 @@ def check_trains_as_one_process(ranks, form, device):
         assert error <= UPDATE_REL_ERROR_FLOOR, (form, error)
 
 
+def check_window_in_ddp_buckets(ranks):
+    r0, r1 = ranks[0]["window_in_buckets"], ranks[1]["window_in_buckets"]
+    assert r0["graphs"] >= 2 and r0["phases"] == ["fp8"] and r0["fp8_sites"] > 0, r0
+    assert all(torch.isfinite(torch.tensor(r0["losses"] + r1["losses"])))
+    for p0, p1 in zip(r0["params"], r1["params"]):
+        assert torch.equal(p0, p1)
+
+
 def check_one_plan(ranks):
     p0, p1 = ranks[0]["plans"], ranks[1]["plans"]
     assert p0["own"] != p1["own"]  # alone, the ranks would have decided differently
@@ -336,6 +363,15 @@ def check_recompile_on_every_rank(ranks):
 @pytest.mark.parametrize("form", [*CPU_FORMS, "fsdp2"])
 def test_ddp_and_fsdp2_train_as_one_process(ranks, form):
     check_trains_as_one_process(ranks, form, torch.device("cpu"))
+
+
+def test_probe_window_closes_in_every_ddp_bucket(ranks):
+    check_window_in_ddp_buckets(ranks)
+
+
+@pytest.mark.cuda
+def test_nccl_probe_window_closes_in_every_ddp_bucket(nccl_ranks):
+    check_window_in_ddp_buckets(nccl_ranks)
 
 
 def test_ranks_compile_one_plan_on_different_data(ranks):
