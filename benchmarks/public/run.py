@@ -242,7 +242,10 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
                 return loss
         else:
             def call(inputs, labels):
-                return fn(inputs)
+                # no_grad in every inference call (timed, profiled): grad mode is in Dynamo's guards
+                # and in how matmul decomposes, so a call with grad on profiles another graph
+                with torch.no_grad():
+                    return fn(inputs)
 
         budget_end = start + args.max_seconds
         with torch.set_grad_enabled(mode == "train"):
