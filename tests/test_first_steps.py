@@ -85,3 +85,20 @@ def test_phase_table_sums_cumulative_time_per_function():
     assert got["outer"]["calls"] == 1 and got["inner"]["calls"] == 2
     assert got["outer"]["seconds"] >= got["inner"]["seconds"] > 0
     assert got["absent"] == {"phase": "absent", "seconds": 0.0, "calls": 0}
+
+
+def test_planned_rows_name_their_base_loka_config(tmp_path):
+    """run.py's `<loka config>_planned` rows load the plan their base row saved."""
+    pytest.importorskip("tabulate")
+    from benchmarks.public.run import plan_path, resolve_row_config
+    cfg, base = resolve_row_config("loka_ro_planned")
+    assert (cfg.name, cfg.kind, cfg.mode, base) == ("loka_ro_planned", "loka", "reduce-overhead", "loka_ro")
+    cfg, base = resolve_row_config("loka_ro")
+    assert (cfg.name, base) == ("loka_ro", None)
+    with pytest.raises(ValueError, match="only a loka config"):
+        resolve_row_config("inductor_bf16_planned")
+    with pytest.raises(ValueError, match="unknown config"):
+        resolve_row_config("nonsense_planned")
+    path = plan_path(tmp_path, "deepctr_torch.DeepFM", "tiny", 32, "train", "loka_ro")
+    assert path.parent == tmp_path / "plans" and "loka_ro" in path.name and path.suffix == ".json"
+    assert path != plan_path(tmp_path, "deepctr_torch.DeepFM", "tiny", 32, "infer", "loka_ro")
