@@ -110,6 +110,14 @@ def test_leaves_other_products_and_excluded_modules_alone():
         def forward(self, x):
             return self.cross(x)
 
+    class IntegerProduct(nn.Module):
+        def forward(self, w, x):
+            return torch.matmul(w, x)
+
+    gm, inputs = dynamo_graph(IntegerProduct(), torch.randint(0, 5, (6, 16)), torch.randint(0, 5, (4, 16, 1)))
+    result = rewrite_batched_matvecs(gm, inputs)
+    assert result.rewritten == 0 and result.declined == {"not_floating": 1} and _matmul_count(gm) == 1
+
     gm, inputs = dynamo_graph(Outer(), torch.randn(8, 48))
     result = rewrite_batched_matvecs(gm, inputs, exclude_modules=("cross",))
     assert result.rewritten == 0 and result.declined == {"excluded_module": 4} and _matmul_count(gm) == 4

@@ -26,6 +26,7 @@ output element is the same dot product over K; only the summation order may chan
 Declines a match (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
     unknown_shape        W or x has no example value of known shape, or K differs
+    not_floating         W or x is not a floating-point tensor (linear takes floats only)
 
 Products of other ranks (1-D W, 2-D x, a W with a batch) are not counted. The bodies of
 higher-order ops in the graph (an activation-checkpointed region is one) are rewritten the
@@ -94,6 +95,8 @@ def _decline_reason(gm, found: _Matvec, inputs: dict) -> "str | None":
     k_w, k_x = w.shape[-1], x.shape[-2]
     if type(k_w) is not int or type(k_x) is not int or k_w != k_x:
         return "unknown_shape"
+    if not (w.is_floating_point() and x.is_floating_point()):
+        return "not_floating"
     return None
 
 
