@@ -719,7 +719,7 @@ class LokaCompiledGraph:
         _PROBING.discard(self)
         if record.config.amax_guard:
             record.amax_guards = AmaxGuards.of_window(record.name, self._observed_sites(), self._tensorwise_sites())
-        self.variants["fp8"] = self._compile_fp8()
+        self.variants["fp8"] = self._probe_variant_as_final() or self._compile_fp8()
         # Whether the budget acted is rank 0's word; this rank's own measurement may have failed.
         if record.output_budget is not None:
             if measured is not None:
@@ -1026,6 +1026,27 @@ class LokaCompiledGraph:
                 errors[site.id] = e if e is not None else budget.error[site.id]
         budget.ne_after = {head.name: sum(head.relative_increase(errors).values()) for head in budget.heads}
         return output_budget.predicted(budget.sensitivity[sid] * e for sid, e in errors.items())
+
+    def _probe_variant_as_final(self):
+        """The probe variant, to run from now on, when it already is what the FP8 variant
+        would compile to: none of its sites was a candidate (no observer, no perturbation,
+        no amax guard), every graph of it compiled (training: forward and backward), no
+        re-checks. Its contexts become the FP8 phase's; else None."""
+        record = self.record
+        probed = {kind: ctx for (phase, kind), ctx in record.contexts.items() if phase == "probe"}
+        complete = GraphKind.INFERENCE in probed or {GraphKind.FORWARD, GraphKind.BACKWARD} <= set(probed)
+        if not complete or self._observed_sites() or record.amax_guards is not None \
+                or record.output_budget is not None or record.config.recheck_every or record.fallen_back:
+            return None
+        if any(d.reason is Reason.PROBING or d.fp8 for ctx in probed.values() for d in ctx.decisions.values()):
+            return None
+        for kind, ctx in probed.items():
+            record.contexts[("fp8", kind)] = ctx
+            if ("probe", kind) in record.graph_modules:
+                record.graph_modules[("fp8", kind)] = record.graph_modules[("probe", kind)]
+        self._source.drop()  # nothing compiles this graph again
+        log.info("%s: no site was a candidate for FP8; the probe variant runs on, not compiled again", record.name)
+        return self.variants["probe"]
 
     def _compile_fp8(self):
         """The FP8 variant, with the plan's verdicts as they stand, in Dynamo's tracing context."""

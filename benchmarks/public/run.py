@@ -10,7 +10,12 @@ torchao_tensorwise_ro, torchao_rowwise_ro, loka_ro (loka's defaults), loka_all_f
 (loka with {"speed_check": False, "probe_steps": 0}: every eligible site FP8). Off CUDA a
 `_ro` name runs as its default-mode twin (no CUDA graphs), as in benchmarks.infer.
 torchao rows record why when torchao does not import; torchao inference (post-training
-quantization, benchmarks.infer's recipe) needs CUDA.
+quantization, benchmarks.infer's recipe) needs CUDA. `<loka config>_planned` (loka_planned,
+loka_ro_planned, ...): the loka config compiled with the plan its own row saved earlier in
+the run or in an earlier run into the same --out (every loka row saves its plan under
+`<out>/plans/`): no probe window, one compile, its speed checks from the warm performance
+database; list it after its base config. Its `first_steps_x_inductor` is the saved-plan
+compile overhead.
 
 bf16 here is autocast (torch.autocast, bf16) over the library's fp32 model: these models
 take float inputs that carry ids (deepctr-torch) and feed fp32 embeddings into their
@@ -53,6 +58,7 @@ every row in the JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -82,6 +88,25 @@ SPEEDUP_REFS = {"reduce-overhead": ("inductor_bf16_ro", "inductor_bf16"),
                 "default": ("inductor_bf16", "inductor_bf16_ro"),
                 "eager": ("inductor_bf16_ro", "inductor_bf16")}
 ERROR_REFS = ("eager_bf16", "inductor_bf16_ro", "inductor_bf16")
+
+
+PLANNED = "_planned"
+
+
+def resolve_row_config(name: str) -> tuple[Config, str | None]:
+    """(the row's Config, the loka config whose saved plan it loads or None)."""
+    if name.endswith(PLANNED):
+        base = name[:-len(PLANNED)]
+        cfg = resolve_config(base)
+        if cfg.kind != "loka":
+            raise ValueError(f"{name!r}: only a loka config can load a saved plan ({base!r} is {cfg.kind})")
+        return dataclasses.replace(cfg, name=name), base
+    return resolve_config(name), None
+
+
+def plan_path(out: str | Path, model: str, preset: str, batch: int, mode: str, cfg_name: str) -> Path:
+    """Where a loka row saves its plan and a `_planned` row reads it."""
+    return Path(out) / "plans" / f"{model}__{preset}_{batch}__{mode}__{cfg_name}.json"
 
 
 # ------------------------------------------------------------------ compiled units
@@ -194,11 +219,19 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
     start = time.perf_counter()
     model = unit = fn = opt = None
     try:
-        cfg: Config = resolve_config(cfg_name)
+        cfg, planned_from = resolve_row_config(cfg_name)
         row["compile_mode"] = cfg.mode
+        loka_options = args.loka_options
+        if planned_from is not None:
+            saved = plan_path(args.out, setup.name, args.preset, args.batch, mode, planned_from)
+            if not saved.is_file():
+                row["skipped"] = True
+                raise FileNotFoundError(f"skipped: no plan saved by a {planned_from} row at {saved} "
+                                        f"(list {planned_from} before {cfg_name})")
+            loka_options = {**(loka_options or {}), "plan": str(saved)}
         if cfg.kind == "loka":
             from benchmarks.train import loka_options_for
-            row["loka_options"] = loka_options_for(cfg, args.loka_options)
+            row["loka_options"] = loka_options_for(cfg, loka_options)
         if deadline is not None and time.perf_counter() > deadline:
             row["skipped"] = True
             raise BudgetExceeded("skipped: --total-seconds budget spent before this row")
@@ -210,7 +243,7 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
             if mode == "infer" and not cuda:
                 row["skipped"] = True
                 raise RuntimeError("skipped: torchao float8 inference needs a CUDA device with FP8 support")
-        needed = loka_untimed_calls(cfg, args.loka_options)
+        needed = loka_untimed_calls(cfg, loka_options)
         if args.first_steps + args.warmup < needed:
             raise ValueError(f"--first-steps + --warmup = {args.first_steps + args.warmup} would time loka's "
                              f"probe window: this row needs {needed} untimed calls")
@@ -228,7 +261,7 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
             else:
                 _quantize_torchao(model, cfg.recipe)
         unit = (TrainUnit if mode == "train" else InferUnit)(setup.bench, model, amp)
-        fn = compile_unit(unit, cfg, args.loka_options)
+        fn = compile_unit(unit, cfg, loka_options)
         cudagraphs = cuda and cfg.mode == "reduce-overhead"
 
         if mode == "train":
@@ -242,7 +275,10 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
                 return loss
         else:
             def call(inputs, labels):
-                return fn(inputs)
+                # no_grad in every inference call (timed, profiled): grad mode is in Dynamo's guards
+                # and in how matmul decomposes, so a call with grad on profiles another graph
+                with torch.no_grad():
+                    return fn(inputs)
 
         budget_end = start + args.max_seconds
         with torch.set_grad_enabled(mode == "train"):
@@ -273,6 +309,8 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
             row.update(_profile_row(call, setup, cuda, cudagraphs))
         if cfg.kind == "loka":
             row.update(fp8_summary(fn))
+            if planned_from is None:
+                row.update(_save_plan(fn, plan_path(args.out, setup.name, args.preset, args.batch, mode, cfg_name)))
         if cfg.kind != "eager":
             row.update(graph_break_summary())
     except Exception as e:  # noqa: BLE001 - every failure becomes a row
@@ -285,6 +323,17 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
         del model, unit, fn, opt
         release_config(row, f"{setup.name}/{mode}/{cfg_name}", cuda)
     return row
+
+
+def _save_plan(compiled, path: Path) -> dict:
+    """The row's plan written to `path` for a `_planned` row; a failure costs only that."""
+    import loka_compile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        loka_compile.save_plan(compiled, path)
+    except Exception as e:  # noqa: BLE001
+        return {"plan_saved": None, "plan_failed": _error_text(e)}
+    return {"plan_saved": str(path)}
 
 
 def _profile_row(call, setup: Setup, cuda: bool, cudagraphs: bool) -> dict:
@@ -515,8 +564,9 @@ def main(argv=None) -> Path | None:
     models = select_models(args.models)
     configs = []
     for c in (c.strip() for c in args.configs.split(",") if c.strip()):
-        c = config_for_device(c, cuda)
-        resolve_config(c)  # an unknown name fails here, before any model runs
+        base = c[:-len(PLANNED)] if c.endswith(PLANNED) else c
+        c = config_for_device(base, cuda) + c[len(base):]
+        resolve_row_config(c)  # an unknown name fails here, before any model runs
         if c not in configs:
             configs.append(c)
     env = environment(device, args)
