@@ -29,7 +29,6 @@ import functools
 import gc
 import hashlib
 import inspect
-import itertools
 import logging
 import math
 import operator
@@ -39,7 +38,6 @@ import sys
 import time
 import traceback
 import unittest.mock
-import weakref
 from typing import Optional
 
 import torch
@@ -50,6 +48,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from loka_compile import dispatch, graph_cache, output_budget, passes, probe, ranks, speed
+from loka_compile.state import LokaState, next_graph_name, state_for_compile
 from loka_compile.ranks import decide_once
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.config import LokaConfig
@@ -88,8 +87,7 @@ class GraphRecord:
 
     name: str
     config: LokaConfig
-    params: dict                     # id -> weakref of each parameter the graph reads
-    param_shapes: tuple = ()         # shapes of those parameters, sorted
+    store: probe.ProbeStore          # the Probe statistics of the compile that owns the graph (`LokaState`)
     contexts: dict = dataclasses.field(default_factory=dict)        # (phase, kind) -> PassContext
     graph_modules: dict = dataclasses.field(default_factory=dict)   # (phase, kind) -> GraphModule
     phase: str = "fp8"
@@ -102,16 +100,6 @@ class GraphRecord:
     output_budget_skipped: str = ""  # why the output budget did not act on this graph, when it was on
     amax_guards: Optional[AmaxGuards] = None  # the tensorwise sites' run-time amax check (amax_guard.py)
     warned: bool = False
-
-    def reads(self, param: torch.Tensor) -> bool:
-        ref = self.params.get(id(param))
-        return ref is not None and ref() is param
-
-
-GRAPHS: list = []
-_graph_ids = itertools.count()
-_PROBING: "weakref.WeakSet" = weakref.WeakSet()  # compiled graphs in their probe window
-_RECHECKING: "weakref.WeakSet" = weakref.WeakSet()  # compiled graphs past it that re-check (recheck_every)
 
 
 class LokaPostGradPass(CustomGraphPass):
@@ -565,8 +553,9 @@ class _GraphSource:
 class LokaCompiledGraph:
     """What the backend returns to Dynamo for one graph."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, record: GraphRecord):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, state: LokaState):
         self.record = record
+        self.state = state
         self.param_input_indices = weight_input_indices(gm, example_inputs)
         self.calls = 0
         self._budget_waits = 0  # calls the output budget waited for a finite output (`_budget_reference`)
@@ -584,7 +573,7 @@ class LokaCompiledGraph:
             if tracing_context is not None else []
         if record.config.probe_steps and not record.plan.source:  # a loaded plan skips the window
             record.phase = "probe"
-            _PROBING.add(self)
+            state.probing.add(self)
         else:
             record.phase = "fp8"
             if record.config.recheck_every:
@@ -647,7 +636,7 @@ class LokaCompiledGraph:
             self._first_runs.add(id(variant))
             if record.phase == "fp8" and not record.config.recheck_every and record.amax_guards is None:
                 self._source.drop()  # nothing compiles this graph again
-                probe.STORE.release_samples(probe_site_keys(record))  # nor observes it
+                record.store.release_samples(probe_site_keys(record))  # nor observes it
             if record.phase == "fp8" and record.amax_guards is not None:
                 record.amax_guards.copy_back()
             return out
@@ -672,12 +661,13 @@ class LokaCompiledGraph:
             for site in ctx.sites:
                 ctx.decisions[site.key] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
         record.graph_modules.clear()
-        probe.STORE.release_samples(probe_site_keys(record))
+        record.store.release_samples(probe_site_keys(record))
+        self.state.counters["first_run_fallbacks"] += 1
         # The report reads the contexts of the phase that runs.
         record.contexts = {("fp8", kind): ctx for (phase, kind), ctx in record.contexts.items()
                            if phase == record.phase}
-        _PROBING.discard(self)
-        _RECHECKING.discard(self)
+        self.state.probing.discard(self)
+        self.state.rechecking.discard(self)
         record.amax_guards = None  # the plain compile has none, and nothing rebuilds it
         self._source.drop()
         record.phase = "fp8"
@@ -697,14 +687,15 @@ class LokaCompiledGraph:
         ids = {s.key: s.id for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites}
         keys = list(ids)
         # probe.verdicts logs each verdict with every scaling's bound.
-        unsafe, upgraded = decide_once(lambda: _verdicts_by_id(ids, record.config))
+        unsafe, upgraded = decide_once(lambda: _verdicts_by_id(ids, record.config, record.store))
         # Kept by stable id in the graph's own plan: the FP8 variant's sites have the same ids.
         record.plan.unsafe.update(unsafe)
         record.plan.upgraded.update(upgraded)
         measured = self._apply_output_budget(args, prepared)
-        _PROBING.discard(self)
+        self.state.probing.discard(self)
         if record.config.amax_guard:
-            record.amax_guards = AmaxGuards.of_window(record.name, self._observed_sites(), self._tensorwise_sites())
+            record.amax_guards = AmaxGuards.of_window(record.name, self._observed_sites(), self._tensorwise_sites(),
+                                                      record.store)
         self.variants["fp8"] = self._compile_fp8()
         # Whether the budget acted is rank 0's word; this rank's own measurement may have failed.
         if record.output_budget is not None:
@@ -717,7 +708,7 @@ class LokaCompiledGraph:
         if record.config.recheck_every or record.amax_guards is not None:
             self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants["fp8"])
         if record.config.recheck_every:
-            _RECHECKING.add(self)
+            self.state.rechecking.add(self)
         record.phase = "fp8"
         log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded%s",
                  record.name, self.calls, len(keys), len(unsafe), len(upgraded),
@@ -735,7 +726,7 @@ class LokaCompiledGraph:
                 and not record.fallback and ctx.perturb_outputs
                 for site in ctx.sites
                 if site.role is Role.FWD and site.key in ctx.decisions
-                and ctx.decisions[site.key].reason is Reason.PROBING and probe.STORE.observed(site.key)}
+                and ctx.decisions[site.key].reason is Reason.PROBING and record.store.observed(site.key)}
 
     def _budget_reference(self, args):
         """(side runs, reference outputs) of the probe variant on the closing call's
@@ -901,7 +892,7 @@ class LokaCompiledGraph:
         sensitivity = measured["sensitivity"]
         error, labels, bf16 = {}, {}, {}
         for key, sid in sites.items():
-            summary = probe.STORE.summary(key)
+            summary = self.record.store.summary(key)
             if math.isfinite(summary.get("mean_bf16_rel_error", math.inf)):
                 bf16[sid] = summary["mean_bf16_rel_error"]
             if sid in plan.unsafe:
@@ -1005,7 +996,7 @@ class LokaCompiledGraph:
                 if decision is None or not decision.fp8 or site.id not in budget.sensitivity:
                     continue
                 candidate = loka_ops.candidate_name(decision.scaling, decision.a_format, decision.b_format)
-                e = output_budget.candidate_error(probe.STORE.summary(keys[site.id]), candidate) \
+                e = output_budget.candidate_error(record.store.summary(keys[site.id]), candidate) \
                     if site.id in keys else None
                 errors[site.id] = e if e is not None else budget.error[site.id]
         budget.ne_after = {head.name: sum(head.relative_increase(errors).values()) for head in budget.heads}
@@ -1029,8 +1020,9 @@ class LokaCompiledGraph:
         """One call through the probe variant, its observations the only ones the store
         holds for these sites (a fresh window); the next call judges them."""
         record = self.record
-        probe.STORE.forget(self._observed_sites())
+        record.store.forget(self._observed_sites())
         self._rechecking = True
+        self.state.counters["rechecks"] += 1
         try:
             return self.variants["probe"](*args)
         except Exception as error:  # noqa: BLE001  (a re-check must never cost the model its call)
@@ -1054,9 +1046,10 @@ class LokaCompiledGraph:
         alone; a change of verdict is logged and kept in the plan's history, and the FP8
         variant is switched to one built with the new verdicts (compiled once per set)."""
         record, config, step = self.record, self.record.config, self.calls
-        sites = {key: (sid, own) for key, (sid, own) in self._observed_sites().items() if probe.STORE.observed(key)}
+        store = record.store
+        sites = {key: (sid, own) for key, (sid, own) in self._observed_sites().items() if store.observed(key)}
         unsafe, upgraded = decide_once(lambda: _verdicts_by_id({k: sid for k, (sid, _) in sites.items()}, config,
-                                                               log_level=logging.DEBUG))
+                                                               store, log_level=logging.DEBUG))
         # The output budget decided once, at the window's close: its sites stay kept.
         kept = record.output_budget.kept if record.output_budget is not None else {}
         unsafe.update({sid: record.plan.unsafe[sid] for sid, _ in sites.values()
@@ -1067,7 +1060,7 @@ class LokaCompiledGraph:
             before = _standing(sid, own, plan.unsafe, plan.upgraded)
             after = _standing(sid, own, unsafe, upgraded)
             if before != after:
-                why = probe.describe_summary(probe.STORE.summary(key), config.max_probe_error, config.probe_metric)
+                why = probe.describe_summary(store.summary(key), config.max_probe_error, config.probe_metric)
                 changes.append((sid, before, after, why))
             plan.unsafe.pop(sid, None)
             plan.upgraded.pop(sid, None)
@@ -1111,7 +1104,7 @@ class LokaCompiledGraph:
         keys = {sid: key for key, (sid, _) in self._observed_sites().items()}
 
         def demotions():  # from the window's statistics, rank 0's when distributed
-            return {sid: demotion(probe.STORE.summary(keys[sid]) if sid in keys else {}, config.max_probe_error,
+            return {sid: demotion(record.store.summary(keys[sid]) if sid in keys else {}, config.max_probe_error,
                                   config.probe_metric, why)
                     for sid, why in trips.items() if sid not in plan.unsafe and sid not in plan.upgraded}
 
@@ -1131,6 +1124,7 @@ class LokaCompiledGraph:
             log.warning("loka: %s: amax guard at call %d: rebuilding failed (%s: %s); the graph keeps its decisions",
                         record.name, self.calls, type(error).__name__, error)
             return
+        self.state.counters["amax_guard_demotions"] += len(changes)
         for sid, after, why in changes:
             plan.history.setdefault(sid, []).append(
                 {"step": self.calls + 1, "observed_at": self.calls, "graph": record.name, "from": "tensorwise",
@@ -1279,11 +1273,12 @@ def _verdict_signature(plan: Plan, config: LokaConfig) -> tuple:
     return frozenset(plan.unsafe), frozenset(passing.items())
 
 
-def _verdicts_by_id(ids: dict, config: LokaConfig, log_level: int = logging.WARNING) -> tuple[dict, dict]:
-    """The Probe's (unsafe, upgraded) verdicts for sites key -> id, keyed by id; an unsafe
-    site is upgraded along tensorwise -> rowwise -> blockwise where a finer scaling's bound
-    is within the budget."""
-    unsafe, upgraded = probe.verdicts(list(ids), config.max_probe_error, metric=config.probe_metric, chain=True,
+def _verdicts_by_id(ids: dict, config: LokaConfig, store: probe.ProbeStore,
+                    log_level: int = logging.WARNING) -> tuple[dict, dict]:
+    """The Probe's (unsafe, upgraded) verdicts for sites key -> id of `store`, keyed by id; an
+    unsafe site is upgraded along tensorwise -> rowwise -> blockwise where a finer scaling's
+    bound is within the budget."""
+    unsafe, upgraded = probe.verdicts(store, list(ids), config.max_probe_error, metric=config.probe_metric, chain=True,
                                       log_level=log_level)
     return {ids[k]: v for k, v in unsafe.items()}, {ids[k]: tuple(v) for k, v in upgraded.items()}
 
@@ -1329,11 +1324,12 @@ def _run_dynamo_graph_mod(mod: mods.Mod, gm: torch.fx.GraphModule, example_input
 
 
 def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode: Optional[str] = None):
-    """`torch.compile(model, backend="loka", options={...} | LokaConfig(...))`."""
+    """`torch.compile(model, backend="loka", options={...} | LokaConfig(...))`. The graph's
+    record joins the state of the compile it runs for (`state.state_for_compile`)."""
     config = LokaConfig.from_options(options)
     if mode is not None:
         config = dataclasses.replace(config, mode=mode)
-    params = {id(t): weakref.ref(t) for t in [*example_inputs, *gm.parameters()] if isinstance(t, torch.nn.Parameter)}
+    state = state_for_compile()
     fingerprint, device_type = _graph_fingerprint(gm, example_inputs)
     plan = Plan(params=fingerprint, device_type=device_type, recipe=config.recipe)
     if config.plan is not None:
@@ -1341,28 +1337,21 @@ def loka_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode
         loaded.check(fingerprint, device_type, config.recipe)  # ValueError naming what differs
         plan = dataclasses.replace(loaded, params=fingerprint, unsafe=dict(loaded.unsafe),
                                    upgraded=dict(loaded.upgraded), a_scales=dict(loaded.a_scales))
-    record = GraphRecord(name=f"g{next(_graph_ids)}", config=config, params=params,
-                         param_shapes=tuple(sorted(tuple(ref().shape) for ref in params.values())), plan=plan)
+    record = GraphRecord(name=next_graph_name(), config=config, store=state.store, plan=plan)
     if config.arch_mods:
         record.mod_results.update(mods.apply_arch_mods(gm, config.arch_mods))
         log.info("%s: architecture Mods %s", record.name, {name: record.mod_results[name] for name in config.arch_mods})
     for mod in mods.dynamo_graph_mods():
         if mod.on(config.inactive_mods):
             _run_dynamo_graph_mod(mod, gm, example_inputs, record)
-    compiled = LokaCompiledGraph(gm, example_inputs, record)
-    GRAPHS.append(record)  # only once compiled: Dynamo may restart and call again
+    compiled = LokaCompiledGraph(gm, example_inputs, record, state)
+    state.add(record)  # only once compiled: Dynamo may restart and call again
     return compiled
 
 
 def reset() -> None:
-    """Forget every graph record and probe statistic (Dynamo's caches are separate:
-    call torch._dynamo.reset() to recompile)."""
-    global _graph_ids
-    GRAPHS.clear()
-    probe.STORE.clear()
-    if _PROBING or _RECHECKING:
-        gc.collect()  # graphs Dynamo has dropped may still sit in reference cycles
-    # A graph still in its probe window, or re-checking, keeps reporting observations under its
-    # site keys: new graphs must not take its name, or they would inherit its verdicts.
-    observing = [*_PROBING, *_RECHECKING]
-    _graph_ids = itertools.count(max((int(g.record.name[1:]) + 1 for g in observing), default=0))
+    """Nothing process-wide to forget: each compile's records and Probe statistics live in
+    its own state and go with the compiled model. Clears the speed check's in-process
+    timings (the performance database on disk stays); call torch._dynamo.reset() to
+    recompile."""
+    speed.clear_cache()

@@ -39,6 +39,7 @@ from loka_compile.passes.find_sites import VIEW_LIKE
 from loka_compile.passes.mods import cached_weights, fused_casts
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.report import Report
+from loka_compile.state import LokaState
 
 log = logging.getLogger("loka")
 
@@ -106,7 +107,9 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
                     "puts in FP8; for the backend's decisions, export with its plan (options={'plan': path} "
                     "from loka_compile.save_plan of the model compiled with backend='loka'; a calibrated plan "
                     "leaves the speed check to the compile that loads it)")
-    record = backend.GraphRecord(name=f"export{next(_export_ids)}", config=config, params={}, plan=plan)
+    state = LokaState()  # the export's own: its graph runs no observers
+    record = backend.GraphRecord(name=f"export{next(_export_ids)}", config=config, store=state.store, plan=plan)
+    state.add(record)
     dynamic_shapes = _batch_dims(args) if dynamic_batch else None
     with torch.no_grad():
         program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
@@ -127,7 +130,7 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
         backend._forget_rewrite(record, why)
         written = torch._inductor.aoti_compile_and_package(
             program, package_path=path, inductor_configs=_patches(config, None))
-    report = Report([record])
+    report = Report(state.records)
     log.info("loka export %s: %s", written, report.summary())
     return InferencePackage(path=os.fspath(written), report=report, dynamic_batch=batch_dynamic)
 

@@ -9,10 +9,11 @@ from typing import Optional
 import torch
 from tabulate import tabulate
 
-from loka_compile import backend, probe
+from loka_compile import probe
 from loka_compile.plan import Plan, SitePlan, id_parts, param_fingerprint, upgrade_target
 from loka_compile.passes import GraphKind, Reason
 from loka_compile.passes import mods as mod_registry
+from loka_compile.state import state_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +128,7 @@ def _site_records(record) -> list:
                 scaling=decision.scaling if fp8 else "", formats=f"{decision.a_format} x {decision.b_format}" if fp8 else "",
                 producers=site.producers, consumers=site.consumers,
                 forward_site=forward_names.get(site.seq_nr, "") if kind is GraphKind.BACKWARD else "",
-                key=site.key, probe=(summary := probe.STORE.summary(site.key)),
+                key=site.key, probe=(summary := record.store.summary(site.key)),
                 history=tuple(record.plan.history.get(site.id, ())),
                 verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
@@ -319,35 +320,21 @@ def _probe_cell(site: SiteRecord) -> str:
     return f"{site.probe['max_rel_error']:.3g}" if site.probe else ""
 
 
-def records_for(compiled: Optional[object] = None) -> list:
-    """The graph records of a compiled model: every loka graph that reads one of its
-    parameters. Dynamo may serve a second instance of a class with the graphs compiled for
-    the first; a model none of whose parameters any graph has seen gets the graphs whose
-    parameter shapes it has. With a function, or no argument: every graph loka compiled here."""
-    records = list(backend.GRAPHS)
-    if isinstance(compiled, torch.nn.Module):
-        module = getattr(compiled, "_orig_mod", compiled)
-        params = list(module.parameters())
-        own = [r for r in records if any(r.reads(p) for p in params)]
-        shapes = collections.Counter(tuple(p.shape) for p in params)
-        records = own or [r for r in records if r.param_shapes
-                          and not collections.Counter(r.param_shapes) - shapes]
-    return records
-
-
-def report(compiled: Optional[object] = None) -> Report:
-    """The report for a compiled model (the graphs `records_for` finds)."""
-    return Report(records_for(compiled))
+def report(compiled) -> Report:
+    """The report for a loka-compiled model or function: the graphs of its compile's state
+    (`state.state_of`; ValueError for anything else)."""
+    return Report(state_of(compiled).records)
 
 
 # -- plans: a compiled model's, and a saved one's report ---------------------------------
 
 
 def plan_of(compiled) -> Plan:
-    """The plan of a compiled model (or function): every graph `loka_compile.report`
-    finds for it, each site's decision in its active phase under the site's id. Raises
-    ValueError while a graph is still in its probe window, or when it has none."""
-    records = records_for(compiled)
+    """The plan of a compiled model (or function): every graph of its compile's state, each
+    site's decision in its active phase under the site's id. Raises ValueError for anything
+    but a loka-compiled model or function, while a graph is still in its probe window, or
+    when it has none."""
+    records = state_of(compiled).records
     if not records:
         raise ValueError("loka has compiled no graph for this model: run it once before saving its plan")
     probing = [r.name for r in records if r.phase == "probe"]
