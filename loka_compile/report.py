@@ -169,6 +169,11 @@ class Report:
                                 for w in ctx.cached_weights]
 
     @property
+    def mod_results(self) -> dict:
+        """Mod name -> what it returned on each graph where it ran, in compile order."""
+        return dict(self._mod_results)
+
+    @property
     def cached_weight_bytes(self) -> tuple:
         """(bytes of the FP8 weight copies that inference GEMMs read, bytes the same
         operands take in bf16). The bf16 parameters stay with the model."""

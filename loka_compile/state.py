@@ -100,10 +100,15 @@ def state_for_compile() -> LokaState:
 
 def _dynamo_callbacks(compiled) -> list:
     """The Dynamo callback objects a compiled module or function holds: an OptimizedModule's
-    `dynamo_ctx.callback`, those in the closure of a compiled function."""
+    `dynamo_ctx.callback`, those in the closure of a compiled function (a module compiled in
+    place by `Module.compile` holds one as `_compiled_call_impl`); DDP's, of the module it wraps."""
+    if isinstance(compiled, torch.nn.parallel.DistributedDataParallel):
+        compiled = compiled.module  # DDP(torch.compile(model))
     if isinstance(compiled, torch.nn.Module):
         context = getattr(compiled, "dynamo_ctx", None)
-        return [getattr(context, "callback", None)] if context is not None else []
+        if context is not None:
+            return [getattr(context, "callback", None)]
+        compiled = compiled.__dict__.get("_compiled_call_impl")
     values = [_cell_value(cell) for cell in getattr(compiled, "__closure__", None) or ()]
     return [value for value in values if any(hasattr(value, name) for name in _INNER_BACKEND)]
 
@@ -115,12 +120,21 @@ def _cell_value(cell):
         return None
 
 
+def _compiles_with_loka(wrapper) -> bool:
+    """Whether a compile wrapper's backend is loka's (by name, or a partial of it)."""
+    backend = getattr(wrapper.compiler_fn, "func", wrapper.compiler_fn)
+    return getattr(backend, "__module__", "") == "loka_compile.backend"
+
+
 def state_of(compiled) -> LokaState:
     """The state of a loka-compiled model or function (or of a graph the backend returned).
-    Raises ValueError for anything else."""
-    direct = getattr(compiled, _STATE_ATTRIBUTE, None)
-    if isinstance(direct, LokaState):
-        return direct
+    Raises ValueError for anything else, and for a compile that has no graph of its own: not
+    run yet, or served by Dynamo with the graphs of an earlier compile with equal options (of
+    the same class, or function), which Dynamo's cache reuses."""
+    for name in (_STATE_ATTRIBUTE, "state"):
+        direct = getattr(compiled, name, None)
+        if isinstance(direct, LokaState):
+            return direct
     for callback in _dynamo_callbacks(compiled):
         current = callback
         for _ in range(_MAX_WRAPPING_DEPTH):
@@ -130,7 +144,11 @@ def state_of(compiled) -> LokaState:
                 state = getattr(current, _STATE_ATTRIBUTE, None)
                 if state is not None:
                     return state
-                break
+                if not _compiles_with_loka(current):
+                    break
+                raise ValueError("this torch.compile has compiled no graph of its own: call it first (Dynamo serves "
+                                 "a compile with equal options of the same code with the graphs of the first, whose "
+                                 "report holds them)")
             current = next((getattr(current, name) for name in _INNER_BACKEND if hasattr(current, name)), None)
     raise ValueError(f"{type(compiled).__name__} is not a model or function compiled with backend=\"loka\" "
-                     "that has run (pass what torch.compile returned, after calling it)")
+                     "(pass what torch.compile returned)")

@@ -322,8 +322,9 @@ def test_sparse_tower_end_to_end(tmp_path):
     batch = sparse_batch(seed=7)
     with torch.no_grad():
         exact = [t.double() for t in model(*batch)]
-        fused = compile_with(model, path)(*batch)
-        report = loka_compile.report()
+        compiled = compile_with(model, path)
+        fused = compiled(*batch)
+        report = loka_compile.report(compiled)
         torch._dynamo.reset()
         loka_compile.reset()
         unfused = compile_with(model, path, disabled=("gemm_epilogue",))(*batch)
@@ -376,7 +377,7 @@ def test_dynamic_batch_recompile_free(tmp_path):
             out = compiled(x)
             assert out.shape == (rows, 16) and not torch.isnan(out).any()
             assert sqnr_db(model(x).double(), out.double()) >= OUTPUT_SQNR_DB
-    assert loka_compile.report().mods["gemm_epilogue"] == 2
+    assert loka_compile.report(compiled).mods["gemm_epilogue"] == 2
 
 
 @pytest.mark.cuda

@@ -46,13 +46,13 @@ def fp32_grads(model, x):
 
 
 def fp8_inputs(report, kind):
-    gm = report.graph_modules[f"g0/{kind}"]
+    gm = report.graph_modules[f"{report.graphs[0].name}/{kind}"]
     return [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
             and n.meta["val"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
 
 
-def record():
-    return loka_compile.backend.GRAPHS[-1].mod_results["saved_fp8"]
+def record(report):
+    return report.mod_results["saved_fp8"][-1]
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def tower_runs():
     torch.manual_seed(0)
     model, x = Tower().to(torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
     on = train_step(model, x, mods=ALONE)
-    saved = record()
+    saved = record(on[2])
     off = train_step(model, x, mods=ALONE + ("saved_fp8",))
     return {"model": model, "x": x, "ref": fp32_grads(model, x), "on": on, "saved": saved, "off": off}
 
@@ -114,7 +114,7 @@ def test_a_gemm_output_is_kept_as_its_fp8_copy():
     x = torch.randn(128, 64, dtype=torch.bfloat16)
     ref = fp32_grads(model, x)
     _, on, report = train_step(model, x, mods=ALONE)
-    assert [o.outcome for o in record().operands] == ["fp8"]
+    assert [o.outcome for o in record(report).operands] == ["fp8"]
     _, off, report_off = train_step(model, x, mods=ALONE + ("saved_fp8",))
     assert report.mods["saved_fp8"] == 1
     assert len(fp8_inputs(report, "backward")) == 1 and not fp8_inputs(report_off, "backward")
@@ -158,8 +158,8 @@ def test_default_recipe_saves_the_activation_operands_of_batched_dgrads():
     # the default recipe keeps weight gradients bf16: only the bmm's dgrads read FP8 copies
     assert all(not s.fp8 for s in report.sites if s.role == "wgrad")
     assert len(saved) == 3 and all(name.split(":")[1].startswith("dgrad") for name, _ in saved)
-    assert all(o.outcome == "fp8" for o in record().operands)
-    assert record().declined["read_by_other_ops"] >= 1  # p, which softmax's backward reads
+    assert all(o.outcome == "fp8" for o in record(report).operands)
+    assert record(report).declined["read_by_other_ops"] >= 1  # p, which softmax's backward reads
     for g_on, g_ref in zip(on, ref):
         assert rel_error(g_on.float(), g_ref) <= ATTENTION_GRAD_REL_ERROR
 
@@ -180,14 +180,14 @@ class Reused(nn.Module):
 def test_an_activation_the_backward_reads_anyway_is_declined():
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     _, _, report = train_step(Reused().to(torch.bfloat16), x)
-    assert record().declined["read_by_other_ops"] == 1
+    assert record(report).declined["read_by_other_ops"] == 1
     assert report.mods["saved_fp8"] == 0
 
 
 def test_padded_operands_are_declined():
     model = nn.Sequential(nn.Linear(64, 72), nn.Linear(72, 32)).to(torch.bfloat16)
     _, _, report = train_step(model, torch.randn(64, 64, dtype=torch.bfloat16))
-    assert record().declined["padded"] >= 1
+    assert record(report).declined["padded"] >= 1
     assert report.mods["saved_fp8"] == 0
 
 

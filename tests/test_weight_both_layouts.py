@@ -54,11 +54,13 @@ def step(model, inputs, mods=(), **options):
     out = compiled(*inputs)
     out.float().square().mean().backward()
     grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
-    return out, grads, loka_compile.report(compiled), loka_compile.backend.GRAPHS[-1].mod_results.get("weight_both_layouts")
+    return out, grads, loka_compile.report(compiled), \
+        loka_compile.state_of(compiled).records[-1].mod_results.get("weight_both_layouts")
 
 
 def ops_in(report, kind) -> list:
-    return [str(n.target) for n in report.graph_modules[f"g0/{kind}"].graph.nodes if n.op == "call_function"]
+    return [str(n.target) for n in report.graph_modules[f"{report.graphs[0].name}/{kind}"].graph.nodes
+            if n.op == "call_function"]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,7 @@ def test_the_backward_reads_the_saved_copies_not_the_weights(ranker_runs):
     report_on, report_off = ranker_runs["on"][2], ranker_runs["off"][2]
 
     def backward_inputs(report):
-        gm = report.graph_modules["g0/backward"]
+        gm = report.graph_modules[f"{report.graphs[0].name}/backward"]
         return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"
                 and isinstance(n.meta.get("val"), torch.Tensor)]
 
@@ -209,7 +211,7 @@ def test_declines(ranker_runs):
     trained = copy.deepcopy(model)
     compiled = torch.compile(trained, backend="loka", options=dict(recipe="rowwise", probe_steps=1))
     compiled(u, v).float().sum().backward()  # the probe window's call
-    assert "weight_both_layouts" not in loka_compile.backend.GRAPHS[-1].mod_results
+    assert "weight_both_layouts" not in loka_compile.state_of(compiled).records[-1].mod_results
 
 
 def test_a_failing_rewrite_leaves_the_joint_graph_as_written(ranker_runs, monkeypatch, caplog):
