@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from loka_compile import backend, output_budget, task_metrics
+from loka_compile.compiled_graph import probe_site_keys
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import metrics
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
@@ -131,7 +132,7 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     for record in records:
         row_errors = _static_scales(record, plan, config, policy, float(percentile), label)
         _rebudget(record, plan, config, row_errors)
-        state.store.release_samples(backend.probe_site_keys(record))
+        state.store.release_samples(probe_site_keys(record))
     budgets = [r.output_budget for r in records if r.output_budget is not None]
     if labels is not None:
         _within_task_tolerance(model, batches, labels, plan, config, budgets, metric, float(tolerance))

@@ -17,7 +17,7 @@ quadrature:
 
 While D exceeds the budget the site with the largest s_i e_i stays in high precision.
 Backward sites (dgrad, wgrad) do not move the forward's outputs: only their per-site bound
-applies. The backend runs the measurements (`backend.LokaCompiledGraph`); this module holds
+applies. The backend runs the measurements (`budget_window.OutputBudgetWindow`); this module holds
 the arithmetic and the record.
 
 The noise floor F: the discrepancy the model's own bf16 arithmetic already has. Predicted

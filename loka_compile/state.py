@@ -16,6 +16,7 @@ statistics never mix. Nothing here is process-wide but the observers' routing ta
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import sys
 import weakref
@@ -24,6 +25,10 @@ from typing import Optional
 import torch
 
 from loka_compile import probe
+from loka_compile.amax_guard import AmaxGuards
+from loka_compile.config import LokaConfig
+from loka_compile.output_budget import OutputBudget
+from loka_compile.plan import Plan
 
 _STATE_ATTRIBUTE = "_loka_state"
 # Attributes through which Dynamo's callback objects reach the backend they wrap (ConvertFrame,
@@ -38,6 +43,28 @@ _graph_ids = itertools.count()
 
 def next_graph_name() -> str:
     return f"g{next(_graph_ids)}"
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """Everything loka did to one Dynamo graph: per (phase, ATen graph kind) the pass
+    context (sites and decisions) and the rewritten GraphModule."""
+
+    name: str
+    config: LokaConfig
+    store: probe.ProbeStore          # the Probe statistics of the compile that owns the graph (`LokaState`)
+    contexts: dict = dataclasses.field(default_factory=dict)        # (phase, kind) -> PassContext
+    graph_modules: dict = dataclasses.field(default_factory=dict)   # (phase, kind) -> GraphModule
+    phase: str = "fp8"
+    plan: Plan = dataclasses.field(default_factory=Plan)  # the graph's own: verdicts by site id, loaded sites
+    fallback: Optional[str] = None   # why the graph runs without loka, if it does
+    # Mod name -> what it returned on this graph, where it ran (a joint-graph Mod: its last run)
+    mod_results: dict = dataclasses.field(default_factory=dict)
+    fallen_back: dict = dataclasses.field(default_factory=dict)      # GraphKind -> why it runs without loka
+    output_budget: Optional[OutputBudget] = None  # what max_output_error measured and kept, when it acted
+    output_budget_skipped: str = ""  # why the output budget did not act on this graph, when it was on
+    amax_guards: Optional[AmaxGuards] = None  # the tensorwise sites' run-time amax check (amax_guard.py)
+    warned: bool = False
 
 
 class LokaState:

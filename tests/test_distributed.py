@@ -161,7 +161,7 @@ def _plans(rank):
     """A window closing on different data per rank (rank 1's inputs 1000x larger with an
     outlier), an amax guard tripping on rank 1 alone, re-checks, then a new batch size on
     both ranks (Dynamo recompiles; the new graph opens its own window)."""
-    from loka_compile import backend
+    from loka_compile import compiled_graph
 
     torch._dynamo.reset()
     loka_compile.reset()
@@ -187,7 +187,7 @@ def _plans(rank):
     state = loka_compile.state_of(compiled)
     first = state.records[0]
     ids = {s.key: s.id for (phase, _), ctx in first.contexts.items() if phase == "probe" for s in ctx.sites}
-    own = backend._verdicts_by_id(ids, first.config, first.store)  # this rank's verdicts, alone
+    own = compiled_graph._verdicts_by_id(ids, first.config, first.store)  # this rank's verdicts, alone
     step(*batch(BATCH))  # the window closes on this call's local batch
     closed = plan_of(compiled)
     budget = first.output_budget

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
-from loka_compile import LokaConfig, backend, output_budget
+from loka_compile import LokaConfig, budget_window, compiled_graph, output_budget
 from loka_compile.kernels import ops
 from loka_compile.passes import GraphKind
 
@@ -191,7 +191,7 @@ def test_a_failing_sensitivity_step_logs_and_keeps_todays_decisions(caplog, monk
     def fail(*args, **kwargs):
         raise RuntimeError("planted failure")
 
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_measure_sensitivities", fail)
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_measure_sensitivities", fail)
     model, x = PlantedSensitivity(), torch.randn(D, D)
     with caplog.at_level(logging.WARNING, logger="loka"):
         compiled, out = _run(model, {}, x=x, calls=4)
@@ -211,7 +211,7 @@ def test_a_failing_check_after_compile_logs_and_the_model_runs(caplog, monkeypat
     def fail(self):
         raise RuntimeError("planted failure")
 
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_predicted_as_compiled", fail)
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_predicted_as_compiled", fail)
     model, x = PlantedSensitivity(), torch.randn(D, D)
     with caplog.at_level(logging.WARNING, logger="loka"):
         compiled, out = _run(model, ABSOLUTE, x=x)
@@ -239,14 +239,14 @@ def test_rechecks_run_the_perturb_ops_inert_and_keep_the_budgets_sites(caplog):
 def _understated_run(monkeypatch, caplog, budget, refit):
     """MLPWithNorm with its sensitivities planted 20x too small: the prediction lets all
     three sites (each s * e about 0.036) go FP8, and the FP8 variant measures about 0.06."""
-    measure = backend.LokaCompiledGraph._measure_sensitivities
+    measure = compiled_graph.LokaCompiledGraph._measure_sensitivities
 
     def understated(self, *args):
         measured = measure(self, *args)
         measured["sensitivity"] = {sid: s / 20 for sid, s in measured["sensitivity"].items()}
         return measured
 
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_measure_sensitivities", understated)
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_measure_sensitivities", understated)
     torch.manual_seed(0)
     model, x = MLPWithNorm(), torch.randn(64, 64)
     with caplog.at_level(logging.WARNING, logger="loka"):
@@ -264,12 +264,12 @@ def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, mon
     0-4: 0.053-0.069 first, then all three kept)."""
     budget = 0.03
     model, x, compiled, out, first = _understated_run(monkeypatch, caplog, budget, refit=True)
-    assert first > backend.VERIFY_SLACK * budget and "compiling the FP8 variant again" in caplog.text
+    assert first > budget_window.VERIFY_SLACK * budget and "compiling the FP8 variant again" in caplog.text
     graph = loka_compile.report(compiled).graphs[0]
     kept = [s for s in loka_compile.report(compiled).sites if s.role == "fwd" and not s.fp8]
     assert kept and {s.id for s in kept} == set(graph.output_budget.kept)
     assert all("measured shortfall" in s.detail for s in kept)
-    assert graph.measured_output_error <= backend.VERIFY_SLACK * budget < first
+    assert graph.measured_output_error <= budget_window.VERIFY_SLACK * budget < first
     with torch.no_grad():
         assert rel_error(model(x).double(), out) == pytest.approx(graph.measured_output_error, rel=1e-3, abs=1e-6)
 
@@ -278,7 +278,7 @@ def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, mon
 def test_by_default_a_missed_prediction_is_only_logged(caplog, monkeypatch):
     budget = 0.03
     _, _, compiled, _, first = _understated_run(monkeypatch, caplog, budget, refit=False)
-    assert first > backend.VERIFY_SLACK * budget and "exceeded over 1.5x" in caplog.text
+    assert first > budget_window.VERIFY_SLACK * budget and "exceeded over 1.5x" in caplog.text
     assert "compiling the FP8 variant again" not in caplog.text
     graph = loka_compile.report(compiled).graphs[0]
     assert not graph.output_budget.kept and graph.measured_output_error == pytest.approx(first, rel=1e-3)

@@ -284,7 +284,7 @@ def _rank(rank, world_size, store_dir):
                 compiled(x)
                 (record,) = loka_compile.state_of(compiled).records
                 ids = {s.key: s.id for s in record.contexts[("probe", GraphKind.INFERENCE)].sites}
-                own = loka_compile.backend._verdicts_by_id(ids, record.config, record.store)  # this rank's alone
+                own = loka_compile.compiled_graph._verdicts_by_id(ids, record.config, record.store)  # this rank's alone
                 compiled(x)
             plan = plan_of(compiled)
             result = {"own": own, "upgraded": plan.upgraded, "unsafe": plan.unsafe,

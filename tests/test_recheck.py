@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import loka_compile
-from loka_compile import backend
+from loka_compile import compiled_graph
+from loka_compile.passes import GraphKind
 from loka_compile.plan import Plan
 from loka_compile.report import plan_of
 
@@ -80,7 +81,7 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(caplog):
     graphs = loka_compile.report(compiled).graphs[0]
     assert _observer_nodes(graphs.graph_modules["inference"]) == 0
     (graph,) = loka_compile.state_of(compiled).rechecking
-    assert _observer_nodes(graph.record.graph_modules[("probe", backend.passes.GraphKind.INFERENCE)]) == 1
+    assert _observer_nodes(graph.record.graph_modules[("probe", GraphKind.INFERENCE)]) == 1
 
     # The plan keeps the history; a plan file without one (written before re-checks) loads.
     plan = plan_of(compiled)
@@ -138,8 +139,8 @@ def test_a_failed_recheck_keeps_the_running_graph(caplog, monkeypatch):
     def fail():
         raise RuntimeError("planted failure")
 
-    window_compile = backend.LokaCompiledGraph._compile_fp8  # the window's own compile still runs
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_compile_fp8",
+    window_compile = compiled_graph.LokaCompiledGraph._compile_fp8  # the window's own compile still runs
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_compile_fp8",
                         lambda self: fail() if self._builds else window_compile(self))
     model = PlantedLinear()
     compiled = torch.compile(model, backend="loka", options={**OPTIONS, "probe_steps": 1, "recheck_every": 2})

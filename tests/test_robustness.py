@@ -372,9 +372,9 @@ def _first_run_fails(monkeypatch):
     """Graphs compiled with loka's pass compile, then raise a RuntimeError at their first run (as
     Inductor's multi-kernel did on the H100, 2026-11-24, timing its sub-kernels at a
     calibrated graph's first call); later runs and graphs compiled without loka are real."""
-    from loka_compile import backend
+    from loka_compile import compiled_graph
 
-    real = backend.compile_fx
+    real = compiled_graph.compile_fx
 
     def compile_fx(gm, example_inputs, **kwargs):
         compiled = real(gm, example_inputs, **kwargs)
@@ -389,7 +389,7 @@ def _first_run_fails(monkeypatch):
             return compiled(*args)
         return first_run_fails
 
-    monkeypatch.setattr(backend, "compile_fx", compile_fx)
+    monkeypatch.setattr(compiled_graph, "compile_fx", compile_fx)
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
@@ -443,10 +443,10 @@ def test_a_trained_model_keeps_none_of_its_inputs(monkeypatch, options, first_ru
 def test_a_first_run_that_fails_without_loka_too_is_raised_and_changes_nothing(monkeypatch):
     """An error the graph raises compiled without loka as well is not loka's: the caller
     gets it, and the graph keeps its FP8 variant for the next call."""
-    from loka_compile import backend
+    from loka_compile import compiled_graph
 
     _first_run_fails(monkeypatch)
-    real = backend.compile_fx
+    real = compiled_graph.compile_fx
     plain_runs = []
 
     def plain_fails_once(gm, example_inputs, **kwargs):
@@ -459,7 +459,7 @@ def test_a_first_run_that_fails_without_loka_too_is_raised_and_changes_nothing(m
             raise ValueError("bad input")
         return run
 
-    monkeypatch.setattr(backend, "compile_fx", plain_fails_once)
+    monkeypatch.setattr(compiled_graph, "compile_fx", plain_fails_once)
     compiled = torch.compile(_mlp(), backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     with torch.no_grad():
         with pytest.raises(ValueError, match="bad input"):

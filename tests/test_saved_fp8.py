@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
+import loka_compile.inductor_passes
 from loka_compile.passes import Decision, Reason
 from loka_compile.passes.mods import saved_fp8
 from loka_compile.passes.find_sites import SAVED_IN_FP8, operands, saved_operand
@@ -251,7 +252,7 @@ def test_a_site_then_kept_in_high_precision_says_what_it_reads(tower, monkeypatc
     high precision (where the speed check's timings differ): the GEMM reads the FP8 copy,
     and the report and the log say so."""
     model, x = tower
-    decide = loka_compile.backend._decide
+    decide = loka_compile.inductor_passes._decide
 
     def keep_saved_sites_high_precision(site, **kwargs):
         a, b, _, _ = operands(site.node)
@@ -259,7 +260,7 @@ def test_a_site_then_kept_in_high_precision_says_what_it_reads(tower, monkeypatc
             return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, detail="forced by the test")
         return decide(site, **kwargs)
 
-    monkeypatch.setattr(loka_compile.backend, "_decide", keep_saved_sites_high_precision)
+    monkeypatch.setattr(loka_compile.inductor_passes, "_decide", keep_saved_sites_high_precision)
     ref = fp32_grads(model, x)
     _, grads, report = train_step(model, x)
     kept = {s.module: s for s in report.sites if s.role == "wgrad" and not s.fp8}
@@ -298,7 +299,7 @@ def test_a_failing_rewrite_leaves_the_joint_graph_as_written(tower_runs, monkeyp
         real(found, fused_casts, result)
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(loka_compile.backend, "save_fp8_operands", fail_after_rewriting)
+    monkeypatch.setattr(loka_compile.inductor_passes, "save_fp8_operands", fail_after_rewriting)
     _, grads, report = train_step(model, x)
     assert "saved_fp8 Mod failed on the joint graph" in caplog.text
     assert report.mods["saved_fp8"] == 0

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
+import loka_compile.inductor_passes
 from loka_compile.passes import Decision, Reason
 from loka_compile.passes.mods import weight_both_layouts
 from loka_compile.passes.find_sites import WEIGHT_BOTH_LAYOUTS, operands
@@ -230,14 +231,14 @@ def test_a_gemm_then_kept_in_high_precision_reads_the_weight_as_written(ranker_r
     """The joint graph's decision took the dgrads for FP8, the backward graph's keeps them
     in high precision (where the speed check's timings differ): they read the weights
     themselves, not the FP8 copies, and their gradients are bf16's."""
-    decide = loka_compile.backend._decide
+    decide = loka_compile.inductor_passes._decide
 
     def keep_shared_dgrads_high_precision(site, **kwargs):
         if site.role.value == "dgrad" and weight_both_layouts.is_weight_layout(operands(site.node)[1]):
             return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, detail="forced by the test")
         return decide(site, **kwargs)
 
-    monkeypatch.setattr(loka_compile.backend, "_decide", keep_shared_dgrads_high_precision)
+    monkeypatch.setattr(loka_compile.inductor_passes, "_decide", keep_shared_dgrads_high_precision)
     _, grads, report, layouts = step(ranker_runs["model"], ranker_runs["batch"])
     dgrads = {s.module: s for s in report.sites if s.role == "dgrad"}
     assert not dgrads["fc1"].fp8 and not dgrads["fc2"].fp8
