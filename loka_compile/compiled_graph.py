@@ -185,7 +185,10 @@ class LokaCompiledGraph(OutputBudgetWindow):
         _warn_fallback(record, why)
         for ctx in record.contexts.values():
             for site in ctx.sites:
-                ctx.decisions[site.key] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
+                if site.key in ctx.decisions:
+                    ctx.amend(site, "fallback", why, fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
+                else:
+                    ctx.decisions[site.key] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
         record.graph_modules.clear()
         record.store.release_samples(probe_site_keys(record))
         self.state.counters["first_run_fallbacks"] += 1

@@ -64,15 +64,15 @@ class LokaPostGradPass(CustomGraphPass):
         # A failure here reaches `_inner_compile`, which compiles the untouched graph.
         record = self.record
         kind = graph_kind(graph)
-        decide = functools.partial(_decide, record=record, phase=self.phase)
         # Static activation scales (a calibrated plan) serve inference graphs only.
         static = dict(record.plan.a_scales) if kind is passes.GraphKind.INFERENCE and record.plan.source else {}
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
-                          param_input_indices=self.param_input_indices, decide=decide,
+                          param_input_indices=self.param_input_indices, decide=None,
                           inactive_mods=record.config.inactive_mods, static_a_scales=static,
                           perturb_outputs=self.phase == "probe" and record.config.output_budget_on,
                           speed_check=record.config.speed_check, time_chain=speed.chain_timing,
                           providers=tuple(record.config.providers or ()))
+        ctx.decide = functools.partial(_decide, record=record, phase=self.phase, ctx=ctx)
         if self.phase == "fp8" and record.amax_guards is not None:
             ctx.amax_guard_prefix, ctx.window_amax = record.amax_guards.prefix, record.amax_guards.window_amax
         # Recorded first, so that the sites of a graph whose passes fail are reported.
@@ -153,12 +153,13 @@ class LokaJointPass(CustomGraphPass):
     def _joint_context(self, graph: torch.fx.Graph) -> PassContext:
         record, phase = self.post_grad.record, self.post_grad.phase
         guards = record.amax_guards if phase == "fp8" else None  # the saved_fp8 Mod's casts carry them
-        return PassContext(graph=record.name, kind=passes.GraphKind.BACKWARD, phase=phase,
-                           param_input_indices=self.post_grad.param_input_indices,
-                           decide=functools.partial(_decide, record=record, phase=phase),
-                           inactive_mods=record.config.inactive_mods, joint=True,
-                           amax_guard_prefix=guards.prefix if guards else "",
-                           window_amax=guards.window_amax if guards else {})
+        ctx = PassContext(graph=record.name, kind=passes.GraphKind.BACKWARD, phase=phase,
+                          param_input_indices=self.post_grad.param_input_indices, decide=None,
+                          inactive_mods=record.config.inactive_mods, joint=True,
+                          amax_guard_prefix=guards.prefix if guards else "",
+                          window_amax=guards.window_amax if guards else {})
+        ctx.decide = functools.partial(_decide, record=record, phase=phase, ctx=ctx)
+        return ctx
 
     def _share_weight_casts(self, graph: torch.fx.Graph) -> None:
         """The weight_both_layouts Mod (a failure leaves the joint graph as it was, and is
@@ -183,13 +184,18 @@ class LokaJointPass(CustomGraphPass):
         return hashlib.sha256(f"joint|{self.post_grad.uuid()}".encode()).hexdigest()
 
 
-def _decide(site, record: GraphRecord, phase: str, **kwargs) -> Decision:
-    """Dispatch's decision; a site the output budget keeps in high precision (in the plan's
-    unsafe verdicts) says so in its detail."""
-    decision = dispatch.decide(site, config=record.config, phase=phase, plan=record.plan, **kwargs)
+def _decide(site, record: GraphRecord, phase: str, ctx: PassContext, **kwargs) -> Decision:
+    """Dispatch's decision from the per-site verdicts; a site the output budget keeps in high
+    precision (in the plan's unsafe verdicts beside them) is then amended by the budget, with
+    its reason."""
     kept = record.output_budget.kept if record.output_budget is not None else {}
-    if site.id in kept and decision.reason is Reason.PROBE_UNSAFE:
-        decision = dataclasses.replace(decision, detail=kept[site.id])
+    plan = record.plan
+    if site.id in kept:
+        plan = dataclasses.replace(plan, unsafe={sid: e for sid, e in plan.unsafe.items() if sid not in kept})
+    decision = dispatch.decide(site, config=record.config, phase=phase, plan=plan, **kwargs)
+    if site.id in kept and decision.fp8:
+        decision = ctx.amend(site, "output_budget", kept[site.id], decision=decision, fp8=False,
+                             reason=Reason.PROBE_UNSAFE, detail=kept[site.id])
     return decision
 
 

@@ -56,6 +56,8 @@ class SiteRecord:
     # Output budget (`max_output_error`): the relative change of the graph's outputs per unit of
     # relative noise at this GEMM's output (forward sites; None when not measured)
     sensitivity: Optional[float] = None
+    # Changes to the decision after Dispatch made it (`passes.Amendment`: by, why, fields), in order
+    amendments: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +136,8 @@ def _site_records(record) -> list:
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
                 casts=dict(site.casts) if fp8 or not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
                 padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id,
-                m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id)))
+                m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id),
+                amendments=tuple(a for a in ctx.amendments if a.site_id == site.id)))
     return rows
 
 
@@ -230,8 +233,19 @@ class Report:
         reason, the largest sites left in high precision with their reasons, and the
         output budget's predicted and measured output discrepancy per graph, and the
         re-checks' verdict changes."""
-        return "\n".join([self._headline(), *self._kept_lines(largest), *self._budget_lines(),
-                          *self._history_lines()])
+        return "\n".join([self._headline(), *self._kept_lines(largest), *self._amendment_lines(largest),
+                          *self._budget_lines(), *self._history_lines()])
+
+    def _amendment_lines(self, largest: int) -> list:
+        """Counts of the decisions changed after Dispatch made them, by who changed them, and
+        the first `largest` amended sites with each change."""
+        amended = [s for s in self.sites if s.amendments]
+        if not amended:
+            return []
+        by = collections.Counter(a.by for s in amended for a in s.amendments)
+        lines = ["decisions amended after Dispatch: " + ", ".join(f"{name} {n}" for name, n in by.most_common())]
+        lines += [f"  {s.graph} {s.id}: " + "; ".join(a.describe() for a in s.amendments) for s in amended[:largest]]
+        return lines
 
     def _budget_lines(self) -> list:
         """One line per graph where the output budget (`max_output_error`) acted: its noise
@@ -281,10 +295,11 @@ class Report:
                  "yes" if s.fp8 else "no", s.provider, s.formats,
                  " ".join(f"{op}:{c.split(' ')[0]}" for op, c in s.casts.items()), s.reason,
                 _probe_cell(s),
-                 f"{s.bf16_us / s.fp8_us:.2f}x" if s.fp8_us else "")
+                 f"{s.bf16_us / s.fp8_us:.2f}x" if s.fp8_us else "",
+                 ", ".join(dict.fromkeys(a.by for a in s.amendments)))
                 for s in self.sites]
         return tabulate(rows, headers=["graph", "site id", "role", "M x K x N", "fp8", "provider", "formats",
-                                       "casts", "reason", "probe bound (n)", "fp8 speedup"])
+                                       "casts", "reason", "probe bound (n)", "fp8 speedup", "amended by"])
 
     def overview(self, largest: int = 5, table_hint: str = "every site: print(report.table())") -> str:
         """The summary, with FP8 sites per role and the FP8 weight copies, ending with `table_hint`
@@ -302,6 +317,7 @@ class Report:
                          f"read per call instead of {bf16_bytes / 2**20:.2f} MiB in bf16 "
                          f"(the copies are extra memory: the bf16 parameters stay with the model)")
         lines += self._kept_lines(largest)
+        lines += self._amendment_lines(largest)
         lines += self._budget_lines()
         lines += self._history_lines()
         if table_hint:

@@ -97,6 +97,13 @@ class LokaState:
                     table.update({site.id: ctx.decisions[site.key] for site in ctx.sites if site.key in ctx.decisions})
         return table
 
+    @property
+    def amendments(self) -> list:
+        """Every change to a decision after Dispatch made it (`passes.Amendment`), over every
+        graph's running phase, in order."""
+        return [a for record in self.records for (phase, _), ctx in record.contexts.items()
+                if phase == record.phase for a in ctx.amendments]
+
     def __repr__(self) -> str:
         return f"<LokaState: {len(self.records)} graph(s) {[r.name for r in self.records]}>"
 

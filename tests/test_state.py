@@ -162,3 +162,26 @@ def test_a_compiled_ddp_model_reports(tmp_path):
     finally:
         dist.destroy_process_group()
 
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_a_budget_demotion_is_an_amendment_in_the_report():
+    """The output budget keeps fc1 in high precision after Dispatch let it go FP8: the change is
+    an amendment by the budget, with its reason, on the site, in the state and in the summary;
+    fc2, which nothing changed, has none."""
+    from test_output_budget import ABSOLUTE, D, PlantedSensitivity, _run, _sites
+
+    compiled, _ = _run(PlantedSensitivity(), ABSOLUTE, x=torch.randn(D, D))
+    report = loka_compile.report(compiled)
+    sites = _sites(compiled)
+    (amendment,) = sites["fc1"].amendments
+    assert amendment.by == "output_budget" and amendment.site_id == sites["fc1"].id
+    assert ("fp8", True, False) in amendment.changes and ("reason", "fp8", "probe_unsafe") in amendment.changes
+    assert "max_output_error 0.003" in amendment.why and amendment.why == sites["fc1"].detail
+    assert sites["fc2"].fp8 and sites["fc2"].amendments == ()
+    assert loka_compile.state_of(compiled).amendments == [amendment]
+    summary = report.summary()
+    assert "decisions amended after Dispatch: output_budget 1" in summary
+    assert f"{sites['fc1'].id}: output_budget: fp8 True -> False, reason 'fp8' -> 'probe_unsafe'" in summary
+    (row,) = [line for line in report.table().splitlines() if sites["fc1"].id in line]
+    assert row.rstrip().endswith("output_budget")
