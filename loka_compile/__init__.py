@@ -28,6 +28,7 @@ from loka_compile.export import InferencePackage, export_inference
 from loka_compile.modules import BlockNorm, apply_arch_mods
 
 __all__ = ["LokaConfig", "Recipe", "RECIPES", "MODES", "Reason", "Role", "loka_backend", "report", "Report",
-           "SiteRecord", "reset", "LokaState", "state_of", "Plan", "save_plan", "load_plan", "plan_summary", "plan_table", "calibrate",
+           "SiteRecord", "reset", "LokaState", "state_of",
+           "Plan", "save_plan", "load_plan", "plan_summary", "plan_table", "calibrate",
            "export_inference", "InferencePackage", "BlockNorm", "apply_arch_mods"]
 __version__ = "0.1.0"

@@ -44,4 +44,5 @@ def run_passes(graph: torch.fx.Graph, ctx: PassContext) -> PassContext:
     return ctx
 
 
-__all__ = ["MODS", "PIPELINE", "run_passes", "graph_kind", "Amendment", "Decision", "GraphKind", "PassContext", "Reason", "Role", "Site"]
+__all__ = ["MODS", "PIPELINE", "run_passes", "graph_kind", "Amendment", "Decision", "GraphKind", "PassContext",
+           "Reason", "Role", "Site"]

@@ -54,7 +54,8 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(caplog):
             out = compiled(x)
             errors[call] = row_rel_error(x.double() @ model.fc.weight.double().t(), out)
             site = loka_compile.report(compiled).sites[0]
-            standing[call], observations[call] = _standing(site), loka_compile.state_of(compiled).store.observed(site.key)
+            store = loka_compile.state_of(compiled).store
+            standing[call], observations[call] = _standing(site), store.observed(site.key)
     assert {standing[c] for c in (3, 4, 5, 6, 7, 8)} == {"tensorwise"}
     assert {standing[c] for c in (9, 10, 11)} == {"blockwise"}
     assert {standing[c] for c in (12, 13)} == {"tensorwise"}

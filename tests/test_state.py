@@ -62,7 +62,7 @@ def test_two_compiles_of_one_module_keep_two_reports_and_plans(tmp_path):
     fc1 = next(s for s in reports[1].sites if s.module == "fc1")
     assert fc1.fp8 and fc1.scaling == "rowwise", reports[1].table()
 
-    plans = loka_compile.save_plan(first, tmp_path / "first.json"), loka_compile.save_plan(second, tmp_path / "second.json")
+    plans = [loka_compile.save_plan(compiled, tmp_path / f"{i}.json") for i, compiled in enumerate((first, second))]
     fc1_id = "inference/fc1:fwd#1"
     assert plans[0].sites[fc1_id].scaling == "tensorwise" and plans[0].upgraded == {}
     assert plans[1].sites[fc1_id].scaling == "rowwise" and fc1_id in plans[1].upgraded
