@@ -399,10 +399,13 @@ def test_report_table_and_fields():
     other(x)
     assert len(loka_compile.report(compiled).graphs) == 1  # reports are per model
     assert [s.module for s in loka_compile.report(other).sites] == ["Linear"]
-    # Dynamo reuses a graph for another instance of the same class: its report is that graph
+    # Dynamo serves another instance of the same class compiled with equal options with the first's
+    # graphs: the twin has none of its own, and its report says so
     twin = torch.compile(make_model("mlp"), backend="loka", options={"probe_steps": 0})
     twin(x)
-    assert len(loka_compile.report(twin).graphs) == 1
+    with pytest.raises(ValueError, match="compiled no graph of its own"):
+        loka_compile.report(twin)
+    assert len(loka_compile.report(compiled).graphs) == 1
 
 
 def test_report_counts_what_each_mod_did():
