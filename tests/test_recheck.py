@@ -78,6 +78,7 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(caplog):
     # The re-check calls run the probe variant (high precision), the others the plain FP8 graph:
     # between re-checks the store sees nothing new, and that graph holds no observer.
     assert all(errors[c] < 1e-5 for c in (5, 8, 11)), errors
+    assert loka_compile.state_of(compiled).counters["rechecks"] == 3
     assert [observations[c] for c in (3, 4, 5, 6, 7, 8, 9, 10)] == [2, 2, 1, 1, 1, 1, 1, 1]
     graphs = loka_compile.report(compiled).graphs[0]
     assert _observer_nodes(graphs.graph_modules["inference"]) == 0
@@ -103,7 +104,7 @@ def test_no_recheck_when_the_option_is_off():
     # the window's two observations only; the outliers of calls 6-9 stay unseen
     state = loka_compile.state_of(compiled)
     assert state.store.observed(site.key) == 2 and site.fp8 and site.scaling == "tensorwise" and site.history == ()
-    assert not state.rechecking
+    assert not state.rechecking and state.counters["rechecks"] == 0
 
 
 @pytest.mark.usefixtures("fresh_compile_state")

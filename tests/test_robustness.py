@@ -433,6 +433,9 @@ def test_a_trained_model_keeps_none_of_its_inputs(monkeypatch, options, first_ru
     assert [ref() is None for ref in alive] == [True] * 5
     report = loka_compile.report(compiled)
     assert all((s.reason == "graph_fallback") == first_run_fails for s in report.sites)
+    assert loka_compile.state_of(compiled).counters["first_run_fallbacks"] == int(first_run_fails)
+    # the fallback changed every decided site's decision, each change an amendment by it
+    assert bool([a for s in report.sites for a in s.amendments if a.by == "fallback"]) == first_run_fails
     # nor the rows its probe window sampled (on the device: up to ~4 MB per site)
     store = loka_compile.state_of(compiled).store
     held = {(key, which): stats["reservoir_rows"] for key in store.keys()
