@@ -295,13 +295,13 @@ def predicted_saving_ms(sites) -> float | None:
     return sum(timed) / 1000.0 if timed else None
 
 
-def loka_site_summary(model: nn.Module) -> dict:
-    """What loka decided for the model: FP8 sites / all sites per role, counts by reason,
+def loka_site_summary(compiled: nn.Module) -> dict:
+    """What loka decided for the compiled unit (every graph of its compile): FP8 sites / all sites per role, counts by reason,
     how the FP8 operands were cast, the speed check's predicted saving, and every site
     (name, role, M x K x N, provider, reason, casts, detail)."""
     import loka_compile
 
-    report = loka_compile.report(model.dense)
+    report = loka_compile.report(compiled)
     by_role: dict = {}
     for s in report.sites:
         fp8_total = by_role.setdefault(s.role, [0, 0])
@@ -679,7 +679,7 @@ def run_config(setup: ModelSetup, cfg_name: str, args, deadline: float | None) -
                         log(f"  {setup.name}/{cfg_name}: ceiling profile failed: {row['ceiling']['error']}")
                 row.update(_measure_errors(setup, model, runner, args.compile_scope))
                 if cfg.kind == "loka":
-                    row["loka_sites"] = loka_site_summary(model)
+                    row["loka_sites"] = loka_site_summary(fn)
             if time.perf_counter() > budget_end and i + 1 < total:
                 raise BudgetExceeded(f"--max-seconds {args.max_seconds} spent after {i + 1}/{total} steps")
         row["train_steps"] = done

@@ -97,7 +97,7 @@ def main(argv=None) -> loka_compile.Report:
         print(f"training {args.model}/{args.preset} with {name} ({args.steps} steps, batch {args.batch}) ...")
         results[name] = train_and_evaluate(model, compiled, spec, args, device, window)
         if name == "loka":
-            loka_model = model
+            loka_model = compiled
 
     columns = ["logloss", "ne", "auc"] + (["ms_per_step"] if "ms_per_step" in results["loka"] else [])
     print(f"\nheld-out quality ({device.type}{', FP8 emulated' if device.type != 'cuda' else ''}):")

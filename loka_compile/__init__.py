@@ -20,6 +20,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "kernels")) and \
 from loka_compile.config import MODES, RECIPES, LokaConfig, Recipe
 from loka_compile.passes import Reason, Role
 from loka_compile.backend import loka_backend, reset
+from loka_compile.state import LokaState, state_of
 from loka_compile.report import Report, SiteRecord, plan_summary, plan_table, report, save_plan
 from loka_compile.plan import Plan, load_plan
 from loka_compile.calibrate import calibrate
@@ -27,6 +28,7 @@ from loka_compile.export import InferencePackage, export_inference
 from loka_compile.modules import BlockNorm, apply_arch_mods
 
 __all__ = ["LokaConfig", "Recipe", "RECIPES", "MODES", "Reason", "Role", "loka_backend", "report", "Report",
-           "SiteRecord", "reset", "Plan", "save_plan", "load_plan", "plan_summary", "plan_table", "calibrate",
+           "SiteRecord", "reset", "LokaState", "state_of",
+           "Plan", "save_plan", "load_plan", "plan_summary", "plan_table", "calibrate",
            "export_inference", "InferencePackage", "BlockNorm", "apply_arch_mods"]
 __version__ = "0.1.0"

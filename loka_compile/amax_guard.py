@@ -14,7 +14,7 @@ and the backend reads it between calls, without a sync):
 - against `scaled_gemm.amax_jump(format)` times the largest amax of that operand in the
   window (e4m3: 2^14.8, the format's range of normal values: beyond it every value the
   window saw scales below e4m3's normal range, so typical values keep a bit or two or
-  flush to zero); the window's statistics are the Probe's (`probe.STORE`);
+  flush to zero); the window's statistics are the Probe's (the compile's `ProbeStore`);
 - for an e4m3 operand cast outside the graph (a cached weight, refreshed when it
   changes), for any inf or NaN. In a graph that would cost one more pass over each
   operand per call, so there an infinity in an e4m3 tensorwise operand stays NaN (its
@@ -63,14 +63,15 @@ class AmaxGuards:
     _copies: dict = dataclasses.field(default_factory=dict)  # id(buffer) -> _HostCopy
 
     @classmethod
-    def of_window(cls, name: str, observed: dict, decisions: dict) -> Optional["AmaxGuards"]:
+    def of_window(cls, name: str, observed: dict, decisions: dict, store: probe.ProbeStore) -> Optional["AmaxGuards"]:
         """Guards for the observed sites (probe key -> (site id, own scaling)) that stay
-        tensorwise by `decisions` (site id -> (a_format, b_format) of those that do)."""
+        tensorwise by `decisions` (site id -> (a_format, b_format) of those that do), from
+        the window's statistics in `store`."""
         window, formats = {}, {}
         for key, (sid, own) in observed.items():
             if own != "tensorwise" or sid not in decisions:
                 continue
-            operands = probe.STORE.summary(key).get("operands", {})
+            operands = store.summary(key).get("operands", {})
             amax = tuple(_finite(operands.get(op, {}).get("amax")) for op in ("a", "b"))
             if any(a is not None and a > 0 for a in amax):
                 window[sid], formats[sid] = amax, decisions[sid]

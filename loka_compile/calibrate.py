@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from loka_compile import backend, output_budget, probe, task_metrics
+from loka_compile import backend, output_budget, task_metrics
+from loka_compile.compiled_graph import probe_site_keys
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import metrics
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
@@ -31,6 +32,7 @@ from loka_compile.kernels.scaled_gemm import quantize_static
 from loka_compile.passes import GraphKind, Reason
 from loka_compile.plan import Plan
 from loka_compile.report import plan_of
+from loka_compile.state import state_of
 
 log = logging.getLogger("loka")
 
@@ -111,28 +113,26 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     config = dataclasses.replace(config, probe_steps=len(batches), speed_check=False)
     label = "amax" if policy == "amax" else f"percentile {float(percentile):g}"
 
-    known = {id(r) for r in backend.GRAPHS}
     # A backend object of its own: Dynamo never serves this run with code compiled for another.
     compiled = torch.compile(model, backend=functools.partial(backend.loka_backend, options=config))
-    # The reservoirs' rows are read below, after the windows closed and the FP8 variants ran.
-    with torch.no_grad(), probe.STORE.keeping_samples():  # the FP8 variants compile when the windows close
-        for batch in batches:
-            _call(compiled, batch)
-        # The last batch again closes each window on a call, so the output budget
-        # (`max_output_error`) weighs the sites on real arguments.
-        _call(compiled, batches[-1])
-        records = [r for r in backend.GRAPHS if id(r) not in known]
-        ours = {id(r) for r in records}
-        for graph in list(backend._PROBING):  # a graph the last batch did not reach closes without a call
-            if id(graph.record) in ours and graph.record.phase == "probe":
+    with torch.no_grad():
+        _call(compiled, batches[0])  # a probe call: its compile makes the state, which keeps every sample
+        state = state_of(compiled)
+        # The reservoirs' rows are read below, after the windows closed and the FP8 variants ran.
+        with state.store.keeping_samples():  # the FP8 variants compile when the windows close
+            for batch in batches[1:]:
+                _call(compiled, batch)
+            # The last batch again closes each window on a call, so the output budget
+            # (`max_output_error`) weighs the sites on real arguments.
+            _call(compiled, batches[-1])
+            for graph in list(state.probing):  # a graph the last batch did not reach closes without a call
                 graph._close_probe_window()
     plan = plan_of(compiled)
+    records = state.records
     for record in records:
         row_errors = _static_scales(record, plan, config, policy, float(percentile), label)
         _rebudget(record, plan, config, row_errors)
-        probe.STORE.release_samples(backend.probe_site_keys(record))
-    # The calibration's graphs are its own: reports of the model's later compiles leave them out.
-    backend.GRAPHS[:] = [r for r in backend.GRAPHS if id(r) in known]
+        state.store.release_samples(probe_site_keys(record))
     budgets = [r.output_budget for r in records if r.output_budget is not None]
     if labels is not None:
         _within_task_tolerance(model, batches, labels, plan, config, budgets, metric, float(tolerance))
@@ -161,11 +161,11 @@ def _static_scales(record, plan: Plan, config: LokaConfig, policy: str, percenti
     decisions = {s.id: final.decisions.get(s.key) for s in final.sites}
     for site in probed.sites:
         decision = decisions.get(site.id)
-        summary = probe.STORE.summary(site.key)
+        summary = record.store.summary(site.key)
         if decision is None or not decision.fp8 or "operands" not in summary \
                 or decision.scaling not in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value):
             continue
-        rows = probe.STORE.reservoir(site.key, "a")
+        rows = record.store.reservoir(site.key, "a")
         rows = rows.reshape(-1, rows.shape[-1])
         if policy == "amax":
             value = summary["operands"]["a"]["amax"]
@@ -173,7 +173,7 @@ def _static_scales(record, plan: Plan, config: LokaConfig, policy: str, percenti
             value = float(torch.quantile(rows.float().abs().flatten(), percentile / 100.0))
         fmt = Fp8Format(decision.a_format)
         scale = float(scale_from_amax(torch.tensor(value), fmt)) if math.isfinite(value) else math.nan
-        b_cols = probe.STORE.reservoir(site.key, "b")
+        b_cols = record.store.reservoir(site.key, "b")
         error = _static_error(rows, b_cols, scale, decision, metric) if math.isfinite(scale) else math.inf
         if error <= budget:
             plan.a_scales[site.id] = {"scale": scale, "range": float(value), "policy": label, "error": error}
@@ -276,16 +276,12 @@ def _task_loss(metric, logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 def _plan_predictions(model, batches, plan: Plan, config: LokaConfig) -> torch.Tensor:
     """The predictions of `model` compiled with `plan` (saved to a temporary file), as served."""
-    known = {id(r) for r in backend.GRAPHS}
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "plan.json")
         plan.save(path)
         served = dataclasses.replace(config, plan=path, speed_check=False)
         compiled = torch.compile(model, backend=functools.partial(backend.loka_backend, options=served))
-        try:
-            return _predictions(compiled, batches)
-        finally:
-            backend.GRAPHS[:] = [r for r in backend.GRAPHS if id(r) in known]
+        return _predictions(compiled, batches)
 
 
 def _within_task_tolerance(model, batches, labels, plan: Plan, config: LokaConfig, budgets: list, metric,

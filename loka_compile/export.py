@@ -7,7 +7,7 @@
     y = runner(x)
 
 How: `torch.export` traces the model, and AOTInductor compiles the exported program with
-the Inductor config patches of `backend="loka"` (`backend._inductor_patches`), so the same
+the Inductor config patches of `backend="loka"` (`inductor_passes._inductor_patches`), so the same
 post-grad passes find the sites, Dispatch decides each (a loaded plan's decisions and
 static activation scales included) and `lower` writes each FP8 GEMM as casts plus the
 provider's GEMM. In AOTInductor's graph the weights are constants (`get_attr`), not
@@ -31,14 +31,16 @@ import torch
 from torch._inductor.constant_folding import ConstantFolder, replace_node_with_constant
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from loka_compile import backend
 from loka_compile.config import LokaConfig
+from loka_compile.fallback import _error_text, _forget_rewrite, _warn_fallback
+from loka_compile.inductor_passes import LokaPostGradPass, _inductor_patches, in_higher_order_op_body
 from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format
 from loka_compile.passes.find_sites import VIEW_LIKE
 from loka_compile.passes.mods import cached_weights, fused_casts
 from loka_compile.plan import Plan, load_plan, param_fingerprint
 from loka_compile.report import Report
+from loka_compile.state import GraphRecord, LokaState
 
 log = logging.getLogger("loka")
 
@@ -106,7 +108,9 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
                     "puts in FP8; for the backend's decisions, export with its plan (options={'plan': path} "
                     "from loka_compile.save_plan of the model compiled with backend='loka'; a calibrated plan "
                     "leaves the speed check to the compile that loads it)")
-    record = backend.GraphRecord(name=f"export{next(_export_ids)}", config=config, params={}, plan=plan)
+    state = LokaState()  # the export's own: its graph runs no observers
+    record = GraphRecord(name=f"export{next(_export_ids)}", config=config, store=state.store, plan=plan)
+    state.add(record)
     dynamic_shapes = _batch_dims(args) if dynamic_batch else None
     with torch.no_grad():
         program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
@@ -114,7 +118,7 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     if dynamic_batch and not batch_dynamic:
         log.warning("loka export: torch.export fixed the batch size at %d (the model specializes dim 0 of "
                     "its first input); the package takes that batch size only", _first_tensor(args).shape[0])
-    loka_pass = _ExportPass(backend.LokaPostGradPass(record, "fp8", frozenset()),
+    loka_pass = _ExportPass(LokaPostGradPass(record, "fp8", frozenset()),
                             fold=cached_weights.MOD.on(config.inactive_mods))
     try:
         written = torch._inductor.aoti_compile_and_package(
@@ -122,12 +126,12 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     except Exception as error:
         if not config.fallback:
             raise
-        why = f"export with loka failed: {backend._error_text(error)}"
-        backend._warn_fallback(record, why)
-        backend._forget_rewrite(record, why)
+        why = f"export with loka failed: {_error_text(error)}"
+        _warn_fallback(record, why)
+        _forget_rewrite(record, why)
         written = torch._inductor.aoti_compile_and_package(
             program, package_path=path, inductor_configs=_patches(config, None))
-    report = Report([record])
+    report = Report(state.records)
     log.info("loka export %s: %s", written, report.summary())
     return InferencePackage(path=os.fspath(written), report=report, dynamic_batch=batch_dynamic)
 
@@ -208,7 +212,7 @@ def _dim0_is_symbolic(program) -> bool:
 
 
 def _patches(config: LokaConfig, loka_pass) -> dict:
-    patches = backend._inductor_patches(config, loka_pass)
+    patches = _inductor_patches(config, loka_pass)
     # Multi-kernel picks a reduction variant when the graph first runs; a package has no
     # such first run in Python, and AOTInductor with it is untested here.
     patches.pop("triton.multi_kernel", None)
@@ -223,14 +227,14 @@ class _ExportPass(CustomGraphPass):
     deep-copies its config; the pass stays one object, so that what it records reaches
     the caller's GraphRecord."""
 
-    def __init__(self, loka_pass: backend.LokaPostGradPass, fold: bool):
+    def __init__(self, loka_pass: LokaPostGradPass, fold: bool):
         self.loka_pass, self.fold = loka_pass, fold
 
     def __deepcopy__(self, memo):
         return self
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if backend.in_higher_order_op_body():
+        if in_higher_order_op_body():
             return  # loka leaves a torch.cond branch or a loop body as it is
         self.loka_pass(graph)
         if self.fold:

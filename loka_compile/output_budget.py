@@ -19,7 +19,7 @@ While D exceeds the budget the site with the largest s_i e_i is made safer: it t
 scaling the Probe measured with a smaller e_i (rowwise -> 1x128 blockwise) where a provider
 runs it, and with none left it stays in high precision.
 Backward sites (dgrad, wgrad) do not move the forward's outputs: only their per-site bound
-applies. The backend runs the measurements (`backend.LokaCompiledGraph`); this module holds
+applies. The backend runs the measurements (`budget_window.OutputBudgetWindow`); this module holds
 the arithmetic and the record.
 
 The noise floor F: the discrepancy the model's own bf16 arithmetic already has. Predicted

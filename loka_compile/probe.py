@@ -25,6 +25,7 @@ import logging
 import math
 import threading
 from typing import Optional
+import weakref
 
 import numpy as np
 import torch
@@ -193,7 +194,7 @@ class _OperandStats:
             "count": None if self.moments.count is None else self.moments.count.cpu(),
             "nonfinite": float(self.nonfinite) / numel,
             "fractions": {name: float(c) / numel for name, c in self.counts.items()},
-            "reservoir_rows": self.reservoir.held,  # STORE.reservoir() has them; 0 once released
+            "reservoir_rows": self.reservoir.held,  # ProbeStore.reservoir() has them; 0 once released
             "rows_seen": self.reservoir.seen,
         }
 
@@ -373,8 +374,24 @@ class ProbeStore:
             self._failed.clear()
 
 
-STORE = ProbeStore()
-ops.set_observer_sink(STORE.record)
+# graph name -> the ProbeStore of the compile that owns the graph (`LokaState`).
+_STORES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def route_observations(graph: str, store: ProbeStore) -> None:
+    """Observations of the sites of `graph` (Probe keys "<graph>/<kind>/<node>") go to `store`."""
+    _STORES[graph] = store
+
+
+def deliver(key: str, stats: dict) -> None:
+    """The observers' sink: each observation to the store of the graph its key names; one of
+    a graph whose compile is gone is dropped."""
+    store = _STORES.get(key.split("/", 1)[0])
+    if store is not None:
+        store.record(key, stats)
+
+
+ops.set_observer_sink(deliver)
 
 # The metrics a site may be judged by (`LokaConfig.probe_metric`): the summary's key for each.
 METRICS = {"row_rel_error": "rel_error", "mere": "mere"}
@@ -446,9 +463,9 @@ def describe_summary(summary: dict, max_error: float, metric: str = "row_rel_err
     return describe_steps(chain_steps(summary, metric), max_error, metric)
 
 
-def verdicts(keys, max_error: float, metric=None, chain: bool = False,
+def verdicts(store: ProbeStore, keys, max_error: float, metric=None, chain: bool = False,
              log_level: int = logging.WARNING) -> tuple[dict, dict]:
-    """(unsafe, upgraded) among `keys`, by the confidence bound (`upper_bound`) across
+    """(unsafe, upgraded) among `keys` of `store`, by the confidence bound (`upper_bound`) across
     observations of `metric` ("row_rel_error" or "mere"; None: row relative error; the
     backend passes the config's `probe_metric`): a site whose bound for its own candidate
     exceeds max_error (a NaN counts) goes to the first finer scaling (tensorwise ->
@@ -467,7 +484,7 @@ def verdicts(keys, max_error: float, metric=None, chain: bool = False,
     (re-checks log only the verdicts that change, so they pass DEBUG)."""
     unsafe, upgraded = {}, {}
     for key in keys:
-        summary = STORE.summary(key)
+        summary = store.summary(key)
         if not summary:
             continue
         site_metric = metric or "row_rel_error"

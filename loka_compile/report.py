@@ -9,10 +9,11 @@ from typing import Optional
 import torch
 from tabulate import tabulate
 
-from loka_compile import backend, probe
+from loka_compile import probe
 from loka_compile.plan import Plan, SitePlan, id_parts, param_fingerprint, upgrade_target
 from loka_compile.passes import GraphKind, Reason
 from loka_compile.passes import mods as mod_registry
+from loka_compile.state import state_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,8 @@ class SiteRecord:
     # Output budget (`max_output_error`): the relative change of the graph's outputs per unit of
     # relative noise at this GEMM's output (forward sites; None when not measured)
     sensitivity: Optional[float] = None
+    # Changes to the decision after Dispatch made it (`passes.Amendment`: by, why, fields), in order
+    amendments: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +130,14 @@ def _site_records(record) -> list:
                 scaling=decision.scaling if fp8 else "", formats=f"{decision.a_format} x {decision.b_format}" if fp8 else "",
                 producers=site.producers, consumers=site.consumers,
                 forward_site=forward_names.get(site.seq_nr, "") if kind is GraphKind.BACKWARD else "",
-                key=site.key, probe=(summary := probe.STORE.summary(site.key)),
+                key=site.key, probe=(summary := record.store.summary(site.key)),
                 history=tuple(record.plan.history.get(site.id, ())),
                 verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
                 casts=dict(site.casts) if fp8 or not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
                 padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id,
-                m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id)))
+                m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id),
+                amendments=tuple(a for a in ctx.amendments if a.site_id == site.id)))
     return rows
 
 
@@ -178,6 +182,11 @@ class Report:
         self.cached_weights = [w for r in records for (phase, kind), ctx in r.contexts.items()
                                 if phase == r.phase and not (r.fallback or r.fallen_back.get(kind))
                                 for w in ctx.cached_weights]
+
+    @property
+    def mod_results(self) -> dict:
+        """Mod name -> what it returned on each graph where it ran, in compile order."""
+        return dict(self._mod_results)
 
     @property
     def cached_weight_bytes(self) -> tuple:
@@ -236,8 +245,19 @@ class Report:
         reason, the largest sites left in high precision with their reasons, and the
         output budget's predicted and measured output discrepancy per graph, and the
         re-checks' verdict changes."""
-        return "\n".join([self._headline(), *self._kept_lines(largest), *self._budget_lines(),
-                          *self._history_lines()])
+        return "\n".join([self._headline(), *self._kept_lines(largest), *self._amendment_lines(largest),
+                          *self._budget_lines(), *self._history_lines()])
+
+    def _amendment_lines(self, largest: int) -> list:
+        """Counts of the decisions changed after Dispatch made them, by who changed them, and
+        the first `largest` amended sites with each change."""
+        amended = [s for s in self.sites if s.amendments]
+        if not amended:
+            return []
+        by = collections.Counter(a.by for s in amended for a in s.amendments)
+        lines = ["decisions amended after Dispatch: " + ", ".join(f"{name} {n}" for name, n in by.most_common())]
+        lines += [f"  {s.graph} {s.id}: " + "; ".join(a.describe() for a in s.amendments) for s in amended[:largest]]
+        return lines
 
     def _budget_lines(self) -> list:
         """One line per graph where the output budget (`max_output_error`) acted: its noise
@@ -287,10 +307,11 @@ class Report:
                  "yes" if s.fp8 else "no", s.provider, s.formats,
                  " ".join(f"{op}:{c.split(' ')[0]}" for op, c in s.casts.items()), s.reason,
                 _probe_cell(s),
-                 f"{s.bf16_us / s.fp8_us:.2f}x" if s.fp8_us else "")
+                 f"{s.bf16_us / s.fp8_us:.2f}x" if s.fp8_us else "",
+                 ", ".join(dict.fromkeys(a.by for a in s.amendments)))
                 for s in self.sites]
         return tabulate(rows, headers=["graph", "site id", "role", "M x K x N", "fp8", "provider", "formats",
-                                       "casts", "reason", "probe bound (n)", "fp8 speedup"])
+                                       "casts", "reason", "probe bound (n)", "fp8 speedup", "amended by"])
 
     def overview(self, largest: int = 5, table_hint: str = "every site: print(report.table())") -> str:
         """The summary, with FP8 sites per role and the FP8 weight copies, ending with `table_hint`
@@ -308,6 +329,7 @@ class Report:
                          f"read per call instead of {bf16_bytes / 2**20:.2f} MiB in bf16 "
                          f"(the copies are extra memory: the bf16 parameters stay with the model)")
         lines += self._kept_lines(largest)
+        lines += self._amendment_lines(largest)
         lines += self._budget_lines()
         lines += self._history_lines()
         if table_hint:
@@ -331,35 +353,21 @@ def _probe_cell(site: SiteRecord) -> str:
     return f"{site.probe['max_rel_error']:.3g}" if site.probe else ""
 
 
-def records_for(compiled: Optional[object] = None) -> list:
-    """The graph records of a compiled model: every loka graph that reads one of its
-    parameters. Dynamo may serve a second instance of a class with the graphs compiled for
-    the first; a model none of whose parameters any graph has seen gets the graphs whose
-    parameter shapes it has. With a function, or no argument: every graph loka compiled here."""
-    records = list(backend.GRAPHS)
-    if isinstance(compiled, torch.nn.Module):
-        module = getattr(compiled, "_orig_mod", compiled)
-        params = list(module.parameters())
-        own = [r for r in records if any(r.reads(p) for p in params)]
-        shapes = collections.Counter(tuple(p.shape) for p in params)
-        records = own or [r for r in records if r.param_shapes
-                          and not collections.Counter(r.param_shapes) - shapes]
-    return records
-
-
-def report(compiled: Optional[object] = None) -> Report:
-    """The report for a compiled model (the graphs `records_for` finds)."""
-    return Report(records_for(compiled))
+def report(compiled) -> Report:
+    """The report for a loka-compiled model or function: the graphs of its compile's state
+    (`state.state_of`; ValueError for anything else)."""
+    return Report(state_of(compiled).records)
 
 
 # -- plans: a compiled model's, and a saved one's report ---------------------------------
 
 
 def plan_of(compiled) -> Plan:
-    """The plan of a compiled model (or function): every graph `loka_compile.report`
-    finds for it, each site's decision in its active phase under the site's id. Raises
-    ValueError while a graph is still in its probe window, or when it has none."""
-    records = records_for(compiled)
+    """The plan of a compiled model (or function): every graph of its compile's state, each
+    site's decision in its active phase under the site's id. Raises ValueError for anything
+    but a loka-compiled model or function, while a graph is still in its probe window, or
+    when it has none."""
+    records = state_of(compiled).records
     if not records:
         raise ValueError("loka has compiled no graph for this model: run it once before saving its plan")
     probing = [r.name for r in records if r.phase == "probe"]

@@ -111,6 +111,27 @@ class Decision:
     m_bucket: Optional[int] = None    # symbolic M: the M the speed check timed the site at
 
 
+@dataclasses.dataclass(frozen=True)
+class Amendment:
+    """One change to a site's decision after Dispatch made it: who changed it (a Mod's name,
+    "output_budget", "fallback"), why, and each changed field as (field, before, after)."""
+
+    site_id: str
+    by: str
+    why: str
+    changes: tuple
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{name} {before!r} -> {after!r}" for name, before, after in self.changes
+                           if name != "detail")
+        return f"{self.by}: {fields or 'detail'} ({self.why})"
+
+
+def _plain(value):
+    """A decision field as the report shows it (enums by value)."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 @dataclasses.dataclass
 class PassContext:
     """Per ATen graph: inputs the passes read, and what they record."""
@@ -123,6 +144,7 @@ class PassContext:
     inactive_mods: frozenset = frozenset()      # names of Mods that do not run (LokaConfig.inactive_mods)
     sites: list = dataclasses.field(default_factory=list)
     decisions: dict = dataclasses.field(default_factory=dict)   # site key -> Decision
+    amendments: list = dataclasses.field(default_factory=list)  # Amendment, in order (`amend`)
     changes: dict = dataclasses.field(default_factory=dict)     # pass name -> count
     cached_weights: list = dataclasses.field(default_factory=list)  # weight_cache.CachedWeight, inference
     # Inference graphs with a calibrated plan: site id -> {"scale", "policy", ...} (Plan.a_scales)
@@ -146,6 +168,19 @@ class PassContext:
     # site id -> (A's, B's) largest amax in the window (None: not measured).
     amax_guard_prefix: str = ""
     window_amax: dict = dataclasses.field(default_factory=dict)
+
+    def amend(self, site: Site, by: str, why: str, decision: Optional[Decision] = None, **changes) -> Decision:
+        """Change a site's decision (its stored one, or `decision` before it is stored): the one
+        way a decision changes after Dispatch made it, kept as an Amendment the report lists.
+        Stores and returns the changed decision."""
+        before = self.decisions[site.key] if decision is None else decision
+        after = dataclasses.replace(before, **changes)
+        changed = tuple((name, _plain(getattr(before, name)), _plain(value)) for name, value in changes.items()
+                        if getattr(before, name) != value)
+        if changed:
+            self.amendments.append(Amendment(site.id, by, why, changed))
+        self.decisions[site.key] = after
+        return after
 
     def amax_guard(self, site: Site, spec):
         """The amax guard of `site` as `spec` (a `scaled_gemm.GemmSpec`) casts it: for a

@@ -19,7 +19,7 @@ op's outputs) is wgrad, any other dgrad. Its id continues the graph's numbering
 
 Declines: every one, `Reason.HIGHER_ORDER_OP`, the op and the body in the detail. Inductor
 runs its post-grad passes on each body as a graph of its own, before the graph that calls
-it, and loka's passes leave bodies as they are (`backend.in_higher_order_op_body`). A body's
+it, and loka's passes leave bodies as they are (`inductor_passes.in_higher_order_op_body`). A body's
 inputs are the op's operands, not the compiled graph's: nothing there says which are
 weights, and a cached FP8 weight read in a branch is a graph constant the branch's
 compiled code cannot see (the graph failed at its first call); the Probe's observers

@@ -66,6 +66,8 @@ from .mods.benchmarked_reductions import MOD as BENCHMARKED_REDUCTIONS
 from .mods.cached_weights import MOD as CACHED_WEIGHTS, cached_operand
 from .mods.cat_casts import MOD as CAT_CASTS, per_piece_row_max
 from .mods.fused_casts import MOD as FUSED_CASTS
+from .mods.gemm_norm import MOD as NORM_MOD
+from .mods.gemm_epilogue import MOD as EPILOGUE_MOD
 from .mods.gemm_epilogue import (Chain, consumer_scale_constant, description, erase_links, insertion_point,
                                  out_scale_constant, plan_chains, time_chain)
 from .mods.weight_both_layouts import restore_original
@@ -150,7 +152,9 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
             if isinstance(written, tuple):
                 _read_pre_norm_value(feeds, written[1], chains)
             site.node = feeds.output
-            ctx.decisions[site.key] = _fed_decision(decision, feeds)
+            note = _feed_note(feeds)
+            ctx.amend(site, (NORM_MOD if feeds.norm is not None else EPILOGUE_MOD).name, note, provider="triton",
+                      detail=f"{decision.detail}; {note}" if decision.detail else note)
         if cached is not None:
             dangling.append(b)
         lowered += 1
@@ -189,16 +193,14 @@ def _read_pre_norm_value(chain: Chain, pre: torch.fx.Node, chains: list) -> None
             other.residual = pre
 
 
-def _fed_decision(decision, chain: Chain):
-    """The producer's decision as it now runs: on loka's Triton GEMM, with why."""
+def _feed_note(chain: Chain) -> str:
+    """Why the producer's decision now runs on loka's Triton GEMM."""
     timing = chain.timing
     measured = "" if timing is None else f": {timing.fused_us:.1f} us vs {timing.unfused_us:.1f} us unfused"
     norm = "" if chain.norm is None else f", {chain.norm.kind} norm" + (
         " (and the pre-norm value)" if chain.norm.write_pre else "")
-    note = f"gemm_epilogue writes the FP8 A of {chain.consumer_names} ({chain.activation}" + (
+    return f"gemm_epilogue writes the FP8 A of {chain.consumer_names} ({chain.activation}" + (
         ", residual" if chain.residual is not None else "") + norm + ")" + measured
-    return dataclasses.replace(decision, provider="triton",
-                               detail=f"{decision.detail}; {note}" if decision.detail else note)
 
 
 def _erase_unused_views(node: torch.fx.Node) -> None:

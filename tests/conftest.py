@@ -47,7 +47,7 @@ def one_thread():
 
 @pytest.fixture
 def fresh_compile_state():
-    """Forget Dynamo's compiled code and loka's graph records around a test."""
+    """Forget Dynamo's compiled code (and the speed check's in-process timings) before a test."""
     import loka_compile
 
     torch._dynamo.reset()
@@ -57,19 +57,17 @@ def fresh_compile_state():
 
 @pytest.fixture
 def store():
-    """A fresh Probe store as the observers' sink; the global one restored after."""
+    """A fresh Probe store as the sink of observers called directly (no compile); the routing
+    of compiled graphs' observations to their compile's store restored after."""
     from loka_compile import probe
     from loka_compile.kernels import ops
 
     fresh = probe.ProbeStore()
     ops.set_observer_sink(fresh.record)
-    saved = probe.STORE
-    probe.STORE = fresh
     try:
         yield fresh
     finally:
-        probe.STORE = saved
-        ops.set_observer_sink(saved.record)
+        ops.set_observer_sink(probe.deliver)
 
 
 @pytest.fixture

@@ -156,8 +156,9 @@ def with_and_without(model, path, x, mod: str, options=None) -> tuple:
     with torch.no_grad():
         exact = model.double()(x.double())
         model.to(torch.bfloat16)
-        fused, fused_code = run_and_get_code(compile_with(model, path, options=options), x)
-        report = loka_compile.report()
+        compiled = compile_with(model, path, options=options)
+        fused, fused_code = run_and_get_code(compiled, x)
+        report = loka_compile.report(compiled)
         torch._dynamo.reset()
         loka_compile.reset()
         unfused, unfused_code = run_and_get_code(compile_with(model, path, disabled=(mod,), options=options), x)

@@ -9,7 +9,6 @@ from torch import nn
 
 import loka_compile
 from loka_compile import perfdb, speed
-from loka_compile.backend import GRAPHS
 from loka_compile.passes import GraphKind, Reason
 from numerics import rel_error
 
@@ -53,8 +52,8 @@ def calibrated(tmp_path_factory):
     return model, plan, str(path)
 
 
-def inference_graph():
-    (record,) = [r for r in GRAPHS if ("fp8", GraphKind.INFERENCE) in r.graph_modules]
+def inference_graph(compiled):
+    (record,) = [r for r in loka_compile.state_of(compiled).records if ("fp8", GraphKind.INFERENCE) in r.graph_modules]
     return record.graph_modules[("fp8", GraphKind.INFERENCE)].graph
 
 
@@ -64,7 +63,8 @@ def targets(graph):
 
 def test_calibrate_stores_one_static_scale_per_site_and_round_trips(calibrated):
     model, plan, path = calibrated
-    assert not GRAPHS  # the calibration's own graphs are not left in the model's reports
+    with pytest.raises(ValueError, match="not a model or function compiled"):  # the calibration's graphs are its own
+        loka_compile.report(model)
     assert sorted(plan.a_scales) == ["inference/fc1:fwd#1", "inference/fc2:fwd#1"]
     for entry in plan.a_scales.values():
         assert entry["policy"] == "amax" and entry["scale"] == pytest.approx(entry["range"] / E4M3_MAX)
@@ -93,17 +93,19 @@ def test_inference_with_plan_casts_a_with_its_constant_scale(calibrated):
     with torch.no_grad():
         ref = model(x)
         # each site's own static cast (with gemm_norm, fc1's epilogue would write fc2's A: test_gemm_norm)
-        static = torch.compile(model, backend="loka", options={"plan": path, "disabled_mods": ["gemm_norm"]})(x)
-        graph = inference_graph()
-        report = loka_compile.report(model)
+        served = torch.compile(model, backend="loka", options={"plan": path, "disabled_mods": ["gemm_norm"]})
+        static = served(x)
+        graph = inference_graph(served)
+        report = loka_compile.report(served)
         torch._dynamo.reset()
-        dynamic = torch.compile(model, backend="loka", options={"probe_steps": 0})(x)
-        dynamic_graph = [r for r in GRAPHS if r.plan.source == ""][-1].graph_modules[("fp8", GraphKind.INFERENCE)]
+        unplanned = torch.compile(model, backend="loka", options={"probe_steps": 0})
+        dynamic = unplanned(x)
+        dynamic_graph = inference_graph(unplanned)
     assert [s.casts["a"] for s in report.sites if s.id.startswith("inference/")] == [STATIC, STATIC]
     # no amax reduction feeds A's cast (B is the cached weight): only pointwise ops before the convert
     assert torch.ops.aten.amax.default not in targets(graph)
     assert targets(graph).count(torch.ops.prims.convert_element_type.default) >= 2
-    assert torch.ops.aten.amax.default in targets(dynamic_graph.graph)  # the dynamic cast has one
+    assert torch.ops.aten.amax.default in targets(dynamic_graph)  # the dynamic cast has one
     static_err, dynamic_err = rel_error(ref, static), rel_error(ref, dynamic)
     assert static_err < FLOOR and abs(static_err - dynamic_err) < 0.02, (static_err, dynamic_err)
 
@@ -133,8 +135,9 @@ def test_a_site_over_budget_with_its_static_scale_stays_bf16(tmp_path):
     assert "inference/fc1:fwd#1" not in plan.a_scales and "inference/fc2:fwd#1" in plan.a_scales
     path = plan.save(tmp_path / "plan.json").source
     with torch.no_grad():
-        torch.compile(model, backend="loka", options={"plan": path})(data[0])
-    sites = {s.id: s for s in loka_compile.report(model).sites}
+        served = torch.compile(model, backend="loka", options={"plan": path})
+        served(data[0])
+    sites = {s.id: s for s in loka_compile.report(served).sites}
     assert sites["inference/fc1:fwd#1"].reason == Reason.PROBE_UNSAFE.value
     assert "calibrated static scale (amax)" in sites["inference/fc1:fwd#1"].detail
     assert sites["inference/fc2:fwd#1"].casts["a"] == STATIC
@@ -158,7 +161,7 @@ def test_training_graphs_ignore_static_scales(calibrated):
     model, plan, path = calibrated
     compiled = torch.compile(model, backend="loka", options={"plan": path})
     compiled(torch.randn(32, 32))  # the training forward (the backward compiles alike, lazily)
-    (record,) = GRAPHS
+    (record,) = loka_compile.state_of(compiled).records
     forward = record.contexts[("fp8", GraphKind.FORWARD)]
     assert forward.static_a_scales == {}
     assert all(not s.casts["a"].startswith("static") for s in forward.sites if s.casts)
@@ -194,8 +197,9 @@ def test_calibration_leaves_the_speed_check_to_the_serving_compile(timed, cache_
     (CUDA graphs) with A cast by its static scale."""
     model, data, mode = MLP(), batches(), {"mode": "reduce-overhead"}
     with torch.no_grad():
-        torch.compile(model, backend="loka", options={**mode, "probe_steps": 0})(data[0])
-    assert {s.reason for s in loka_compile.report(model).sites} == {Reason.SLOWER_THAN_BF16.value}
+        unplanned = torch.compile(model, backend="loka", options={**mode, "probe_steps": 0})
+        unplanned(data[0])
+    assert {s.reason for s in loka_compile.report(unplanned).sites} == {Reason.SLOWER_THAN_BF16.value}
     assert len(timed) == 2 and not any(shape.a_static for shape in timed)  # dynamic casts
     torch._dynamo.reset()
     loka_compile.reset()
@@ -208,9 +212,10 @@ def test_calibration_leaves_the_speed_check_to_the_serving_compile(timed, cache_
                and not entry.candidates for entry in plan.sites.values())
     path = plan.save(tmp_path / "plan.json").source
     with torch.no_grad():
-        torch.compile(model, backend="loka", options={**mode, "plan": path})(data[0])
+        served = torch.compile(model, backend="loka", options={**mode, "plan": path})
+        served(data[0])
     assert len(timed) == 2 and all(shape.a_static for shape in timed)
-    for site in loka_compile.report(model).sites:
+    for site in loka_compile.report(served).sites:
         assert site.fp8 and site.reason == Reason.FP8.value and site.casts["a"] == STATIC
         assert "A with its static scale" in site.detail and "from plan" not in site.detail
     stored = [e["key"] for e in perfdb.PerfDB(cache_dir / perfdb.FILE_NAME).entries()

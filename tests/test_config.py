@@ -146,7 +146,7 @@ def test_public_names():
 
 
 def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_cuda_graph_graphs_only():
-    from loka_compile.backend import _inductor_patches
+    from loka_compile.inductor_passes import _inductor_patches
 
     marker = object()  # stands for loka's custom pass
     graphed = LokaConfig(mode="reduce-overhead")
@@ -165,7 +165,7 @@ def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_cuda_gra
 
 
 def test_aligned_gemms_mod_forces_inductor_shape_padding_for_loka_graphs():
-    from loka_compile.backend import _inductor_patches
+    from loka_compile.inductor_passes import _inductor_patches
 
     marker = object()  # stands for loka's custom pass
     for mode in ("default", "reduce-overhead"):

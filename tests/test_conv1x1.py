@@ -12,7 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import loka_compile
-from loka_compile import backend
 from loka_compile.passes.mods.conv1x1 import rewrite_conv1x1
 from loka_compile.passes.mods.transposed_linear import rewrite_transposed_linears
 from graphs import dynamo_graph, fail_second_call, loka_and_eager_grads
@@ -261,10 +260,10 @@ def test_xdeepfm_cin_gemms_are_fp8_sites():
     precision under the default recipe)."""
     torch.manual_seed(0)
     report = _assert_trains_in_fp8(XDeepFM(cin_sizes=CIN_WIDTHS), _field_ids)
-    (record,) = backend.GRAPHS
-    conv = record.mod_results["conv1x1"]
+    (conv,) = report.mod_results["conv1x1"]
     assert conv.rewritten == 2 and conv.modules == ["cin.0", "cin.1"]
-    assert dict(record.mod_results["transposed_linear"].declined) == {"wide_weight_gradient": 2}
+    (transposed,) = report.mod_results["transposed_linear"]
+    assert dict(transposed.declined) == {"wide_weight_gradient": 2}
     assert report.mods["conv1x1"] == 2 and "conv1x1 2" in report.summary()
     for layer, k in (("cin.0", 8 * 8), ("cin.1", 8 * 32)):
         sites = {s.role: s for s in report.sites if s.module == layer}
@@ -296,10 +295,11 @@ def test_without_the_mod_the_convolution_is_no_site():
                              options={"probe_steps": 0, "min_gemm_dim": 8, "disabled_mods": ["conv1x1"]})
     compiled(torch.randn(64, 4, 16, requires_grad=True)).sum().backward()
     report = loka_compile.report(compiled)
-    assert report.mods["conv1x1"] == 0 and "conv1x1" not in backend.GRAPHS[0].mod_results
+    (record,) = loka_compile.state_of(compiled).records
+    assert report.mods["conv1x1"] == 0 and "conv1x1" not in record.mod_results
     assert {(s.module, s.role) for s in report.sites} == {("head", "fwd"), ("head", "dgrad"), ("head", "wgrad")}, \
         report.table()
-    backward = report.graph_modules["g0/backward"]
+    backward = report.graph_modules[f"{record.name}/backward"]
     assert any(n.target is torch.ops.aten.convolution_backward.default for n in backward.graph.nodes)
 
 

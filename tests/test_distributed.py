@@ -193,7 +193,8 @@ def _fsdp2(rank, device):
         fully_shard(block)
     fully_shard(model)
     losses = train(model, model, batches(rank, "dense", device))
-    sites = [(s.graph, s.module, s.role, s.fp8, s.reason) for s in loka_compile.report().sites]
+    sites = [(s.graph, s.module, s.role, s.fp8, s.reason) for block in (model.b1, model.b2)
+             for s in loka_compile.report(block).sites]
     return {"initial": initial, "params": on_cpu(p.full_tensor() for p in model.parameters()),
             "losses": losses, "sites": sites}
 
@@ -202,7 +203,7 @@ def _plans(rank, device):
     """A window closing on different data per rank (rank 1's inputs 1000x larger with an
     outlier), an amax guard tripping on rank 1 alone, re-checks, then a new batch size on
     both ranks (Dynamo recompiles; the new graph opens its own window)."""
-    from loka_compile import backend
+    from loka_compile import compiled_graph
 
     torch._dynamo.reset()
     loka_compile.reset()
@@ -227,12 +228,13 @@ def _plans(rank, device):
 
     for _ in range(WINDOW["probe_steps"]):
         step(*batch(BATCH, outlier=1e9))  # tensorwise flushes rank 1's other rows: alone, it would go rowwise
-    ids = {s.key: s.id for (phase, _), ctx in backend.GRAPHS[0].contexts.items() if phase == "probe"
-           for s in ctx.sites}
-    own = backend._verdicts_by_id(ids, backend.GRAPHS[0].config)  # this rank's verdicts, alone
+    state = loka_compile.state_of(compiled)
+    first = state.records[0]
+    ids = {s.key: s.id for (phase, _), ctx in first.contexts.items() if phase == "probe" for s in ctx.sites}
+    own = compiled_graph._verdicts_by_id(ids, first.config, first.store)  # this rank's verdicts, alone
     step(*batch(BATCH))  # the window closes on this call's local batch
     closed = plan_of(compiled)
-    budget = backend.GRAPHS[0].output_budget
+    budget = first.output_budget
     # Call 4 runs the FP8 variant (re-checks come at calls 5 and 8): rank 1's outlier, far beyond
     # its window, trips its guard; every rank demotes the site at call 5, then re-checks it.
     step(*batch(BATCH, outlier=1e15))
@@ -251,7 +253,7 @@ def _plans(rank, device):
             "history": {sid: [(h["from"], h["to"], h.get("by")) for h in entries]
                         for sid, entries in final.history.items()},
             "budget": None if budget is None else (dict(budget.kept), dict(budget.sensitivity)),
-            "graphs": len(backend.GRAPHS)}
+            "graphs": len(state.records)}
 
 
 def _decisions(rank, store_dir):

@@ -137,8 +137,9 @@ def test_inference_compiles_forward_only_graph():
     report = loka_compile.report(compiled)
     assert {s.kind for s in report.sites} == {"inference"}
     assert {s.role for s in report.sites} == {"fwd"} and all(s.fp8 for s in report.sites)
-    assert list(report.graph_modules) == ["g0/inference"]
-    code = report.graph_modules["g0/inference"].print_readable(print_output=False)
+    name = report.graphs[0].name
+    assert list(report.graph_modules) == [f"{name}/inference"]
+    code = report.graph_modules[f"{name}/inference"].print_readable(print_output=False)
     assert "float8_e4m3fn" in code  # the operand casts are nodes of the graph
 
 
@@ -264,7 +265,7 @@ def test_defaults_with_an_absolute_budget_probe_then_run_fp8_within_it():
     assert sorted(budget.kept) == sorted([fwd["fc1"].id, fwd["head"].id])
     # measured: predicted 4.8e-4, measured 4.9e-4
     assert 0 < graph.predicted_output_error <= 0.003 and 0 < graph.measured_output_error <= 0.003
-    assert "output budget g0: noise floor" in report.summary()
+    assert f"output budget {graph.name}: noise floor" in report.summary()
     with torch.no_grad():
         assert rel_error(reference(x).double(), out.double()) <= 0.003
     for g_ref, g in zip(grads(reference), grads(model)):
@@ -280,7 +281,7 @@ def test_fp8_variant_after_the_window_keeps_the_static_shapes():
     with torch.no_grad():
         compiled(x)
         compiled(x)
-    (record,) = loka_compile.backend.GRAPHS
+    (record,) = loka_compile.state_of(compiled).records
     shapes = {phase: [s.shape for s in ctx.sites] for (phase, _), ctx in record.contexts.items()}
     assert shapes["fp8"] == shapes["probe"] and all(isinstance(d, int) for shape in shapes["fp8"] for d in shape)
 
@@ -392,16 +393,19 @@ def test_report_table_and_fields():
     site = report.sites[0]
     for field in ("name", "module", "role", "shape", "fp8", "provider", "reason"):
         assert hasattr(site, field)
-    assert set(report.graph_modules) == {"g0/forward", "g0/backward"}
+    (graph,) = report.graphs
+    assert set(report.graph_modules) == {f"{graph.name}/forward", f"{graph.name}/backward"}
     other = torch.compile(torch.nn.Linear(64, 32), backend="loka", options={"probe_steps": 0})
     other(x)
     assert len(loka_compile.report(compiled).graphs) == 1  # reports are per model
     assert [s.module for s in loka_compile.report(other).sites] == ["Linear"]
-    assert len(loka_compile.report().graphs) == 2
-    # Dynamo reuses a graph for another instance of the same class: its report is that graph
+    # Dynamo serves another instance of the same class compiled with equal options with the first's
+    # graphs: the twin has none of its own, and its report says so
     twin = torch.compile(make_model("mlp"), backend="loka", options={"probe_steps": 0})
     twin(x)
-    assert len(loka_compile.report(twin).graphs) == 1
+    with pytest.raises(ValueError, match="compiled no graph of its own"):
+        loka_compile.report(twin)
+    assert len(loka_compile.report(compiled).graphs) == 1
 
 
 def test_report_counts_what_each_mod_did():
@@ -461,10 +465,10 @@ def test_functional_call_weight_gradients_are_wgrad():
     step = torch.compile(lambda p, x: functional_call(module, p, (x,)), backend="loka", options={"probe_steps": 0})
     x = torch.randn(32, 64, requires_grad=True)
     step(params, x).sum().backward()
-    roles = sorted((s.module.rsplit(".", 1)[-1], s.role) for s in loka_compile.report().sites)
+    roles = sorted((s.module.rsplit(".", 1)[-1], s.role) for s in loka_compile.report(step).sites)
     assert roles == [("0", "dgrad"), ("0", "fwd"), ("0", "wgrad"),
                      ("2", "dgrad"), ("2", "fwd"), ("2", "wgrad")], roles
-    assert all(s.reason == "recipe_high_precision" for s in loka_compile.report().sites if s.role == "wgrad")
+    assert all(s.reason == "recipe_high_precision" for s in loka_compile.report(step).sites if s.role == "wgrad")
 
 
 def test_freezing_packed_linears_are_reported_with_their_reason():

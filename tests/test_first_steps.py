@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
-from loka_compile import backend
+from loka_compile import compiled_graph
 from loka_compile.passes import Reason
 from numerics import rel_error
 
@@ -28,13 +28,13 @@ def _mlp(width: int) -> nn.Module:
 
 def _train_counting_compiles(monkeypatch, model, x, steps=4):
     compiles = []
-    real = backend.LokaCompiledGraph._compile
+    real = compiled_graph.LokaCompiledGraph._compile
 
     def counting(self, gm, example_inputs, phase):
         compiles.append(phase)
         return real(self, gm, example_inputs, phase)
 
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_compile", counting)
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_compile", counting)
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="loka", options={"probe_steps": 2})
     for _ in range(steps):

@@ -181,9 +181,14 @@ def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(scale, fused_total, u
     chains = gemm_epilogue.plan_chains(ctx, timing)
     assert [(c.producer, [p.consumer for p in c.pieces]) for c in chains] == ([(fc1, [fc2])] if upgraded else [])
     assert ctx.decisions[fc2.key].fp8 is upgraded and not ctx.decisions[fc3.key].fp8
+    # the Mod's change is an amendment of fc2's decision, by the Mod, with why; nothing else changed
+    assert [(a.site_id, a.by) for a in ctx.amendments] == ([(fc2.id, "gemm_epilogue")] if upgraded else [])
     if upgraded:
         assert ctx.decisions[fc2.key].detail.startswith(
             "FP8 in the fused chain <root>:fwd -> <root>:fwd#2: 190.0 us vs 230.0 us")
+        (amendment,) = ctx.amendments
+        assert ("fp8", False, True) in amendment.changes and ("reason", "slower_than_bf16", "fp8") in amendment.changes
+        assert amendment.why.startswith("FP8 in the fused chain")
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
@@ -322,8 +327,9 @@ def test_sparse_tower_end_to_end(tmp_path):
     batch = sparse_batch(seed=7)
     with torch.no_grad():
         exact = [t.double() for t in model(*batch)]
-        fused = compile_with(model, path)(*batch)
-        report = loka_compile.report()
+        compiled = compile_with(model, path)
+        fused = compiled(*batch)
+        report = loka_compile.report(compiled)
         torch._dynamo.reset()
         loka_compile.reset()
         unfused = compile_with(model, path, disabled=("gemm_epilogue",))(*batch)
@@ -376,7 +382,7 @@ def test_dynamic_batch_recompile_free(tmp_path):
             out = compiled(x)
             assert out.shape == (rows, 16) and not torch.isnan(out).any()
             assert sqnr_db(model(x).double(), out.double()) >= OUTPUT_SQNR_DB
-    assert loka_compile.report().mods["gemm_epilogue"] == 2
+    assert loka_compile.report(compiled).mods["gemm_epilogue"] == 2
 
 
 @pytest.mark.cuda

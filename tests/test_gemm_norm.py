@@ -216,7 +216,7 @@ def test_dynamic_batch_and_length(tmp_path):
             out = compiled(x)
             assert out.shape == (batch, 16) and not torch.isnan(out).any()
             assert sqnr_db(model(x).double(), out.double()) >= OUTPUT_SQNR_DB
-    assert loka_compile.report().mods["gemm_norm"] == 2
+    assert loka_compile.report(compiled).mods["gemm_norm"] == 2
 
 
 @pytest.mark.cuda

@@ -172,9 +172,9 @@ def test_loop_and_region_bodies_infer_in_high_precision(model_class, op, body_mo
 def test_a_first_run_failure_is_reported_in_one_line(monkeypatch, caplog):
     """An error from compiled C++ code carries its C++ stack in its message; the fallback's
     warning and the report say what failed in one line."""
-    from loka_compile import backend
+    from loka_compile import compiled_graph
 
-    real = backend.compile_fx
+    real = compiled_graph.compile_fx
 
     def compile_fx(gm, example_inputs, **kwargs):
         compiled = real(gm, example_inputs, **kwargs)
@@ -186,7 +186,7 @@ def test_a_first_run_failure_is_reported_in_one_line(monkeypatch, caplog):
                                "call first):\nframe #0: c10::Error::Error() + 0x9d (0x7f in libc10.so)\n")
         return fails
 
-    monkeypatch.setattr(backend, "compile_fx", compile_fx)
+    monkeypatch.setattr(compiled_graph, "compile_fx", compile_fx)
     model = RoutedTowers().eval()
     compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
     with caplog.at_level(logging.WARNING, logger="loka"), torch.no_grad():

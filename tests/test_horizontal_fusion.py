@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import loka_compile
-from loka_compile import backend
 from loka_compile.passes import MODS
 from loka_compile.passes.mods.horizontal import fuse_sibling_linears, joined_module_path
 from numerics import rel_error, sqnr_db
@@ -394,7 +393,7 @@ def masknet_runs():
         run["moved"] = [n for n, p in model.dense.named_parameters()
                         if not torch.equal(p, dict(start.dense.named_parameters())[n])]
         if options is not None:
-            run["report"], run["records"] = loka_compile.report(dense), list(backend.GRAPHS)
+            run["report"], run["records"] = loka_compile.report(dense), list(loka_compile.state_of(dense).records)
         runs[name] = run
     torch._dynamo.reset()
     loka_compile.reset()
@@ -468,7 +467,7 @@ def test_inference_graphs_cache_the_concatenated_weight(fresh_compile_state):
         out = compiled(x)
         for got, expected in zip(out, model(x)):
             assert sqnr_db(expected, got) > OUTPUT_SQNR_FLOOR_DB
-        (record,) = backend.GRAPHS
+        (record,) = loka_compile.state_of(compiled).records
         fusion = record.mod_results["horizontal"]
         assert fusion.groups == 1 and fusion.linears == 3
         report = loka_compile.report(compiled)

@@ -104,7 +104,8 @@ def test_a_tensorwise_site_meeting_an_inf_weight_goes_rowwise_at_the_next_call(c
     # sees infinities). The later layers' activations hold +inf too, which their tensorwise
     # casts write as NaN: a row with an infinity is spoiled whole in high precision too.
     assert standing(compiled) == ["rowwise", "tensorwise", "tensorwise"]
-    assert "loka amax guard: g0 site inference/0:fwd#1 demoted tensorwise -> rowwise from call 5 (amax guard: " \
+    name = loka_compile.report(compiled).graphs[0].name
+    assert f"loka amax guard: {name} site inference/0:fwd#1 demoted tensorwise -> rowwise from call 5 (amax guard: " \
            "operand b holds inf" in caplog.text
 
 
@@ -165,7 +166,7 @@ def test_an_outlier_in_training_sends_forward_and_gradient_sites_rowwise(caplog)
     assert row_rel_error(eager[1:].double(), out.detach()[1:]) < BUDGET
 
 
-def test_the_guard_and_re_checks_compose(store, caplog):
+def test_the_guard_and_re_checks_compose(caplog):
     """With re-checks on (tests/test_recheck.py's planted outlier feature, in every row of
     calls 6-9), the guard sends the site rowwise at call 7; the re-check of call 8 finds
     rowwise over the budget too and moves it to blockwise; the one of call 11, on clean

@@ -41,7 +41,7 @@ def test_opcheck_observe_gemm():
         torch.library.opcheck(torch.ops.loka.observe_gemm.default, (a, b, "site", "rowwise", "e4m3", "e4m3"))
     finally:
         from loka_compile import probe
-        ops.set_observer_sink(probe.STORE.record)
+        ops.set_observer_sink(probe.deliver)
     assert seen and seen[0][0] == "site"
     stats = seen[0][1]
     assert 0.005 < float(stats["rel_error"]) < 0.08

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
-from loka_compile import LokaConfig, backend, output_budget
+from loka_compile import LokaConfig, budget_window, compiled_graph, output_budget
 from loka_compile.kernels import ops
 from loka_compile.passes import GraphKind
 
@@ -77,7 +77,7 @@ def _perturb_nodes(record, kind=GraphKind.INFERENCE) -> int:
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_planted_sensitivities_and_the_budget_keeps_the_sensitive_site(store, caplog):
+def test_planted_sensitivities_and_the_budget_keeps_the_sensitive_site(caplog):
     model, x = PlantedSensitivity(), torch.randn(D, D)
     with caplog.at_level(logging.INFO, logger="loka"):
         compiled, out = _run(model, ABSOLUTE, x=x)
@@ -103,14 +103,16 @@ def test_planted_sensitivities_and_the_budget_keeps_the_sensitive_site(store, ca
     with torch.no_grad():
         assert rel_error(model(x).double(), out) <= 0.003
     summary = loka_compile.report(compiled).summary()
-    assert "output budget g0: noise floor" in summary and "1 of 2 forward site(s) kept" in summary
-    assert "g0: output budget max_output_error 0.003" in caplog.text and "kept in high precision: " + sites["fc1"].id in caplog.text
+    name = loka_compile.report(compiled).graphs[0].name
+    assert f"output budget {name}: noise floor" in summary and "1 of 2 forward site(s) kept" in summary
+    assert f"{name}: output budget max_output_error 0.003" in caplog.text and "kept in high precision: " + sites["fc1"].id in caplog.text
     # the extra runs observed nothing: two observations per site, the window's
+    store = loka_compile.state_of(compiled).store
     assert all(store.observed(k) == 2 for k in store.keys())
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_loose_budget_puts_both_in_fp8_and_off_changes_nothing(store):
+def test_loose_budget_puts_both_in_fp8_and_off_changes_nothing():
     model, x = PlantedSensitivity(), torch.randn(D, D)
     loose, out_loose = _run(model, {"max_output_error": 0.1}, x=x)
     assert all(s.fp8 for s in _sites(loose).values())
@@ -121,13 +123,14 @@ def test_loose_budget_puts_both_in_fp8_and_off_changes_nothing(store):
     assert all(s.fp8 and s.sensitivity is None for s in _sites(off).values())
     record = loka_compile.report(off).graphs[0]
     assert record.output_budget is None and "output budget" not in loka_compile.report(off).summary()
-    assert [_perturb_nodes(r) for r in backend.GRAPHS] == [2, 0]
+    records = [*loka_compile.state_of(loose).records, *loka_compile.state_of(off).records]
+    assert [_perturb_nodes(r) for r in records] == [2, 0]
     assert torch.equal(out_loose, out_off)  # the same FP8 variant
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
-def test_lrm_stack_output_within_budget(store, train):
+def test_lrm_stack_output_within_budget(train):
     """Linear -> LayerNorm -> ReLU x2 -> head, rowwise. Each site contributes about 0.036
     (sensitivity ~1, rel. error ~0.036): all-FP8 is predicted at 0.0635, so a budget of 0.06
     keeps one site (measured: fc2, after it 0.0505 predicted, 0.0484 measured)."""
@@ -168,32 +171,34 @@ def test_perturb_op_passes_opcheck_and_is_inert_when_off():
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_probe_variant_is_bit_equal_with_and_without_perturb_ops(store):
+def test_probe_variant_is_bit_equal_with_and_without_perturb_ops():
     """Switch off, the inserted ops are copies: the probe variant's outputs are those of
     the same variant compiled without them, bit for bit."""
     model, x = MLPWithNorm(), torch.randn(64, 64)
-    outs = []
+    outs, records = [], []
     for budget in (0.003, None):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="loka", options={"probe_steps": 5, "max_output_error": budget})
         with torch.no_grad():
             outs.append(compiled(x))
-    assert [_perturb_nodes(r) for r in backend.GRAPHS] == [3, 0]
+        records.extend(loka_compile.state_of(compiled).records)
+    assert [_perturb_nodes(r) for r in records] == [3, 0]
     assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_failing_sensitivity_step_logs_and_keeps_todays_decisions(store, caplog, monkeypatch):
+def test_a_failing_sensitivity_step_logs_and_keeps_todays_decisions(caplog, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("planted failure")
 
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_measure_sensitivities", fail)
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_measure_sensitivities", fail)
     model, x = PlantedSensitivity(), torch.randn(D, D)
     with caplog.at_level(logging.WARNING, logger="loka"):
         compiled, out = _run(model, {}, x=x, calls=4)
     assert "measuring the sites' sensitivities failed (RuntimeError: planted failure)" in caplog.text
-    assert "output budget g0: not applied (measuring the sites' sensitivities failed" in \
-        loka_compile.report(compiled).summary()
+    report = loka_compile.report(compiled)
+    assert f"output budget {report.graphs[0].name}: not applied (measuring the sites' sensitivities failed" in \
+        report.summary()
     sites = _sites(compiled)
     assert all(s.fp8 and s.sensitivity is None for s in sites.values())  # the per-site verdicts: both FP8
     assert loka_compile.report(compiled).graphs[0].output_budget is None
@@ -202,11 +207,11 @@ def test_a_failing_sensitivity_step_logs_and_keeps_todays_decisions(store, caplo
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_failing_check_after_compile_logs_and_the_model_runs(store, caplog, monkeypatch):
+def test_a_failing_check_after_compile_logs_and_the_model_runs(caplog, monkeypatch):
     def fail(self):
         raise RuntimeError("planted failure")
 
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_predicted_as_compiled", fail)
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_predicted_as_compiled", fail)
     model, x = PlantedSensitivity(), torch.randn(D, D)
     with caplog.at_level(logging.WARNING, logger="loka"):
         compiled, out = _run(model, ABSOLUTE, x=x)
@@ -216,7 +221,7 @@ def test_a_failing_check_after_compile_logs_and_the_model_runs(store, caplog, mo
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_rechecks_run_the_perturb_ops_inert_and_keep_the_budgets_sites(store, caplog):
+def test_rechecks_run_the_perturb_ops_inert_and_keep_the_budgets_sites(caplog):
     model, x = PlantedSensitivity(), torch.randn(D, D)
     compiled = torch.compile(model, backend="loka",
                              options={"recipe": "rowwise", "probe_steps": 2, "recheck_every": 2, **ABSOLUTE})
@@ -234,14 +239,14 @@ def test_rechecks_run_the_perturb_ops_inert_and_keep_the_budgets_sites(store, ca
 def _understated_run(monkeypatch, caplog, budget, refit):
     """MLPWithNorm with its sensitivities planted 20x too small: the prediction lets all
     three sites (each s * e about 0.036) go FP8, and the FP8 variant measures about 0.06."""
-    measure = backend.LokaCompiledGraph._measure_sensitivities
+    measure = compiled_graph.LokaCompiledGraph._measure_sensitivities
 
     def understated(self, *args):
         measured = measure(self, *args)
         measured["sensitivity"] = {sid: s / 20 for sid, s in measured["sensitivity"].items()}
         return measured
 
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_measure_sensitivities", understated)
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_measure_sensitivities", understated)
     torch.manual_seed(0)
     model, x = MLPWithNorm(), torch.randn(64, 64)
     with caplog.at_level(logging.WARNING, logger="loka"):
@@ -252,28 +257,28 @@ def _understated_run(monkeypatch, caplog, budget, refit):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(store, caplog, monkeypatch):
+def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, monkeypatch):
     """With refit_output_budget, a measurement over 1.5x the budget 0.03 is weighed again at
     the measured scale (about x 20): the sites the budget cannot afford are kept and the
     FP8 variant compiled again measures far less, within VERIFY_SLACK of the budget (seeds
     0-4: 0.053-0.069 first, then all three kept)."""
     budget = 0.03
     model, x, compiled, out, first = _understated_run(monkeypatch, caplog, budget, refit=True)
-    assert first > backend.VERIFY_SLACK * budget and "compiling the FP8 variant again" in caplog.text
+    assert first > budget_window.VERIFY_SLACK * budget and "compiling the FP8 variant again" in caplog.text
     graph = loka_compile.report(compiled).graphs[0]
     kept = [s for s in loka_compile.report(compiled).sites if s.role == "fwd" and not s.fp8]
     assert kept and {s.id for s in kept} == set(graph.output_budget.kept)
     assert all("measured shortfall" in s.detail for s in kept)
-    assert graph.measured_output_error <= backend.VERIFY_SLACK * budget < first
+    assert graph.measured_output_error <= budget_window.VERIFY_SLACK * budget < first
     with torch.no_grad():
         assert rel_error(model(x).double(), out) == pytest.approx(graph.measured_output_error, rel=1e-3, abs=1e-6)
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_by_default_a_missed_prediction_is_only_logged(store, caplog, monkeypatch):
+def test_by_default_a_missed_prediction_is_only_logged(caplog, monkeypatch):
     budget = 0.03
     _, _, compiled, _, first = _understated_run(monkeypatch, caplog, budget, refit=False)
-    assert first > backend.VERIFY_SLACK * budget and "exceeded over 1.5x" in caplog.text
+    assert first > budget_window.VERIFY_SLACK * budget and "exceeded over 1.5x" in caplog.text
     assert "compiling the FP8 variant again" not in caplog.text
     graph = loka_compile.report(compiled).graphs[0]
     assert not graph.output_budget.kept and graph.measured_output_error == pytest.approx(first, rel=1e-3)
@@ -281,7 +286,7 @@ def test_by_default_a_missed_prediction_is_only_logged(store, caplog, monkeypatc
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_saved_plan_keeps_the_budgets_verdict(store, tmp_path):
+def test_saved_plan_keeps_the_budgets_verdict(tmp_path):
     model, x = PlantedSensitivity(), torch.randn(D, D)
     compiled, _ = _run(model, ABSOLUTE, x=x)
     fc1 = _sites(compiled)["fc1"]
@@ -322,7 +327,7 @@ def test_bad_budget_values_raise(value):
 # ---- the noise floor and the relative budget (the default) ----------------------------
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_relative_default_puts_an_mlps_forward_gemms_in_fp8(store):
+def test_relative_default_puts_an_mlps_forward_gemms_in_fp8():
     """Linear-LayerNorm-ReLU x2 + head, fp32, batch 256, no options: the noise floor is
     defined against bf16 (non-zero for an fp32 model), predicted and measured agree, and the
     budget 16 x floor admits every forward GEMM (seeds 0-2: floor 0.0044-0.0052, D predicted
@@ -348,7 +353,7 @@ def test_relative_default_puts_an_mlps_forward_gemms_in_fp8(store):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_bf16_graph_whose_noise_one_gemm_dominates_keeps_it(store):
+def test_a_bf16_graph_whose_noise_one_gemm_dominates_keeps_it():
     """The planted model in bf16: fc1 alone makes the output's noise (floor ~0.0017 from its
     bf16 output rounding); its FP8 error (~0.036) is ~20 floors, over the budget 16: it stays,
     fc2 (1e-3 as sensitive) goes FP8."""
@@ -360,7 +365,7 @@ def test_a_bf16_graph_whose_noise_one_gemm_dominates_keeps_it(store):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_an_absolute_budget_below_the_floor_is_reported(store, caplog):
+def test_an_absolute_budget_below_the_floor_is_reported(caplog):
     model, x = MLPWithNorm(), torch.randn(64, 64)
     with caplog.at_level(logging.WARNING, logger="loka"):
         compiled, _ = _run(model, {"max_output_error": 1e-4}, x=x)
@@ -398,7 +403,7 @@ def _heads_run(model, options, *args):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_the_predicted_ne_increase_of_a_sigmoid_head_matches_the_fp8_variants(store):
+def test_the_predicted_ne_increase_of_a_sigmoid_head_matches_the_fp8_variants():
     """No labels: E[p(1-p) dz^2] / 2 over the FP8 variant's actual logit change, divided by
     the predictions' mean entropy, is what the budget predicted (one draw of each site's
     FP8 error: within 2x; seeds 0-2 measured 0.7-1.3x)."""
@@ -420,7 +425,7 @@ def test_the_predicted_ne_increase_of_a_sigmoid_head_matches_the_fp8_variants(st
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_max_ne_increase_keeps_the_sites_a_head_cannot_afford(store):
+def test_max_ne_increase_keeps_the_sites_a_head_cannot_afford():
     torch.manual_seed(0)
     x = torch.randn(256, 64)
     compiled, _ = _heads_run(ClickHead(), {"max_ne_increase": 1e-7}, x)
@@ -432,7 +437,7 @@ def test_max_ne_increase_keeps_the_sites_a_head_cannot_afford(store):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_bce_loss_and_a_named_logit_head_are_found(store):
+def test_a_bce_loss_and_a_named_logit_head_are_found():
     """A training graph that returns BCE-with-logits: the loss is a binary head, its
     second-order change measured by runs at +z and -z; a head named in binary_outputs
     gives logits."""
@@ -450,7 +455,7 @@ def test_a_bce_loss_and_a_named_logit_head_are_found(store):
 # ---- bad data at the window's close ---------------------------------------------------
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_nan_row_at_the_close_is_judged_on_the_finite_rows(store):
+def test_a_nan_row_at_the_close_is_judged_on_the_finite_rows():
     torch.manual_seed(0)
     model, x = MLPWithNorm(), torch.randn(64, 64)
     bad = x.clone()
@@ -466,7 +471,7 @@ def test_a_nan_row_at_the_close_is_judged_on_the_finite_rows(store):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_an_all_nan_close_waits_for_the_next_finite_call(store, caplog):
+def test_an_all_nan_close_waits_for_the_next_finite_call(caplog):
     torch.manual_seed(0)
     model, x = MLPWithNorm(), torch.randn(64, 64)
     compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise", "max_output_error": 0.003})
@@ -480,6 +485,7 @@ def test_an_all_nan_close_waits_for_the_next_finite_call(store, caplog):
     assert report.graphs[0].phase == "fp8" and report.graphs[0].output_budget.deferred_calls == 1
     assert "after waiting 1 call(s) for a finite output" in report.summary()
     # the NaN call was not observed: the verdicts rest on the window's finite calls
+    store = loka_compile.state_of(compiled).store
     assert all(store.observed(k) == 2 for k in store.keys())
     assert all(s.reason != "probe_unsafe" or "output budget" in s.detail for s in report.sites)
 
@@ -496,7 +502,7 @@ class FloatIds(nn.Module):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_the_measured_floor_keeps_ids_carried_in_floats(store):
+def test_the_measured_floor_keeps_ids_carried_in_floats():
     """The bf16 run keeps a float input that holds integers past 256 as it is: rounded to
     bf16, ids 257-999 would look up other rows and the 'floor' would be the model's output."""
     torch.manual_seed(0)

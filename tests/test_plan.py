@@ -12,7 +12,6 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 import loka_compile
 from loka_compile import LokaConfig, dispatch
-from loka_compile.backend import GRAPHS
 from loka_compile.passes import Decision, GraphKind, PassContext, Reason, graph_kind
 from loka_compile.passes.context import Candidate
 from loka_compile.passes.find_sites import find_sites
@@ -61,14 +60,14 @@ def test_site_ids_are_stable_across_instances_reset_and_recompiles():
     with torch.no_grad():
         compiled(torch.randn(16, 32))
         compiled(torch.randn(16, 32))  # closes the window: the FP8 variant compiles
-        (record,) = GRAPHS
+        (record,) = loka_compile.state_of(compiled).records
         ids = site_ids(record, "fp8")
         assert ids == site_ids(record, "probe") == ["inference/fc1:fwd#1", "inference/fc2:fwd#1"]
         report = loka_compile.report(compiled)
         assert [s.id for s in report.sites] == ids and all(i in report.table() for i in ids)
 
         compiled(torch.randn(24, 32))  # another batch: Dynamo recompiles (a new graph)
-        first, second = GRAPHS[0], GRAPHS[-1]
+        first, second = loka_compile.state_of(compiled).records
         assert second is not first and site_ids(second, second.phase) == ids
         assert isinstance(second.contexts[(second.phase, GraphKind.INFERENCE)].sites[0].shape[0], str)  # dynamic batch
         # the site keys (graph and node names) do change
@@ -77,8 +76,9 @@ def test_site_ids_are_stable_across_instances_reset_and_recompiles():
 
         torch._dynamo.reset()
         loka_compile.reset()
-        torch.compile(Tower(), backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})(torch.randn(16, 32))
-        (fresh,) = GRAPHS
+        again = torch.compile(Tower(), backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
+        again(torch.randn(16, 32))
+        (fresh,) = loka_compile.state_of(again).records
         assert site_ids(fresh, "fp8") == ids
 
 
@@ -124,7 +124,7 @@ def saved_plan(tmp_path_factory):
     path = tmp_path / "plan.json"
     plan = loka_compile.save_plan(compiled, path)
     return dict(model=model, compiled=compiled, x=x, path=path, plan=plan, probing=probing,
-                sites=loka_compile.report(compiled).sites, records=list(GRAPHS))
+                sites=loka_compile.report(compiled).sites, records=list(loka_compile.state_of(compiled).records))
 
 
 def test_plan_holds_decisions_and_verdicts_by_id(saved_plan):
@@ -271,8 +271,9 @@ def _rank(rank):
     x = outlier_batch() if rank == 1 else torch.randn(32, 32)  # only rank 1 sees the outlier
     with torch.no_grad():
         compiled(x)
-        ids = {s.key: s.id for s in GRAPHS[0].contexts[("probe", GraphKind.INFERENCE)].sites}
-        own = loka_compile.backend._verdicts_by_id(ids, GRAPHS[0].config)  # what this rank alone would decide
+        (record,) = loka_compile.state_of(compiled).records
+        ids = {s.key: s.id for s in record.contexts[("probe", GraphKind.INFERENCE)].sites}
+        own = loka_compile.compiled_graph._verdicts_by_id(ids, record.config, record.store)  # this rank's alone
         compiled(x)
     plan = plan_of(compiled)
     return {"own": own, "upgraded": plan.upgraded, "unsafe": plan.unsafe,

@@ -209,12 +209,12 @@ def test_heavy_outliers_unsafe_tensorwise_safe_rowwise_by_their_bounds(store):
     assert rw["sqnr_db"]["bound"] > 25 and tw["sqnr_db"]["mean"] > 25
     assert tw["mere"]["mean"] > 0.5 > 0.2 > rw["mere"]["bound"]
     assert s["operands"]["a"]["fractions"]["e4m3/tensorwise/flush"] > 0.9
-    unsafe, upgraded = probe.verdicts(["out", "clean"], 0.1)
+    unsafe, upgraded = probe.verdicts(store, ["out", "clean"], 0.1)
     assert unsafe == {} and set(upgraded) == {"out"}
     assert upgraded["out"] == (tw["bound"], rw["bound"])
     assert store.summary("clean")["bound_rel_error"] < 0.06
     # Rowwise too fine a budget: unsafe, by the bound.
-    unsafe, _ = probe.verdicts(["out"], 0.01)
+    unsafe, _ = probe.verdicts(store, ["out"], 0.01)
     assert unsafe == {"out": tw["bound"]}
 
 
@@ -248,7 +248,7 @@ def test_nan_input_never_yields_a_safe_verdict(store, scaling):
     for key in ("nan", "nan_once"):
         s = store.summary(key)
         assert all(c["bound"] == math.inf and c["sqnr_db"]["bound"] == -math.inf for c in s["candidates"].values())
-    unsafe, upgraded = probe.verdicts(["nan", "nan_once"], 1e9)
+    unsafe, upgraded = probe.verdicts(store, ["nan", "nan_once"], 1e9)
     assert set(unsafe) == {"nan", "nan_once"} and not upgraded
 
 
@@ -287,6 +287,6 @@ def test_a_site_seen_only_with_zero_operands_is_unsafe_unmeasured(store):
     b = torch.randn(32, 48)
     for _ in range(2):
         store.record("zero", ops.gemm_statistics(torch.zeros(64, 32), b, "rowwise", "e4m3", "e4m3"))
-    unsafe, upgraded = probe.verdicts(["zero"], 0.1, chain=True)
+    unsafe, upgraded = probe.verdicts(store, ["zero"], 0.1, chain=True)
     assert unsafe == {"zero": math.inf} and not upgraded
     assert probe.describe_summary(store.summary("zero"), 0.1) == probe.UNINFORMATIVE

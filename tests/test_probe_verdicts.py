@@ -54,15 +54,15 @@ def test_planted_outlier_block_goes_blockwise_with_each_steps_bound(store, caplo
     assert bounds["rowwise"] == pytest.approx(flushed, abs=0.1)
 
     with caplog.at_level(logging.WARNING, logger="loka"):
-        unsafe, upgraded = probe.verdicts(["s"], 0.1, metric="row_rel_error", chain=True)
+        unsafe, upgraded = probe.verdicts(store, ["s"], 0.1, metric="row_rel_error", chain=True)
     assert unsafe == {} and upgraded["s"][0] == "blockwise"
     steps = dict(upgraded["s"][1])
     assert steps == pytest.approx(bounds)
     assert "s goes blockwise" in caplog.text and "rowwise rel. error" in caplog.text
     # the format plans hold today: tensorwise -> rowwise only, else unsafe
-    assert probe.verdicts(["s"], 0.1, metric="row_rel_error") == ({"s": steps["tensorwise"]}, {})
+    assert probe.verdicts(store, ["s"], 0.1, metric="row_rel_error") == ({"s": steps["tensorwise"]}, {})
     # a budget every scaling meets: no verdict
-    assert probe.verdicts(["s"], 2.0, chain=True) == ({}, {})
+    assert probe.verdicts(store, ["s"], 2.0, chain=True) == ({}, {})
 
 
 def test_chain_ends_in_high_precision_when_no_scaling_passes(store, caplog):
@@ -70,14 +70,14 @@ def test_chain_ends_in_high_precision_when_no_scaling_passes(store, caplog):
     bounds = {n.split("/")[0]: c["bound"] for n, c in store.summary("s")["candidates"].items()}
     assert min(bounds.values()) > 0.5, bounds  # every block holds an outlier
     with caplog.at_level(logging.WARNING, logger="loka"):
-        unsafe, upgraded = probe.verdicts(["s"], 0.1, chain=True)
+        unsafe, upgraded = probe.verdicts(store, ["s"], 0.1, chain=True)
     assert upgraded == {} and unsafe == {"s": pytest.approx(bounds["tensorwise"])}
     assert "keeps high precision" in caplog.text and "blockwise rel. error" in caplog.text
 
 
 def test_a_rowwise_site_chains_to_blockwise_only(store):
     _observe("r", (0,), scaling="rowwise")
-    unsafe, upgraded = probe.verdicts(["r"], 0.1, chain=True)
+    unsafe, upgraded = probe.verdicts(store, ["r"], 0.1, chain=True)
     assert unsafe == {} and upgraded["r"][0] == "blockwise"
     assert [s for s, _ in upgraded["r"][1]] == ["rowwise", "blockwise"]
 

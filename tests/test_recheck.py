@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import loka_compile
-from loka_compile import backend
+from loka_compile import compiled_graph
+from loka_compile.passes import GraphKind
 from loka_compile.plan import Plan
 from loka_compile.report import plan_of
 
@@ -43,7 +44,7 @@ def _standing(site) -> str:
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(store, caplog):
+def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(caplog):
     model = PlantedLinear()
     compiled = torch.compile(model, backend="loka", options=OPTIONS)
     standing, errors, observations = {}, {}, {}
@@ -53,6 +54,7 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(store, caplog
             out = compiled(x)
             errors[call] = row_rel_error(x.double() @ model.fc.weight.double().t(), out)
             site = loka_compile.report(compiled).sites[0]
+            store = loka_compile.state_of(compiled).store
             standing[call], observations[call] = _standing(site), store.observed(site.key)
     assert {standing[c] for c in (3, 4, 5, 6, 7, 8)} == {"tensorwise"}
     assert {standing[c] for c in (9, 10, 11)} == {"blockwise"}
@@ -66,7 +68,7 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(store, caplog
     promoted = [r for r in caplog.records if "promoted blockwise -> tensorwise from call 12" in r.getMessage()]
     assert [r.levelno for r in demoted] == [logging.WARNING] and [r.levelno for r in promoted] == [logging.INFO]
     assert "FP8 variant reused" in caplog.text  # the promotion went back to the window's build
-    assert (f"re-checked g0 {site.id}: demoted tensorwise -> blockwise at call 9, promoted blockwise -> tensorwise "
+    assert (f"re-checked {site.graph} {site.id}: demoted tensorwise -> blockwise at call 9, promoted blockwise -> tensorwise "
             "at call 12") in loka_compile.report(compiled).summary().splitlines()
 
     # Outputs: the outliers cost tensorwise FP8 about the whole signal until the re-check saw
@@ -76,11 +78,12 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(store, caplog
     # The re-check calls run the probe variant (high precision), the others the plain FP8 graph:
     # between re-checks the store sees nothing new, and that graph holds no observer.
     assert all(errors[c] < 1e-5 for c in (5, 8, 11)), errors
+    assert loka_compile.state_of(compiled).counters["rechecks"] == 3
     assert [observations[c] for c in (3, 4, 5, 6, 7, 8, 9, 10)] == [2, 2, 1, 1, 1, 1, 1, 1]
     graphs = loka_compile.report(compiled).graphs[0]
     assert _observer_nodes(graphs.graph_modules["inference"]) == 0
-    graph = next(iter(backend._RECHECKING))
-    assert _observer_nodes(graph.record.graph_modules[("probe", backend.passes.GraphKind.INFERENCE)]) == 1
+    (graph,) = loka_compile.state_of(compiled).rechecking
+    assert _observer_nodes(graph.record.graph_modules[("probe", GraphKind.INFERENCE)]) == 1
 
     # The plan keeps the history; a plan file without one (written before re-checks) loads.
     plan = plan_of(compiled)
@@ -92,19 +95,20 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(store, caplog
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_no_recheck_when_the_option_is_off(store):
+def test_no_recheck_when_the_option_is_off():
     compiled = torch.compile(PlantedLinear(), backend="loka", options={**OPTIONS, "recheck_every": 0})
     with torch.no_grad():
         for call in range(1, 10):
             compiled(_batch(call))
     site = loka_compile.report(compiled).sites[0]
     # the window's two observations only; the outliers of calls 6-9 stay unseen
-    assert store.observed(site.key) == 2 and site.fp8 and site.scaling == "tensorwise" and site.history == ()
-    assert not any(graph.record in backend.GRAPHS for graph in backend._RECHECKING)
+    state = loka_compile.state_of(compiled)
+    assert state.store.observed(site.key) == 2 and site.fp8 and site.scaling == "tensorwise" and site.history == ()
+    assert not state.rechecking and state.counters["rechecks"] == 0
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_training_graph_rechecks_forward_and_backward(store, caplog):
+def test_training_graph_rechecks_forward_and_backward(caplog):
     """The planted weight trains: forward and wgrad sites, the backward compiled lazily for
     each variant; the re-check call's backward runs the probe variant's, with observers."""
     model = PlantedLinear()
@@ -123,7 +127,7 @@ def test_training_graph_rechecks_forward_and_backward(store, caplog):
     assert set(sites) == {"fwd", "wgrad"}
     assert [(e["step"], e["to"]) for e in sites["fwd"].history] == [(9, "blockwise"), (12, "tensorwise")]
     # the last re-check (call 11) observed the backward too, in a window of its own
-    assert all(store.observed(s.key) == 1 for s in sites.values())
+    assert all(loka_compile.state_of(compiled).store.observed(s.key) == 1 for s in sites.values())
     wgrad = [(e["step"], e["change"]) for e in sites["wgrad"].history]
     assert wgrad[0] == (9, "demoted") and wgrad[-1] == (12, "promoted"), sites["wgrad"].history
     assert all(s.fp8 and s.scaling == "tensorwise" for s in sites.values())
@@ -133,12 +137,12 @@ def test_training_graph_rechecks_forward_and_backward(store, caplog):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_failed_recheck_keeps_the_running_graph(store, caplog, monkeypatch):
+def test_a_failed_recheck_keeps_the_running_graph(caplog, monkeypatch):
     def fail():
         raise RuntimeError("planted failure")
 
-    window_compile = backend.LokaCompiledGraph._compile_fp8  # the window's own compile still runs
-    monkeypatch.setattr(backend.LokaCompiledGraph, "_compile_fp8",
+    window_compile = compiled_graph.LokaCompiledGraph._compile_fp8  # the window's own compile still runs
+    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_compile_fp8",
                         lambda self: fail() if self._builds else window_compile(self))
     model = PlantedLinear()
     compiled = torch.compile(model, backend="loka", options={**OPTIONS, "probe_steps": 1, "recheck_every": 2})
@@ -152,7 +156,7 @@ def test_a_failed_recheck_keeps_the_running_graph(store, caplog, monkeypatch):
         assert site.fp8 and site.scaling == "tensorwise" and site.history == ()
         assert plan_of(compiled).upgraded == {}  # the verdicts the running graph was built with
         # the re-check call itself fails: that call runs the FP8 variant instead
-        graph = next(g for g in backend._RECHECKING if g.record in backend.GRAPHS)
+        (graph,) = loka_compile.state_of(compiled).rechecking
         graph.variants["probe"] = lambda *args: fail()
         x = _planted(5, ())[0]
         out = compiled(x)
@@ -162,7 +166,7 @@ def test_a_failed_recheck_keeps_the_running_graph(store, caplog, monkeypatch):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_failing_observer_keeps_the_step_and_sends_the_site_to_high_precision(store, monkeypatch, caplog):
+def test_a_failing_observer_keeps_the_step_and_sends_the_site_to_high_precision(monkeypatch, caplog):
     """Observers run inside the model's step (a re-check's backward too): one that fails
     reports the failure instead of raising, and an unmeasured site is not trusted in FP8."""
     from loka_compile import probe
@@ -182,5 +186,5 @@ def test_a_failing_observer_keeps_the_step_and_sends_the_site_to_high_precision(
     assert site.probe == {"observations": 1, "failed": "RuntimeError: planted observer failure"}
     assert not site.fp8 and site.reason == "probe_unsafe", (site.reason, site.detail)
     assert "an observation failed (RuntimeError: planted observer failure)" in caplog.text
-    assert probe.verdicts([site.key], BUDGET) == ({site.key: float("inf")}, {})
+    assert probe.verdicts(loka_compile.state_of(compiled).store, [site.key], BUDGET) == ({site.key: float("inf")}, {})
     assert row_rel_error(x.double() @ model.fc.weight.double().t(), out) < 1e-5  # high precision

@@ -16,7 +16,6 @@ import torch.nn as nn
 
 import loka_compile
 from loka_compile import LokaConfig, dispatch, probe
-from loka_compile.backend import GRAPHS
 from loka_compile.kernels import providers
 from loka_compile.kernels.gemm_operands import quantize_gemm_operand
 from loka_compile.kernels.quantize import Fp8Format, Scaling
@@ -122,12 +121,13 @@ def test_sparse_embedding_default_recipe_backward_in_fp8(caplog):
     reference = copy.deepcopy(model)
     idx = torch.randint(0, 100, (32, 3))
     with caplog.at_level(logging.WARNING, logger="loka"):
-        torch.compile(model, backend="loka", options={"probe_steps": 0})(idx).square().sum().backward()
+        compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+        compiled(idx).square().sum().backward()
     reference(idx).square().sum().backward()
     assert not [r for r in caplog.records if r.name == "loka"]
     assert model.emb.weight.grad.is_sparse
     assert sqnr_db(reference.emb.weight.grad.to_dense(), model.emb.weight.grad.to_dense()) > GRAD_SQNR_FLOOR_DB
-    reasons = sorted((s.module, s.role, s.reason) for s in loka_compile.report().sites)
+    reasons = sorted((s.module, s.role, s.reason) for s in loka_compile.report(compiled).sites)
     assert reasons == [("fc", "dgrad", "fp8"), ("fc", "fwd", "fp8"), ("fc", "wgrad", "recipe_high_precision"),
                        ("head", "dgrad", "fp8"), ("head", "fwd", "fp8"),
                        ("head", "wgrad", "recipe_high_precision")], reasons
@@ -153,12 +153,12 @@ def test_two_tower_scoring_with_every_dim_symbolic():
         (out * torch.randn_like(out)).sum().backward()
         assert sqnr_db(score(users, items), out) > OUTPUT_SQNR_FLOOR_DB
         assert torch.isfinite(users.grad).all() and torch.isfinite(items.grad).all()
-    report = loka_compile.report()
+    report = loka_compile.report(compiled)
     assert len(report.graphs) == 1 and not report.graphs[0].fallback
     assert len(report.sites) == 3
     assert all(s.fp8 and all(isinstance(d, str) for d in s.shape) for s in report.sites)
 
-    all_symbolic = [s for ctx in GRAPHS[0].contexts.values() for s in ctx.sites]
+    all_symbolic = [s for ctx in loka_compile.state_of(compiled).records[0].contexts.values() for s in ctx.sites]
     assert len(all_symbolic) == 3
     for site in all_symbolic:  # no dim to compare with min_gemm_dim: decided, not crashed
         assert dispatch.decide(site, LokaConfig(recipe="rowwise", min_gemm_dim=64), "fp8", {}).reason is Reason.FP8
@@ -248,7 +248,7 @@ def test_observer_skips_an_empty_product():
         torch.ops.loka.observe_gemm(torch.randn(8, 32), torch.randn(32, 16), "full", "rowwise", "e4m3", "e4m3")
     finally:
         from loka_compile import probe
-        ops.set_observer_sink(probe.STORE.record)
+        ops.set_observer_sink(probe.deliver)
     assert seen == ["full"]
 
 
@@ -286,9 +286,11 @@ def test_reset_forgets_verdicts():
     model = Lin()
     x = torch.randn(32, 32)
     with torch.no_grad():
-        out = torch.compile(model, backend="loka", options={"probe_steps": 0})(x)
+        compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+        out = compiled(x)
         ref = model(x)
-    assert [(s.key, s.reason) for s in loka_compile.report().sites] == [("g0/inference/addmm", "fp8")]
+    assert [(s.key.split("/", 1)[1], s.reason) for s in loka_compile.report(compiled).sites] == \
+        [("inference/addmm", "fp8")]
     assert not torch.equal(out, ref) and sqnr_db(ref, out) > OUTPUT_SQNR_FLOOR_DB  # FP8 ran
 
 
@@ -335,14 +337,15 @@ def test_a_pass_failing_after_lower_leaves_no_rewrite(monkeypatch, caplog):
     reference = copy.deepcopy(model)
     x = torch.randn(32, 64)
     with caplog.at_level(logging.WARNING, logger="loka"):
-        out = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})(x)
+        compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
+        out = compiled(x)
         out.square().sum().backward()
     ref = reference(x)
     ref.square().sum().backward()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for p, p_ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5)
-    report = loka_compile.report()
+    report = loka_compile.report(compiled)
     assert len(report.sites) == 5 and all(s.reason == "graph_fallback" and not s.fp8 for s in report.sites)
     assert all("synthetic failure" in s.detail for s in report.sites)
     assert not report.graph_modules
@@ -354,23 +357,24 @@ def test_a_failing_backward_falls_back_alone(monkeypatch):
     backward's sites are all reported, in high precision, with the failure."""
     _with_failing_pass(monkeypatch, {"backward"})
     model = _mlp()
-    out = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})(torch.randn(32, 64))
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
+    out = compiled(torch.randn(32, 64))
     out.square().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    report = loka_compile.report()
+    report = loka_compile.report(compiled)
     by_kind = {kind: [s for s in report.sites if s.kind == kind] for kind in ("forward", "backward")}
     assert len(by_kind["forward"]) == 2 and all(s.reason == "fp8" for s in by_kind["forward"])
     assert len(by_kind["backward"]) == 3 and all(s.reason == "graph_fallback" for s in by_kind["backward"])
-    assert set(report.graph_modules) == {"g0/forward"}
+    assert set(report.graph_modules) == {f"{report.graphs[0].name}/forward"}
 
 
 def _first_run_fails(monkeypatch):
     """Graphs compiled with loka's pass compile, then raise a RuntimeError at their first run (as
     Inductor's multi-kernel did on the H100, 2026-11-24, timing its sub-kernels at a
     calibrated graph's first call); later runs and graphs compiled without loka are real."""
-    from loka_compile import backend
+    from loka_compile import compiled_graph
 
-    real = backend.compile_fx
+    real = compiled_graph.compile_fx
 
     def compile_fx(gm, example_inputs, **kwargs):
         compiled = real(gm, example_inputs, **kwargs)
@@ -385,7 +389,7 @@ def _first_run_fails(monkeypatch):
             return compiled(*args)
         return first_run_fails
 
-    monkeypatch.setattr(backend, "compile_fx", compile_fx)
+    monkeypatch.setattr(compiled_graph, "compile_fx", compile_fx)
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
@@ -429,19 +433,23 @@ def test_a_trained_model_keeps_none_of_its_inputs(monkeypatch, options, first_ru
     assert [ref() is None for ref in alive] == [True] * 5
     report = loka_compile.report(compiled)
     assert all((s.reason == "graph_fallback") == first_run_fails for s in report.sites)
+    assert loka_compile.state_of(compiled).counters["first_run_fallbacks"] == int(first_run_fails)
+    # the fallback changed every decided site's decision, each change an amendment by it
+    assert bool([a for s in report.sites for a in s.amendments if a.by == "fallback"]) == first_run_fails
     # nor the rows its probe window sampled (on the device: up to ~4 MB per site)
-    held = {(key, which): stats["reservoir_rows"] for key in probe.STORE.keys()
-            for which, stats in probe.STORE.summary(key).get("operands", {}).items()}
+    store = loka_compile.state_of(compiled).store
+    held = {(key, which): stats["reservoir_rows"] for key in store.keys()
+            for which, stats in store.summary(key).get("operands", {}).items()}
     assert len(held) == (0 if "probe_steps" in options else 10) and not any(held.values()), held
 
 
 def test_a_first_run_that_fails_without_loka_too_is_raised_and_changes_nothing(monkeypatch):
     """An error the graph raises compiled without loka as well is not loka's: the caller
     gets it, and the graph keeps its FP8 variant for the next call."""
-    from loka_compile import backend
+    from loka_compile import compiled_graph
 
     _first_run_fails(monkeypatch)
-    real = backend.compile_fx
+    real = compiled_graph.compile_fx
     plain_runs = []
 
     def plain_fails_once(gm, example_inputs, **kwargs):
@@ -454,7 +462,7 @@ def test_a_first_run_that_fails_without_loka_too_is_raised_and_changes_nothing(m
             raise ValueError("bad input")
         return run
 
-    monkeypatch.setattr(backend, "compile_fx", plain_fails_once)
+    monkeypatch.setattr(compiled_graph, "compile_fx", plain_fails_once)
     compiled = torch.compile(_mlp(), backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
     with torch.no_grad():
         with pytest.raises(ValueError, match="bad input"):

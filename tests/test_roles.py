@@ -21,8 +21,8 @@ def _step(fn, *inputs):
     """One forward and backward of `fn` under loka; every site of the report."""
     compiled = torch.compile(fn, backend="loka", options={"probe_steps": 0})
     compiled(*inputs).float().pow(2).sum().backward()
-    sites = loka_compile.report().sites
-    print(loka_compile.report().table())  # shown on failure
+    sites = loka_compile.report(compiled).sites
+    print(loka_compile.report(compiled).table())  # shown on failure
     return sites
 
 

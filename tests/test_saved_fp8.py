@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
+import loka_compile.inductor_passes
 from loka_compile.passes import Decision, Reason
 from loka_compile.passes.mods import saved_fp8
 from loka_compile.passes.find_sites import SAVED_IN_FP8, operands, saved_operand
@@ -46,13 +47,13 @@ def fp32_grads(model, x):
 
 
 def fp8_inputs(report, kind):
-    gm = report.graph_modules[f"g0/{kind}"]
+    gm = report.graph_modules[f"{report.graphs[0].name}/{kind}"]
     return [n.name for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
             and n.meta["val"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
 
 
-def record():
-    return loka_compile.backend.GRAPHS[-1].mod_results["saved_fp8"]
+def record(report):
+    return report.mod_results["saved_fp8"][-1]
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def tower_runs():
     torch.manual_seed(0)
     model, x = Tower().to(torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
     on = train_step(model, x, mods=ALONE)
-    saved = record()
+    saved = record(on[2])
     off = train_step(model, x, mods=ALONE + ("saved_fp8",))
     return {"model": model, "x": x, "ref": fp32_grads(model, x), "on": on, "saved": saved, "off": off}
 
@@ -114,7 +115,7 @@ def test_a_gemm_output_is_kept_as_its_fp8_copy():
     x = torch.randn(128, 64, dtype=torch.bfloat16)
     ref = fp32_grads(model, x)
     _, on, report = train_step(model, x, mods=ALONE)
-    assert [o.outcome for o in record().operands] == ["fp8"]
+    assert [o.outcome for o in record(report).operands] == ["fp8"]
     _, off, report_off = train_step(model, x, mods=ALONE + ("saved_fp8",))
     assert report.mods["saved_fp8"] == 1
     assert len(fp8_inputs(report, "backward")) == 1 and not fp8_inputs(report_off, "backward")
@@ -158,8 +159,8 @@ def test_default_recipe_saves_the_activation_operands_of_batched_dgrads():
     # the default recipe keeps weight gradients bf16: only the bmm's dgrads read FP8 copies
     assert all(not s.fp8 for s in report.sites if s.role == "wgrad")
     assert len(saved) == 3 and all(name.split(":")[1].startswith("dgrad") for name, _ in saved)
-    assert all(o.outcome == "fp8" for o in record().operands)
-    assert record().declined["read_by_other_ops"] >= 1  # p, which softmax's backward reads
+    assert all(o.outcome == "fp8" for o in record(report).operands)
+    assert record(report).declined["read_by_other_ops"] >= 1  # p, which softmax's backward reads
     for g_on, g_ref in zip(on, ref):
         assert rel_error(g_on.float(), g_ref) <= ATTENTION_GRAD_REL_ERROR
 
@@ -180,14 +181,14 @@ class Reused(nn.Module):
 def test_an_activation_the_backward_reads_anyway_is_declined():
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     _, _, report = train_step(Reused().to(torch.bfloat16), x)
-    assert record().declined["read_by_other_ops"] == 1
+    assert record(report).declined["read_by_other_ops"] == 1
     assert report.mods["saved_fp8"] == 0
 
 
 def test_padded_operands_are_declined():
     model = nn.Sequential(nn.Linear(64, 72), nn.Linear(72, 32)).to(torch.bfloat16)
     _, _, report = train_step(model, torch.randn(64, 64, dtype=torch.bfloat16))
-    assert record().declined["padded"] >= 1
+    assert record(report).declined["padded"] >= 1
     assert report.mods["saved_fp8"] == 0
 
 
@@ -251,7 +252,7 @@ def test_a_site_then_kept_in_high_precision_says_what_it_reads(tower, monkeypatc
     high precision (where the speed check's timings differ): the GEMM reads the FP8 copy,
     and the report and the log say so."""
     model, x = tower
-    decide = loka_compile.backend._decide
+    decide = loka_compile.inductor_passes._decide
 
     def keep_saved_sites_high_precision(site, **kwargs):
         a, b, _, _ = operands(site.node)
@@ -259,7 +260,7 @@ def test_a_site_then_kept_in_high_precision_says_what_it_reads(tower, monkeypatc
             return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, detail="forced by the test")
         return decide(site, **kwargs)
 
-    monkeypatch.setattr(loka_compile.backend, "_decide", keep_saved_sites_high_precision)
+    monkeypatch.setattr(loka_compile.inductor_passes, "_decide", keep_saved_sites_high_precision)
     ref = fp32_grads(model, x)
     _, grads, report = train_step(model, x)
     kept = {s.module: s for s in report.sites if s.role == "wgrad" and not s.fp8}
@@ -298,7 +299,7 @@ def test_a_failing_rewrite_leaves_the_joint_graph_as_written(tower_runs, monkeyp
         real(found, fused_casts, result)
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(loka_compile.backend, "save_fp8_operands", fail_after_rewriting)
+    monkeypatch.setattr(loka_compile.inductor_passes, "save_fp8_operands", fail_after_rewriting)
     _, grads, report = train_step(model, x)
     assert "saved_fp8 Mod failed on the joint graph" in caplog.text
     assert report.mods["saved_fp8"] == 0

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
+import loka_compile.inductor_passes
 from loka_compile.passes import Decision, Reason
 from loka_compile.passes.mods import weight_both_layouts
 from loka_compile.passes.find_sites import WEIGHT_BOTH_LAYOUTS, operands
@@ -54,11 +55,13 @@ def step(model, inputs, mods=(), **options):
     out = compiled(*inputs)
     out.float().square().mean().backward()
     grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
-    return out, grads, loka_compile.report(compiled), loka_compile.backend.GRAPHS[-1].mod_results.get("weight_both_layouts")
+    return out, grads, loka_compile.report(compiled), \
+        loka_compile.state_of(compiled).records[-1].mod_results.get("weight_both_layouts")
 
 
 def ops_in(report, kind) -> list:
-    return [str(n.target) for n in report.graph_modules[f"g0/{kind}"].graph.nodes if n.op == "call_function"]
+    return [str(n.target) for n in report.graph_modules[f"{report.graphs[0].name}/{kind}"].graph.nodes
+            if n.op == "call_function"]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,7 @@ def test_the_backward_reads_the_saved_copies_not_the_weights(ranker_runs):
     report_on, report_off = ranker_runs["on"][2], ranker_runs["off"][2]
 
     def backward_inputs(report):
-        gm = report.graph_modules["g0/backward"]
+        gm = report.graph_modules[f"{report.graphs[0].name}/backward"]
         return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"
                 and isinstance(n.meta.get("val"), torch.Tensor)]
 
@@ -209,7 +212,7 @@ def test_declines(ranker_runs):
     trained = copy.deepcopy(model)
     compiled = torch.compile(trained, backend="loka", options=dict(recipe="rowwise", probe_steps=1))
     compiled(u, v).float().sum().backward()  # the probe window's call
-    assert "weight_both_layouts" not in loka_compile.backend.GRAPHS[-1].mod_results
+    assert "weight_both_layouts" not in loka_compile.state_of(compiled).records[-1].mod_results
 
 
 def test_a_failing_rewrite_leaves_the_joint_graph_as_written(ranker_runs, monkeypatch, caplog):
@@ -228,14 +231,14 @@ def test_a_gemm_then_kept_in_high_precision_reads_the_weight_as_written(ranker_r
     """The joint graph's decision took the dgrads for FP8, the backward graph's keeps them
     in high precision (where the speed check's timings differ): they read the weights
     themselves, not the FP8 copies, and their gradients are bf16's."""
-    decide = loka_compile.backend._decide
+    decide = loka_compile.inductor_passes._decide
 
     def keep_shared_dgrads_high_precision(site, **kwargs):
         if site.role.value == "dgrad" and weight_both_layouts.is_weight_layout(operands(site.node)[1]):
             return Decision(fp8=False, reason=Reason.SLOWER_THAN_BF16, detail="forced by the test")
         return decide(site, **kwargs)
 
-    monkeypatch.setattr(loka_compile.backend, "_decide", keep_shared_dgrads_high_precision)
+    monkeypatch.setattr(loka_compile.inductor_passes, "_decide", keep_shared_dgrads_high_precision)
     _, grads, report, layouts = step(ranker_runs["model"], ranker_runs["batch"])
     dgrads = {s.module: s for s in report.sites if s.role == "dgrad"}
     assert not dgrads["fc1"].fp8 and not dgrads["fc2"].fp8

@@ -43,7 +43,7 @@ def test_inference_weights_are_graph_constants_not_casts():
     report = loka_compile.report(compiled)
     assert len(_cached(report)) == 3 and all(s.fp8 for s in report.sites)
     assert report.mods["cached_weights"] == 3 and report.mods["standalone_casts"] == 1  # fc1's input
-    gm = report.graph_modules["g0/inference"]
+    gm = report.graph_modules[f"{report.graphs[0].name}/inference"]
     constants = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_loka_cached")]
     assert len(constants) == 6  # an FP8 operand and its scales per weight
     weights = {n for n in gm.graph.nodes if n.op == "placeholder"
@@ -60,12 +60,13 @@ def test_cached_weights_match_in_graph_casts():
     """The eager cast that fills the constants is the recipe the graph would run."""
     model = MLPWithNorm().eval()
     x = torch.randn(32, 64)
-    cached = _infer(torch.compile(model, backend="loka", options={"probe_steps": 0}), x)
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+    cached = _infer(compiled, x)
     torch._dynamo.reset()
     in_graph = _infer(torch.compile(model, backend="loka",
                                     options={"probe_steps": 0, "disabled_mods": ["cached_weights"]}), x)
     assert rel_error(in_graph, cached) < 1e-2
-    assert loka_compile.report().mods["cached_weights"] == 3  # the first graph's; the second has none
+    assert loka_compile.report(compiled).mods["cached_weights"] == 3
 
 
 def test_disabled_mod_casts_weights_in_the_graph():
@@ -198,7 +199,7 @@ def test_functional_call_with_new_parameters_is_not_stale():
         out = step(other, x)
         reference = torch.func.functional_call(module, other, (x,))
     assert sqnr_db(reference, out) > OUTPUT_SQNR_FLOOR_DB
-    assert len(loka_compile.report().cached_weights) == 3
+    assert len(loka_compile.report(step).cached_weights) == 3
 
 
 @torch.library.custom_op("loka_test::opaque_gemm", mutates_args=())

@@ -410,8 +410,8 @@ def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
     log.info("loka: %s: %s", MOD, note)
     for member, decision in zip(members, decisions):
         if not decision.fp8:
-            ctx.decisions[member.key] = dataclasses.replace(
-                decision, fp8=True, reason=Reason.FP8, detail="; ".join(filter(None, (decision.detail, note))))
+            ctx.amend(member, MOD.name, note, fp8=True, reason=Reason.FP8,
+                      detail="; ".join(filter(None, (decision.detail, note))))
     return True
 
 def _norm_declines(chain: Chain, decision, order: dict) -> Optional[str]:

@@ -1,0 +1,182 @@
+"""Inductor's compile of one ATen graph under loka: through the FX graph cache where it is on
+(`graph_cache`), made whole or not at all (a failure compiles the untouched graph without loka);
+and which inputs of a Dynamo graph are weights."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import operator
+import unittest.mock
+
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor import fx_utils
+from torch._inductor.compile_fx import compile_fx_inner
+
+from loka_compile import graph_cache
+from loka_compile.fallback import _error_text, _forget_rewrite, _is_dynamo_control, _warn_fallback
+from loka_compile.inductor_passes import LokaPostGradPass
+from loka_compile.passes import graph_kind, GraphKind
+from loka_compile.passes.mods.cached_weights import check_after_call, RefreshingGraph, WeightCache
+from loka_compile.passes.mods.weight_both_layouts import strip as strip_weight_layouts
+from loka_compile.state import GraphRecord
+
+
+log = logging.getLogger("loka")
+
+
+def _constants_reach_custom_ops(example_inputs):
+    """Inductor re-runs a custom op (a provider's GEMM) on its inputs' example values to
+    find its output layout, and a graph constant's example value is the real tensor: the
+    cached_weights Mod's FP8 weights. Inductor's own freezing allows real inputs in its fake
+    mode for the same reason."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        return contextlib.nullcontext()
+    return unittest.mock.patch.object(fake_mode, "allow_non_fake_inputs", True)
+
+
+def _storage_or_identity(tensor: torch.Tensor) -> int:
+    """Inductor's `fx_utils.get_storage`, also for tensors without a storage (sparse
+    gradients of `sparse=True` embeddings), which get a key of their own (negative, so it
+    never equals a storage address). Inductor's fake-tensor update after the post-grad
+    custom pass compares storages of every node downstream of a rewritten one; the
+    original raises for a sparse tensor."""
+    if torch._C._has_storage(tensor):
+        return tensor.untyped_storage()._cdata
+    return -id(tensor)
+
+
+def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, kind: GraphKind,
+                    retry: bool = True, **kwargs):
+    """`compile_fx_inner` through Inductor's FX graph cache where it is on (`graph_cache`).
+    A miss keeps the digest of the graph loka's pass made; a hit runs the post-grad passes
+    again, so that loka's pass records the graph's sites and decisions as on a miss, and
+    is used when the graph they make has the digest kept. Otherwise the entry is dropped
+    and the graph compiled again, and cached anew (`retry`; else without the cache)."""
+    loka_pass = inductor_config.post_grad_custom_post_pass
+    if not isinstance(loka_pass, LokaPostGradPass) or not inductor_config.fx_graph_cache:
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    why = graph_cache.bypass_reason(loka_pass.phase, kind, record.config.inactive_mods, loka_pass.param_input_indices)
+    if why is not None:
+        log.debug("%s/%s (%s): FX graph cache bypassed: %s", record.name, kind.value, loka_pass.phase, why)
+        with inductor_config.patch(fx_graph_cache=False):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+    slot = (loka_pass.phase, kind)
+    before = record.contexts.get(slot), record.graph_modules.get(slot)
+    loka_pass.digests.pop(kind, None)
+    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    tracing = torch._guards.TracingContext.try_get()
+    strides = list(tracing.output_strides or ()) if tracing is not None else []
+    compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    key = getattr(compiled, "_fx_graph_cache_key", None)
+    if key is None:
+        return compiled
+    if torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] == hits:  # a miss: loka's pass ran
+        if kind in loka_pass.digests:
+            graph_cache.save(key, loka_pass.digests.pop(kind))
+        return compiled
+    why = "no digest kept for it"
+    kept = graph_cache.load(key)
+    if kept is not None:
+        try:
+            graph_cache.post_grad_passes(gm, example_inputs, kwargs.get("is_inference", False))
+        except Exception as error:  # noqa: BLE001  (the compile below meets it again, and falls back)
+            why = f"running the post-grad passes again failed: {type(error).__name__}: {error}"
+        else:
+            if loka_pass.digests.pop(kind, None) == kept:
+                log.debug("%s/%s (%s): FX graph cache hit; sites recorded again", record.name, kind.value,
+                          loka_pass.phase)
+                return compiled
+            why = "loka's passes make another graph now"
+    log.info("loka: %s/%s (%s): FX graph cache entry not used (%s); compiled again", record.name, kind.value,
+             loka_pass.phase, why)
+    for table, value in zip((record.contexts, record.graph_modules), before):
+        if value is None:
+            table.pop(slot, None)
+        else:
+            table[slot] = value
+    # The hit's post-compile step handed its output strides to Dynamo's tracing context,
+    # which takes one graph's.
+    tracing = torch._guards.TracingContext.try_get()
+    if tracing is not None and tracing.output_strides is not None:
+        tracing.output_strides[:] = strides
+    if retry and graph_cache.drop_inductor_entry(key):
+        return _compile_cached(gm, example_inputs, record, kind, retry=False, **kwargs)
+    with inductor_config.patch(fx_graph_cache=False):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, **kwargs):
+    """Inductor's compile of one ATen graph (forward, backward, inference), made whole or
+    not at all: if it fails once loka's pass has rewritten the graph (in the pass or in
+    Inductor after it, e.g. on sparse gradients), the untouched copy is compiled again
+    without loka, and only that graph's sites are reported as fallen back. Inductor calls
+    this for the lazily compiled backward too, so the fallback covers every graph."""
+    pristine = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node meta is shared, not copied
+    try:
+        with _constants_reach_custom_ops(example_inputs), \
+                unittest.mock.patch.object(fx_utils, "get_storage", _storage_or_identity):
+            compiled = _compile_cached(gm, example_inputs, record, graph_kind(pristine.graph), **kwargs)
+    except Exception as error:
+        if not record.config.fallback or _is_dynamo_control(error):
+            raise
+        kind = graph_kind(pristine.graph)
+        why = f"{kind.value} graph: {_error_text(error)}"
+        record.fallen_back[kind] = why
+        _forget_rewrite(record, why, kind=kind)
+        _warn_fallback(record, why, whole_graph=False)
+        _, left = strip_weight_layouts(pristine.graph)  # the joint graph's rewrite: weights as written
+        if left:
+            log.warning("loka: %s: %d GEMM(s) of the %s graph run in high precision on the FP8 copy of a "
+                        "computed weight the forward saved", record.name, left, kind.value)
+        pristine.recompile()
+        with inductor_config.patch(post_grad_custom_post_pass=None):
+            return compile_fx_inner(pristine, example_inputs, **kwargs)
+    ctx = next((record.contexts[key] for key, module in record.graph_modules.items() if module is gm), None)
+    if ctx is not None and ctx.cached_weights:
+        return RefreshingGraph(compiled, WeightCache(ctx.cached_weights), check_after_call(gm.graph, example_inputs))
+    return compiled
+
+
+# Dynamo-graph ops that take a weight as their second argument, and ops a weight passes
+# through on its way there.
+_WEIGHT_TAKERS = {torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.mm, operator.matmul}
+
+
+_WEIGHT_VIEWS = {"t", "transpose", "permute", "to", "float", "half", "bfloat16", "contiguous", "view", "reshape"}
+
+
+def _used_as_weight(node: torch.fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "call_function" and user.target in _WEIGHT_TAKERS and len(user.args) > 1 \
+                    and user.args[1] is current:
+                return True
+            name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+            if user.op in ("call_method", "call_function") and name in _WEIGHT_VIEWS:
+                stack.append(user)
+    return False
+
+
+def weight_input_indices(gm: torch.fx.GraphModule, example_inputs) -> frozenset:
+    """Inputs of a Dynamo graph that are weights, whose gradients are wgrad: parameters,
+    and leaf tensors that require grad and reach a linear's or a matmul's second operand
+    (`torch.func.functional_call` passes parameters as plain tensors), with at most 2 dims
+    (a 3-D leaf multiplied by its own transpose is an interaction, not a weight)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = set()
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, torch.nn.Parameter):
+            found.add(i)
+        elif isinstance(value, torch.Tensor) and value.is_leaf and value.requires_grad and value.dim() <= 2 \
+                and _used_as_weight(node):
+            found.add(i)
+    return frozenset(found)
