@@ -66,7 +66,7 @@ BAD_OPTIONS = [
     ({"fallback": "no"}, "fallback must be a bool"),
     ({"mode": "turbo"}, "valid modes"),
     ({"mode": None}, "valid modes"),
-    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cat_casts', 'cached_weights', 'gemm_epilogue', 'gemm_norm', 'weight_both_layouts', 'saved_fp8', 'horizontal', 'conv1x1', 'transposed_linear', 'benchmarked_reductions', 'aligned_gemms'\]"),
+    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cat_casts', 'cached_weights', 'gemm_epilogue', 'gemm_norm', 'weight_both_layouts', 'saved_fp8', 'horizontal', 'conv1x1', 'batched_matvec', 'transposed_linear', 'benchmarked_reductions', 'aligned_gemms'\]"),
     ({"disabled_mods": "pad"}, r"disabled_mods must be a list or tuple of names from \['fused_casts'"),
     ({"disabled_mods": None}, "disabled_mods must be a list or tuple"),
     ({"enabled_mods": ["pad"]}, r"valid enabled_mods: \['layernorm_backward'\]"),
@@ -113,7 +113,7 @@ def test_good_values_are_normalized():
     assert LokaConfig().disabled_mods == () and LokaConfig().arch_mods == ()
     assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == \
         {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
-         "conv1x1", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm",
+         "conv1x1", "batched_matvec", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm",
          "weight_both_layouts"}
 
 
