@@ -22,6 +22,14 @@ class Role(str, enum.Enum):
     WGRAD = "wgrad"
 
 
+class Phase(str, enum.Enum):
+    """Which variant of a graph runs: the probe one (observers, high-precision GEMMs) while the
+    Probe learns, then the FP8 one. Plans and JSON hold the value."""
+
+    PROBE = "probe"
+    FP8 = "fp8"
+
+
 class GraphKind(str, enum.Enum):
     FORWARD = "forward"      # training forward (AOT "primals")
     BACKWARD = "backward"    # training backward (AOT "tangents")
@@ -138,7 +146,7 @@ class PassContext:
 
     graph: str
     kind: GraphKind
-    phase: str                                   # "probe" or "fp8"
+    phase: Phase
     param_input_indices: frozenset               # forward inputs that are parameters
     decide: Callable[..., Decision]              # (site, a_static=bool) -> Decision
     inactive_mods: frozenset = frozenset()      # names of Mods that do not run (LokaConfig.inactive_mods)
@@ -168,6 +176,9 @@ class PassContext:
     # site id -> (A's, B's) largest amax in the window (None: not measured).
     amax_guard_prefix: str = ""
     window_amax: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.phase = Phase(self.phase)  # its value ("probe", "fp8") names it too; anything else raises
 
     def amend(self, site: Site, by: str, why: str, decision: Optional[Decision] = None, **changes) -> Decision:
         """Change a site's decision (its stored one, or `decision` before it is stored): the one

@@ -19,7 +19,7 @@ import loka_compile
 from graphs import (OUTPUT_SQNR_DB, assert_no_loss, calibrated_plan, compile_with, inference_graph,
                     run_lowering, with_and_without)
 from loka_compile import LokaConfig, dispatch
-from loka_compile.passes import PIPELINE, GraphKind, PassContext
+from loka_compile.passes import PIPELINE, GraphKind, PassContext, Phase
 from loka_compile.passes.mods.gemm_epilogue import EPILOGUE_CAST
 from numerics import sqnr_db
 
@@ -123,8 +123,8 @@ def dispatched_mlp() -> PassContext:
     every A with a static scale: what plan_chains reads."""
     gm = inference_graph(mlp, torch.randn(32, 64, dtype=torch.bfloat16), *weights())
     config = LokaConfig(recipe="rowwise")
-    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
-                      decide=functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={}),
+    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase=Phase.FP8, param_input_indices=frozenset(),
+                      decide=functools.partial(dispatch.decide, config=config, phase=Phase.FP8, unsafe_sites={}),
                       inactive_mods=config.inactive_mods, providers=config.providers,
                       static_a_scales={f"inference/<root>:fwd#{i}": {"scale": 0.01, "policy": "amax"}
                                        for i in (1, 2, 3)})

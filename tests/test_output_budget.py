@@ -570,7 +570,7 @@ def _closing_floor(compiled, *args):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_the_measured_floor_of_a_graph_with_bf16_casts_is_its_own_bf16_against_fp32(store):
+def test_the_measured_floor_of_a_graph_with_bf16_casts_is_its_own_bf16_against_fp32():
     """`.to(torch.bfloat16)` into bf16 parameters, `.float()` out: the floor is measured (the
     eager runs used to fail on mixed dtypes) and equals the same model's bf16 output against
     the model built in fp32, computed here independently."""
@@ -587,7 +587,7 @@ def test_the_measured_floor_of_a_graph_with_bf16_casts_is_its_own_bf16_against_f
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_the_measured_floor_of_an_autocast_graph_is_autocast_against_fp32(store):
+def test_the_measured_floor_of_an_autocast_graph_is_autocast_against_fp32():
     torch.manual_seed(0)
     model, x = AutocastTower(), torch.randn(128, 64)
     floor = _closing_floor(torch.compile(model, backend="loka", options={"recipe": "rowwise"}), x)

@@ -8,7 +8,7 @@ import torch
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 from loka_compile import LokaConfig, dispatch, speed
-from loka_compile.passes import GraphKind, PassContext, Reason, Role, graph_kind, run_passes
+from loka_compile.passes import GraphKind, PassContext, Phase, Reason, Role, graph_kind, run_passes
 from loka_compile.passes.context import Candidate
 from loka_compile.passes.dispatch_sites import dispatch_sites
 from loka_compile.passes.find_sites import clean_module_path, find_sites
@@ -36,7 +36,7 @@ def linear_relu_linear(x, w1, b1, w2):
     return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)), w2)
 
 
-def make_ctx(graph, phase="fp8", params=frozenset(), config=None, unsafe=None):
+def make_ctx(graph, phase=Phase.FP8, params=frozenset(), config=None, unsafe=None):
     config = config or LokaConfig(recipe="rowwise")
     decide = functools.partial(dispatch.decide, config=config, phase=phase, unsafe_sites=unsafe or {})
     return PassContext(graph="t", kind=graph_kind(graph), phase=phase, param_input_indices=params, decide=decide,
@@ -207,7 +207,7 @@ class TestLower:
 class TestProbe:
     def test_probe_phase_inserts_observers_and_keeps_gemms(self, mlp_graphs):
         fwd, _ = mlp_graphs
-        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase="probe"))
+        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase=Phase.PROBE))
         assert ctx.changes["probe"] == 2 and ctx.changes["lower"] == 0
         assert targets(fwd.graph).count(torch.ops.loka.observe_gemm.default) == 2
         assert aten.addmm.default in targets(fwd.graph)
@@ -219,7 +219,7 @@ class TestProbe:
 
     def test_fp8_phase_inserts_no_observers(self, mlp_graphs):
         fwd, _ = mlp_graphs
-        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase="fp8"))
+        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase=Phase.FP8))
         assert ctx.changes["probe"] == 0
         assert torch.ops.loka.observe_gemm.default not in targets(fwd.graph)
 
@@ -228,7 +228,7 @@ class TestProbe:
         ctx = make_ctx(fwd.graph)
         find_sites(fwd.graph, ctx)
         first = ctx.sites[0].key
-        ctx.decide = functools.partial(dispatch.decide, config=LokaConfig(recipe="rowwise"), phase="fp8",
+        ctx.decide = functools.partial(dispatch.decide, config=LokaConfig(recipe="rowwise"), phase=Phase.FP8,
                                        unsafe_sites={first: 0.5})
         dispatch_sites(fwd.graph, ctx)
         assert ctx.decisions[first].reason is Reason.PROBE_UNSAFE
