@@ -38,8 +38,8 @@ class OutputBudgetWindow:
                 if kind is not GraphKind.BACKWARD and kind not in record.fallen_back
                 and not record.fallback and ctx.perturb_outputs
                 for site in ctx.sites
-                if site.role is Role.FWD and site.key in ctx.decisions
-                and ctx.decisions[site.key].reason is Reason.PROBING and record.store.observed(site.key)}
+                if site.role is Role.FWD and site.id in ctx.decisions
+                and ctx.decisions[site.id].reason is Reason.PROBING and record.store.observed(site.key)}
 
     def _budget_reference(self, args):
         """(side runs, reference outputs) of the probe variant on the closing call's
@@ -307,7 +307,7 @@ class OutputBudgetWindow:
             if kind is GraphKind.BACKWARD or kind in record.fallen_back or record.fallback:
                 continue
             for site in ctx.sites:
-                decision = ctx.decisions.get(site.key)
+                decision = ctx.decisions.get(site.id)
                 if decision is None or not decision.fp8 or site.id not in budget.sensitivity:
                     continue
                 candidate = loka_ops.candidate_name(decision.scaling, decision.a_format, decision.b_format)

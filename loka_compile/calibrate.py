@@ -158,7 +158,7 @@ def _static_scales(record, plan: Plan, config: LokaConfig, policy: str, percenti
     row_errors = {}
     if probed is None or final is None:
         return row_errors
-    decisions = {s.id: final.decisions.get(s.key) for s in final.sites}
+    decisions = {s.id: final.decisions.get(s.id) for s in final.sites}
     for site in probed.sites:
         decision = decisions.get(site.id)
         summary = record.store.summary(site.key)

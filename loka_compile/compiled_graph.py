@@ -32,7 +32,7 @@ from loka_compile.fallback import _error_text, _forget_rewrite, _is_dynamo_contr
 from loka_compile.inductor_compile import _inner_compile, weight_input_indices
 from loka_compile.inductor_passes import _inductor_patches, LokaPostGradPass, _verdict_signature
 from loka_compile.kernels import ops as loka_ops
-from loka_compile.passes import Decision, GraphKind, Phase, Reason
+from loka_compile.passes import Amendment, Decision, GraphKind, Phase, Reason
 from loka_compile.ranks import decide_once
 from loka_compile.state import GraphRecord, LokaState
 
@@ -197,10 +197,10 @@ class LokaCompiledGraph(OutputBudgetWindow):
         _warn_fallback(record, why)
         for ctx in record.contexts.values():
             for site in ctx.sites:
-                if site.key in ctx.decisions:
+                if site.id in ctx.decisions:
                     ctx.amend(site, "fallback", why, fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
                 else:
-                    ctx.decisions[site.key] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
+                    ctx.decisions[site.id] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
         record.graph_modules.clear()
         record.store.release_samples(probe_site_keys(record))
         self.state.counters["first_run_fallbacks"] += 1
@@ -285,9 +285,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
 
     def _observed_sites(self) -> dict:
         """key -> (site id, own scaling) of the sites the probe variant observes."""
-        return {site.key: (site.id, ctx.decisions[site.key].scaling)
+        return {site.key: (site.id, ctx.decisions[site.id].scaling)
                 for ctx in self.record.contexts_of(Phase.PROBE).values() for site in ctx.sites
-                if site.key in ctx.decisions and ctx.decisions[site.key].reason is Reason.PROBING}
+                if site.id in ctx.decisions and ctx.decisions[site.id].reason is Reason.PROBING}
 
     def _recheck_call(self, args):
         """One call through the probe variant, its observations the only ones the store
@@ -352,6 +352,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
             plan.history.setdefault(sid, []).append(
                 {"step": step + 1, "observed_at": step, "graph": record.name, "from": before, "to": after,
                  "change": "demoted" if demoted else "promoted", "detail": steps})
+            record.verdict_amendments.append(Amendment(sid, "re-check", steps, (("verdict", before, after),)))
             log.log(logging.WARNING if demoted else logging.INFO,
                     "loka re-check: %s site %s %s %s -> %s from call %d (%s)", record.name, sid,
                     "demoted" if demoted else "promoted", before, after, step + 1, steps)
@@ -364,9 +365,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
         """site id -> (a_format, b_format) of the observed sites the verdicts keep in their
         own scaling, for the amax guard (it acts on those that run tensorwise)."""
         plan = self.record.plan
-        return {site.id: (ctx.decisions[site.key].a_format, ctx.decisions[site.key].b_format)
+        return {site.id: (ctx.decisions[site.id].a_format, ctx.decisions[site.id].b_format)
                 for ctx in self.record.contexts_of(Phase.PROBE).values() for site in ctx.sites
-                if site.key in ctx.decisions and site.id not in plan.unsafe and site.id not in plan.upgraded}
+                if site.id in ctx.decisions and site.id not in plan.unsafe and site.id not in plan.upgraded}
 
     def _check_amax_guards(self) -> None:
         """Sites whose amax guard tripped since the last call go rowwise (high precision
@@ -405,6 +406,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
             plan.history.setdefault(sid, []).append(
                 {"step": self.calls + 1, "observed_at": self.calls, "graph": record.name, "from": "tensorwise",
                  "to": after, "change": "demoted", "detail": why, "by": "amax_guard"})
+            record.verdict_amendments.append(Amendment(sid, "amax_guard", why, (("verdict", "tensorwise", after),)))
             log.warning("loka amax guard: %s site %s demoted tensorwise -> %s from call %d (%s)", record.name, sid,
                         after, self.calls + 1, why)
         log.info("%s: amax guard at call %d changed %d verdict(s); FP8 variant %s", record.name, self.calls,

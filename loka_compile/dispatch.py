@@ -84,11 +84,10 @@ def _alignment(site: Site, config: LokaConfig, hardware: bool):
 
 
 def _verdict(site: Site, *tables):
-    """A site's entry in verdict tables keyed by site id (plans) or by site key."""
+    """A site's entry in verdict tables keyed by site id (plans)."""
     for table in tables:
-        for key in (site.id, site.key):
-            if table and key and key in table:
-                return table[key]
+        if table and site.id in table:
+            return table[site.id]
     return None
 
 

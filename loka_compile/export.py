@@ -243,10 +243,10 @@ class _ExportPass(CustomGraphPass):
             log.info("loka export: %d constants (FP8 weights and their scales) computed once, here", folded)
             for ctx in self.loka_pass.record.contexts.values():
                 for site in ctx.sites:
-                    if ctx.decisions[site.key].fp8:
+                    if ctx.decisions[site.id].fp8:
                         for operand, producer in zip("ab", site.producers):
                             if producer.startswith("constant:"):
-                                site.casts[operand] = EXPORTED_WEIGHT
+                                ctx.casts.setdefault(site.id, {})[operand] = EXPORTED_WEIGHT
         foreign = sorted({str(n.target) for n in graph.nodes if n.op == "call_function"
                           and getattr(n.target, "namespace", None) == "loka"})
         if foreign:

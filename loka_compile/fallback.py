@@ -54,4 +54,4 @@ def _forget_rewrite(record: GraphRecord, why: str, kind=None, phase: Optional[Ph
     for key, ctx in record.contexts.items():
         if matches(key):
             for site in ctx.sites:
-                ctx.decisions.setdefault(site.key, Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why))
+                ctx.decisions.setdefault(site.id, Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why))

@@ -57,6 +57,9 @@ class LokaPostGradPass(CustomGraphPass):
         self.phase = phase
         self.param_input_indices = param_input_indices
         self.digests = {}  # GraphKind -> digest of the graph as the passes left it (graph_cache)
+        # Dispatch decides each site once per compile of a variant: the joint-graph Mods' call
+        # (LokaJointPass) is the decision the forward and backward graphs' passes read.
+        self.decided = DecidedOnce()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if in_higher_order_op_body():
@@ -72,7 +75,7 @@ class LokaPostGradPass(CustomGraphPass):
                           perturb_outputs=self.phase is Phase.PROBE and record.config.output_budget_on,
                           speed_check=record.config.speed_check, time_chain=speed.chain_timing,
                           providers=tuple(record.config.providers or ()))
-        ctx.decide = functools.partial(_decide, record=record, phase=self.phase, ctx=ctx)
+        ctx.decide = functools.partial(_decide, record=record, phase=self.phase, ctx=ctx, decided=self.decided)
         if self.phase is Phase.FP8 and record.amax_guards is not None:
             ctx.amax_guard_prefix, ctx.window_amax = record.amax_guards.prefix, record.amax_guards.window_amax
         # Recorded first, so that the sites of a graph whose passes fail are reported.
@@ -158,7 +161,7 @@ class LokaJointPass(CustomGraphPass):
                           inactive_mods=record.config.inactive_mods, joint=True,
                           amax_guard_prefix=guards.prefix if guards else "",
                           window_amax=guards.window_amax if guards else {})
-        ctx.decide = functools.partial(_decide, record=record, phase=phase, ctx=ctx)
+        ctx.decide = functools.partial(_decide, record=record, phase=phase, ctx=ctx, decided=self.post_grad.decided)
         return ctx
 
     def _share_weight_casts(self, graph: torch.fx.Graph) -> None:
@@ -184,15 +187,43 @@ class LokaJointPass(CustomGraphPass):
         return hashlib.sha256(f"joint|{self.post_grad.uuid()}".encode()).hexdigest()
 
 
-def _decide(site, record: GraphRecord, phase: Phase, ctx: PassContext, **kwargs) -> Decision:
-    """Dispatch's decision from the per-site verdicts; a site the output budget keeps in high
-    precision (in the plan's unsafe verdicts beside them) is then amended by the budget, with
-    its reason."""
+class DecidedOnce:
+    """Dispatch's decision per site id, made at the first `ctx.decide` of a compile and read by
+    every later one: the joint graph's Mods decide a site that the forward or backward graph
+    finds again under the same id. A site found again as another GEMM (a shape, role or operand
+    that differs) is decided afresh, logged."""
+
+    def __init__(self):
+        self._first: dict = {}  # site id -> (what the decision depends on, Decision)
+
+    @staticmethod
+    def _gemm(site, kwargs) -> tuple:
+        return (site.op, site.role, site.shape, site.batch, site.dtype, site.device, site.module, site.unit_scalars,
+                site.a_is_grad, site.b_is_grad, sorted((k, v) for k, v in kwargs.items() if v))  # a_static=False: none
+
+    def get(self, site, make, **kwargs) -> Decision:
+        gemm = self._gemm(site, kwargs)
+        first = self._first.get(site.id)
+        if first is not None and first[0] == gemm:
+            return first[1]
+        if first is not None:
+            log.info("loka: site %s is found again as another GEMM (%s, was %s); decided afresh", site.id, gemm,
+                     first[0])
+        decision = make(site, **kwargs)
+        self._first[site.id] = gemm, decision
+        return decision
+
+
+def _decide(site, record: GraphRecord, phase: Phase, ctx: PassContext, decided: DecidedOnce, **kwargs) -> Decision:
+    """Dispatch's decision from the per-site verdicts, made once per site of the compile
+    (`decided`); a site the output budget keeps in high precision (in the plan's unsafe
+    verdicts beside them) is then amended by the budget in `ctx`, with its reason."""
     kept = record.output_budget.kept if record.output_budget is not None else {}
     plan = record.plan
     if site.id in kept:
         plan = dataclasses.replace(plan, unsafe={sid: e for sid, e in plan.unsafe.items() if sid not in kept})
-    decision = dispatch.decide(site, config=record.config, phase=phase, plan=plan, **kwargs)
+    decision = decided.get(site, functools.partial(dispatch.decide, config=record.config, phase=phase, plan=plan),
+                           **kwargs)
     if site.id in kept and decision.fp8:
         decision = ctx.amend(site, "output_budget", kept[site.id], decision=decision, fp8=False,
                              reason=Reason.PROBE_UNSAFE, detail=kept[site.id])

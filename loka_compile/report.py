@@ -118,7 +118,7 @@ def _site_records(record) -> list:
     for kind in sorted(contexts, key=_KIND_ORDER.get):
         ctx = contexts[kind]
         for site in ctx.sites:
-            decision = ctx.decisions.get(site.key)
+            decision = ctx.decisions.get(site.id)
             fp8, reason = decision.fp8, decision.reason
             fell_back = record.fallback or record.fallen_back.get(kind)
             if fell_back:
@@ -134,10 +134,10 @@ def _site_records(record) -> list:
                 history=tuple(record.plan.history.get(site.id, ())),
                 verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
-                casts=dict(site.casts) if fp8 or not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
+                casts=dict(ctx.casts.get(site.id, {})) if fp8 or not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
                 padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id,
                 m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id),
-                amendments=tuple(a for a in ctx.amendments if a.site_id == site.id)))
+                amendments=record.amendments_of(site.id)))
     return rows
 
 
@@ -395,7 +395,7 @@ def plan_of(compiled) -> Plan:
             if record.fallback or record.fallen_back.get(kind):
                 continue
             for site in ctx.sites:
-                decision = ctx.decisions.get(site.key)
+                decision = ctx.decisions.get(site.id)
                 if decision is None or decision.reason in (Reason.GRAPH_FALLBACK, Reason.PROBING):
                     continue
                 entry = SitePlan.from_decision(decision, site.shape, site.dtype)

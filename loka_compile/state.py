@@ -66,6 +66,14 @@ class GraphRecord:
     output_budget_skipped: str = ""  # why the output budget did not act on this graph, when it was on
     amax_guards: Optional[AmaxGuards] = None  # the tensorwise sites' run-time amax check (amax_guard.py)
     warned: bool = False
+    # Verdict changes at run time (a re-check, a tripped amax guard), as Amendments of a site's
+    # "verdict": the variant they rebuild decides afresh, so its contexts do not show them.
+    verdict_amendments: list = dataclasses.field(default_factory=list)
+
+    def amendments_of(self, site_id: str) -> tuple:
+        """The running contexts' amendments of a site, then its verdict changes, in order."""
+        return tuple(a for ctx in self.contexts_of().values() for a in ctx.amendments if a.site_id == site_id) + \
+            tuple(a for a in self.verdict_amendments if a.site_id == site_id)
 
     def contexts_of(self, phase: Optional[Phase] = None) -> dict:
         """ATen graph kind -> PassContext of `phase` (None: the running one)."""
@@ -99,14 +107,16 @@ class LokaState:
         table = {}
         for record in self.records:
             for ctx in record.contexts_of().values():
-                table.update({site.id: ctx.decisions[site.key] for site in ctx.sites if site.key in ctx.decisions})
+                table.update({site.id: ctx.decisions[site.id] for site in ctx.sites if site.id in ctx.decisions})
         return table
 
     @property
     def amendments(self) -> list:
         """Every change to a decision after Dispatch made it (`passes.Amendment`), over every
         graph's running phase, in order."""
-        return [a for record in self.records for ctx in record.contexts_of().values() for a in ctx.amendments]
+        return [a for record in self.records
+                for a in [*(a for ctx in record.contexts_of().values() for a in ctx.amendments),
+                          *record.verdict_amendments]]
 
     def __repr__(self) -> str:
         return f"<LokaState: {len(self.records)} graph(s) {[r.name for r in self.records]}>"

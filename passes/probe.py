@@ -39,7 +39,7 @@ def probe(graph: torch.fx.Graph, ctx: PassContext) -> int:
         return 0
     inserted = 0
     for site in ctx.sites:
-        decision = ctx.decisions[site.key]
+        decision = ctx.decisions[site.id]
         if decision.reason is not Reason.PROBING:
             continue
         a, b, _, _ = operands(site.node)
