@@ -93,7 +93,9 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
             restore_original(site.node, operands(site.node)[1])
             _report_saved_operands_of_high_precision(site, ctx.casts.setdefault(site.id, {}))
             continue
-        node = _fold_batch(site.node, site.fold) if site.fold else site.node
+        if site.fold:  # the site as lowered: its GEMM is the 2-D one now (ctx.sites keeps it as found)
+            site = dataclasses.replace(site, node=_fold_batch(site.node, site.fold))
+        node = site.node
         a, b, bias, _ = operands(node)
         spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
                         decision.provider, site.dtype, decision.pad_k, decision.pad_n, fused_casts,
