@@ -17,7 +17,7 @@ import torch
 from loka_compile import output_budget, probe, ranks
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.output_budget import OutputBudget
-from loka_compile.passes import GraphKind, Reason, Role
+from loka_compile.passes import GraphKind, Phase, Reason, Role
 from loka_compile.ranks import decide_once
 
 
@@ -34,12 +34,12 @@ class OutputBudgetWindow:
         `fwd` sites of the probe variant's forward or inference graph, which carry a
         `loka.perturb` (backward sites do not reach the outputs)."""
         record = self.record
-        return {site.key: site.id for (phase, kind), ctx in record.contexts.items()
-                if phase == "probe" and kind is not GraphKind.BACKWARD and kind not in record.fallen_back
+        return {site.key: site.id for kind, ctx in record.contexts_of(Phase.PROBE).items()
+                if kind is not GraphKind.BACKWARD and kind not in record.fallen_back
                 and not record.fallback and ctx.perturb_outputs
                 for site in ctx.sites
-                if site.role is Role.FWD and site.key in ctx.decisions
-                and ctx.decisions[site.key].reason is Reason.PROBING and record.store.observed(site.key)}
+                if site.role is Role.FWD and site.id in ctx.decisions
+                and ctx.decisions[site.id].reason is Reason.PROBING and record.store.observed(site.key)}
 
     def _budget_reference(self, args):
         """(side runs, reference outputs) of the probe variant on the closing call's
@@ -53,7 +53,7 @@ class OutputBudgetWindow:
             return None
         try:
             runs = _SideRuns(args)
-            reference = runs.run(self.variants["probe"])
+            reference = runs.run(self.variants[Phase.PROBE])
         except Exception as error:  # noqa: BLE001  (the budget must never cost the model its call)
             self._skip_budget(f"running the probe variant failed ({type(error).__name__}: {error})")
             return None
@@ -137,7 +137,7 @@ class OutputBudgetWindow:
         noise floor."""
         config = self.record.config
         start = time.perf_counter()
-        variant = self.variants["probe"]
+        variant = self.variants[Phase.PROBE]
         kinds = output_budget.head_kinds(self._source.gm, config.binary_outputs) if self._source.kept else []
         if len(kinds) == len(runs.float_leaves):  # the reference run's output leaves
             kinds = [kind for kind, floating in zip(kinds, runs.float_leaves) if floating]
@@ -212,7 +212,7 @@ class OutputBudgetWindow:
             if e is None:  # no candidate statistics: the largest observed error
                 e = float(summary.get("max_rel_error", math.inf))
             error[sid], labels[sid] = e, (candidate or "own").split("/")[0]
-        site_of = {s.id: s for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for s in ctx.sites}
+        site_of = {s.id: s for ctx in self.record.contexts_of(Phase.PROBE).values() for s in ctx.sites}
         finer = output_budget.safer_scalings(summaries, error, labels, site_of, config)
         last_gemms = output_budget.last_gemm_sites(self._source.gm, site_of, sensitivity) if self._source.kept else ()
         floor = output_budget.NoiseFloor(predicted=output_budget.floor_prediction(sensitivity, bf16),
@@ -247,7 +247,7 @@ class OutputBudgetWindow:
         select = lambda outputs: [outputs[i] for i in indices]  # noqa: E731
         try:
             budget.predicted_after = self._predicted_as_compiled()
-            budget.measured = output_budget.discrepancy(select(runs.run(self.variants["fp8"])), select(reference),
+            budget.measured = output_budget.discrepancy(select(runs.run(self.variants[Phase.FP8])), select(reference),
                                                         finite)
         except Exception as error:  # noqa: BLE001
             log.warning("loka: %s: output budget: measuring the FP8 variant's output failed (%s: %s)",
@@ -303,11 +303,11 @@ class OutputBudgetWindow:
         record, budget = self.record, self.record.output_budget
         keys = {sid: key for key, sid in self._budget_sites().items()}
         errors = {}
-        for (phase, kind), ctx in record.contexts.items():
-            if phase != "fp8" or kind is GraphKind.BACKWARD or kind in record.fallen_back or record.fallback:
+        for kind, ctx in record.contexts_of(Phase.FP8).items():
+            if kind is GraphKind.BACKWARD or kind in record.fallen_back or record.fallback:
                 continue
             for site in ctx.sites:
-                decision = ctx.decisions.get(site.key)
+                decision = ctx.decisions.get(site.id)
                 if decision is None or not decision.fp8 or site.id not in budget.sensitivity:
                     continue
                 candidate = loka_ops.candidate_name(decision.scaling, decision.a_format, decision.b_format)

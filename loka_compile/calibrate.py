@@ -29,7 +29,7 @@ from loka_compile.config import LokaConfig
 from loka_compile.kernels import metrics
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
 from loka_compile.kernels.scaled_gemm import quantize_static
-from loka_compile.passes import GraphKind, Reason
+from loka_compile.passes import GraphKind, Phase, Reason
 from loka_compile.plan import Plan
 from loka_compile.report import plan_of
 from loka_compile.state import state_of
@@ -153,12 +153,12 @@ def _static_scales(record, plan: Plan, config: LokaConfig, policy: str, percenti
     """Sets the record's sites' static scales in `plan`; returns site id -> the static cast's
     row relative error (the output budget's e) for the sites given one."""
     budget, metric = config.max_probe_error, getattr(config, "probe_metric", "row_rel_error")
-    probed = record.contexts.get(("probe", GraphKind.INFERENCE))
-    final = record.contexts.get((record.phase, GraphKind.INFERENCE))
+    probed = record.contexts_of(Phase.PROBE).get(GraphKind.INFERENCE)
+    final = record.contexts_of().get(GraphKind.INFERENCE)
     row_errors = {}
     if probed is None or final is None:
         return row_errors
-    decisions = {s.id: final.decisions.get(s.key) for s in final.sites}
+    decisions = {s.id: final.decisions.get(s.id) for s in final.sites}
     for site in probed.sites:
         decision = decisions.get(site.id)
         summary = record.store.summary(site.key)

@@ -32,7 +32,7 @@ from loka_compile.fallback import _error_text, _forget_rewrite, _is_dynamo_contr
 from loka_compile.inductor_compile import _inner_compile, weight_input_indices
 from loka_compile.inductor_passes import _inductor_patches, LokaPostGradPass, _verdict_signature
 from loka_compile.kernels import ops as loka_ops
-from loka_compile.passes import Decision, GraphKind, Reason
+from loka_compile.passes import Amendment, Decision, GraphKind, Phase, Reason
 from loka_compile.ranks import decide_once
 from loka_compile.state import GraphRecord, LokaState
 
@@ -42,7 +42,7 @@ log = logging.getLogger("loka")
 
 def probe_site_keys(record: GraphRecord) -> list:
     """Probe keys of the sites a graph's probe variant observed."""
-    return [s.key for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites]
+    return [s.key for ctx in record.contexts_of(Phase.PROBE).values() for s in ctx.sites]
 
 
 @dataclasses.dataclass
@@ -110,10 +110,10 @@ class LokaCompiledGraph(OutputBudgetWindow):
                           if isinstance(t, torch.Tensor) and t in tracing_context.tensor_to_context] \
             if tracing_context is not None else []
         if record.config.probe_steps and not record.plan.source:  # a loaded plan skips the window
-            record.phase = "probe"
+            record.phase = Phase.PROBE
             state.probing.add(self)
         else:
-            record.phase = "fp8"
+            record.phase = Phase.FP8
             if record.config.recheck_every:
                 log.info("%s: no re-checks: its decisions come from plan %s, without a probe window",
                          record.name, record.plan.source)
@@ -127,7 +127,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
         self._first_runs = set()  # ids of variants that have run once
 
-    def _compile(self, gm, example_inputs, phase):
+    def _compile(self, gm, example_inputs, phase: Phase):
         record = self.record
         custom_pass = LokaPostGradPass(record, phase, self.param_input_indices)
         try:
@@ -144,19 +144,19 @@ class LokaCompiledGraph(OutputBudgetWindow):
 
     def __call__(self, *args):
         record = self.record
-        if record.phase == "probe" and self.calls >= record.config.probe_steps:
+        if record.phase is Phase.PROBE and self.calls >= record.config.probe_steps:
             if self._close_probe_window(args) == "wait":  # no finite output to budget on: not observed either
                 self.calls += 1
                 with loka_ops.observers_off():
-                    return self.variants["probe"](*args)
+                    return self.variants[Phase.PROBE](*args)
         if self._rechecking:  # the re-check call's backward has run by now, observers and all
             self._rechecking = False
             self._close_recheck()
-        if record.amax_guards is not None and record.phase == "fp8" and self._builds:
+        if record.amax_guards is not None and record.phase is Phase.FP8 and self._builds:
             self._check_amax_guards()
         self.calls += 1
         every = record.config.recheck_every
-        if every and record.phase == "fp8" and self._builds and (self.calls - record.config.probe_steps) % every == 0:
+        if every and record.phase is Phase.FP8 and self._builds and (self.calls - record.config.probe_steps) % every == 0:
             return self._recheck_call(args)
         variant = self.variants[record.phase]
         if id(variant) in self._first_runs:
@@ -172,10 +172,10 @@ class LokaCompiledGraph(OutputBudgetWindow):
             why = f"first run failed: {_error_text(error)}"
         else:
             self._first_runs.add(id(variant))
-            if record.phase == "fp8" and not record.config.recheck_every and record.amax_guards is None:
+            if record.phase is Phase.FP8 and not record.config.recheck_every and record.amax_guards is None:
                 self._source.drop()  # nothing compiles this graph again
                 record.store.release_samples(probe_site_keys(record))  # nor observes it
-            if record.phase == "fp8" and record.amax_guards is not None:
+            if record.phase is Phase.FP8 and record.amax_guards is not None:
                 record.amax_guards.copy_back()
             return out
         # Out of the except block: the failed run's frames hold its buffers, which under CUDA
@@ -197,22 +197,21 @@ class LokaCompiledGraph(OutputBudgetWindow):
         _warn_fallback(record, why)
         for ctx in record.contexts.values():
             for site in ctx.sites:
-                if site.key in ctx.decisions:
+                if site.id in ctx.decisions:
                     ctx.amend(site, "fallback", why, fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
                 else:
-                    ctx.decisions[site.key] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
+                    ctx.decisions[site.id] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
         record.graph_modules.clear()
         record.store.release_samples(probe_site_keys(record))
         self.state.counters["first_run_fallbacks"] += 1
         # The report reads the contexts of the phase that runs.
-        record.contexts = {("fp8", kind): ctx for (phase, kind), ctx in record.contexts.items()
-                           if phase == record.phase}
+        record.contexts = {(Phase.FP8, kind): ctx for kind, ctx in record.contexts_of().items()}
         self.state.probing.discard(self)
         self.state.rechecking.discard(self)
         record.amax_guards = None  # the plain compile has none, and nothing rebuilds it
         self._source.drop()
-        record.phase = "fp8"
-        self.variants = {"fp8": plain}
+        record.phase = Phase.FP8
+        self.variants = {Phase.FP8: plain}
         self._first_runs.add(id(plain))
         return out
 
@@ -225,7 +224,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         prepared = self._budget_reference(args)
         if prepared == "wait":
             return prepared  # the window stays open for this call (`_budget_reference`)
-        ids = {s.key: s.id for (phase, _), ctx in record.contexts.items() if phase == "probe" for s in ctx.sites}
+        ids = {s.key: s.id for ctx in record.contexts_of(Phase.PROBE).values() for s in ctx.sites}
         keys = list(ids)
         # probe.verdicts logs each verdict with every scaling's bound.
         unsafe, upgraded = decide_once(lambda: _verdicts_by_id(ids, record.config, record.store))
@@ -237,20 +236,20 @@ class LokaCompiledGraph(OutputBudgetWindow):
         if record.config.amax_guard:
             record.amax_guards = AmaxGuards.of_window(record.name, self._observed_sites(), self._tensorwise_sites(),
                                                       record.store)
-        self.variants["fp8"] = self._probe_variant_as_final() or self._compile_fp8()
+        self.variants[Phase.FP8] = self._probe_variant_as_final() or self._compile_fp8()
         # Whether the budget acted is rank 0's word; this rank's own measurement may have failed.
         if record.output_budget is not None:
             if measured is not None:
                 self._verify_output_budget(*measured)
             if self._tighten_output_budget(decide_once(self._weigh_at_measured_scale)):
-                self.variants["fp8"] = self._compile_fp8()
+                self.variants[Phase.FP8] = self._compile_fp8()
                 if measured is not None:
                     self._verify_output_budget(*measured)
         if record.config.recheck_every or record.amax_guards is not None:
-            self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants["fp8"])
+            self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants[Phase.FP8])
         if record.config.recheck_every:
             self.state.rechecking.add(self)
-        record.phase = "fp8"
+        record.phase = Phase.FP8
         log.info("%s: probe window closed after %d calls; of %d observed sites %d unsafe, %d upgraded%s",
                  record.name, self.calls, len(keys), len(unsafe), len(upgraded),
                  f", {len(record.output_budget.kept)} kept for the output budget" if record.output_budget else "")
@@ -261,7 +260,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         no amax guard), every graph of it compiled (training: forward and backward), no
         re-checks. Its contexts become the FP8 phase's; else None."""
         record = self.record
-        probed = {kind: ctx for (phase, kind), ctx in record.contexts.items() if phase == "probe"}
+        probed = record.contexts_of(Phase.PROBE)
         complete = GraphKind.INFERENCE in probed or {GraphKind.FORWARD, GraphKind.BACKWARD} <= set(probed)
         if not complete or self._observed_sites() or record.amax_guards is not None \
                 or record.output_budget is not None or record.config.recheck_every or record.fallen_back:
@@ -269,26 +268,26 @@ class LokaCompiledGraph(OutputBudgetWindow):
         if any(d.reason is Reason.PROBING or d.fp8 for ctx in probed.values() for d in ctx.decisions.values()):
             return None
         for kind, ctx in probed.items():
-            record.contexts[("fp8", kind)] = ctx
-            if ("probe", kind) in record.graph_modules:
-                record.graph_modules[("fp8", kind)] = record.graph_modules[("probe", kind)]
+            record.contexts[(Phase.FP8, kind)] = ctx
+            if (Phase.PROBE, kind) in record.graph_modules:
+                record.graph_modules[(Phase.FP8, kind)] = record.graph_modules[(Phase.PROBE, kind)]
         self._source.drop()  # nothing compiles this graph again
         log.info("%s: no site was a candidate for FP8; the probe variant runs on, not compiled again", record.name)
-        return self.variants["probe"]
+        return self.variants[Phase.PROBE]
 
     def _compile_fp8(self):
         """The FP8 variant, with the plan's verdicts as they stand, in Dynamo's tracing context."""
         source = self._source
         with source.tracing():
-            return self._compile(source.gm, source.example_inputs, "fp8")
+            return self._compile(source.gm, source.example_inputs, Phase.FP8)
 
     # ---- re-checks (LokaConfig.recheck_every) ------------------------------------------
 
     def _observed_sites(self) -> dict:
         """key -> (site id, own scaling) of the sites the probe variant observes."""
-        return {site.key: (site.id, ctx.decisions[site.key].scaling)
-                for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for site in ctx.sites
-                if site.key in ctx.decisions and ctx.decisions[site.key].reason is Reason.PROBING}
+        return {site.key: (site.id, ctx.decisions[site.id].scaling)
+                for ctx in self.record.contexts_of(Phase.PROBE).values() for site in ctx.sites
+                if site.id in ctx.decisions and ctx.decisions[site.id].reason is Reason.PROBING}
 
     def _recheck_call(self, args):
         """One call through the probe variant, its observations the only ones the store
@@ -298,12 +297,12 @@ class LokaCompiledGraph(OutputBudgetWindow):
         self._rechecking = True
         self.state.counters["rechecks"] += 1
         try:
-            return self.variants["probe"](*args)
+            return self.variants[Phase.PROBE](*args)
         except Exception as error:  # noqa: BLE001  (a re-check must never cost the model its call)
             self._rechecking = False
             log.warning("loka: %s: re-check at call %d failed (%s: %s); the call runs the FP8 variant",
                         record.name, self.calls, type(error).__name__, error)
-            return self.variants["fp8"](*args)
+            return self.variants[Phase.FP8](*args)
 
     def _close_recheck(self) -> None:
         record = self.record
@@ -353,6 +352,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
             plan.history.setdefault(sid, []).append(
                 {"step": step + 1, "observed_at": step, "graph": record.name, "from": before, "to": after,
                  "change": "demoted" if demoted else "promoted", "detail": steps})
+            record.verdict_amendments.append(Amendment(sid, "re-check", steps, (("verdict", before, after),)))
             log.log(logging.WARNING if demoted else logging.INFO,
                     "loka re-check: %s site %s %s %s -> %s from call %d (%s)", record.name, sid,
                     "demoted" if demoted else "promoted", before, after, step + 1, steps)
@@ -365,9 +365,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
         """site id -> (a_format, b_format) of the observed sites the verdicts keep in their
         own scaling, for the amax guard (it acts on those that run tensorwise)."""
         plan = self.record.plan
-        return {site.id: (ctx.decisions[site.key].a_format, ctx.decisions[site.key].b_format)
-                for (phase, _), ctx in self.record.contexts.items() if phase == "probe" for site in ctx.sites
-                if site.key in ctx.decisions and site.id not in plan.unsafe and site.id not in plan.upgraded}
+        return {site.id: (ctx.decisions[site.id].a_format, ctx.decisions[site.id].b_format)
+                for ctx in self.record.contexts_of(Phase.PROBE).values() for site in ctx.sites
+                if site.id in ctx.decisions and site.id not in plan.unsafe and site.id not in plan.upgraded}
 
     def _check_amax_guards(self) -> None:
         """Sites whose amax guard tripped since the last call go rowwise (high precision
@@ -406,6 +406,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
             plan.history.setdefault(sid, []).append(
                 {"step": self.calls + 1, "observed_at": self.calls, "graph": record.name, "from": "tensorwise",
                  "to": after, "change": "demoted", "detail": why, "by": "amax_guard"})
+            record.verdict_amendments.append(Amendment(sid, "amax_guard", why, (("verdict", "tensorwise", after),)))
             log.warning("loka amax guard: %s site %s demoted tensorwise -> %s from call %d (%s)", record.name, sid,
                         after, self.calls + 1, why)
         log.info("%s: amax guard at call %d changed %d verdict(s); FP8 variant %s", record.name, self.calls,
@@ -428,7 +429,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         while len(self._builds) > _MAX_FP8_BUILDS:
             self._builds.popitem(last=False)
         build.restore(record)
-        self.variants["fp8"] = build.compiled
+        self.variants[Phase.FP8] = build.compiled
         return build.contexts is None
 
 
@@ -452,9 +453,9 @@ class _Fp8Build:
         self.graph_modules = None
 
     def stash(self, record: GraphRecord) -> None:
-        self.contexts = {k: record.contexts.pop(k) for k in [k for k in record.contexts if k[0] == "fp8"]}
+        self.contexts = {k: record.contexts.pop(k) for k in [k for k in record.contexts if k[0] is Phase.FP8]}
         self.graph_modules = {k: record.graph_modules.pop(k) for k in [k for k in record.graph_modules
-                                                                       if k[0] == "fp8"]}
+                                                                       if k[0] is Phase.FP8]}
 
     def restore(self, record: GraphRecord) -> None:
         record.contexts.update(self.contexts or {})

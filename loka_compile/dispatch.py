@@ -56,7 +56,7 @@ from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.kernels.scaled_gemm import padding_for
 from loka_compile.plan import MEASURED_REASONS
-from loka_compile.passes import Decision, GraphKind, Reason, Site
+from loka_compile.passes import Decision, GraphKind, Phase, Reason, Site
 from loka_compile.passes.context import Candidate
 from loka_compile.passes.mods import benchmarked_reductions, cached_weights, cat_casts, pad
 
@@ -84,11 +84,10 @@ def _alignment(site: Site, config: LokaConfig, hardware: bool):
 
 
 def _verdict(site: Site, *tables):
-    """A site's entry in verdict tables keyed by site id (plans) or by site key."""
+    """A site's entry in verdict tables keyed by site id (plans)."""
     for table in tables:
-        for key in (site.id, site.key):
-            if table and key and key in table:
-                return table[key]
+        if table and site.id in table:
+            return table[site.id]
     return None
 
 
@@ -123,7 +122,7 @@ def _from_plan(site: Site, entry, source: str, config: LokaConfig, hardware: boo
     return entry.decision(source)
 
 
-def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Mapping[str, float]] = None,
+def decide(site: Site, config: LokaConfig, phase: Phase, unsafe_sites: Optional[Mapping[str, float]] = None,
            upgraded_sites: Optional[Mapping[str, tuple]] = None, plan=None, a_static: bool = False) -> Decision:
     """`plan`: the compiled model's Plan; its verdicts (by site id) apply, and when it
     was loaded from a file a site it holds takes its decision, re-checked. `a_static`:
@@ -195,7 +194,7 @@ def decide(site: Site, config: LokaConfig, phase: str, unsafe_sites: Optional[Ma
         return Decision(fp8=False, reason=Reason.PROBE_UNSAFE,
                         detail=f"{probe.LABELS[config.probe_metric]} {unsafe:.3g} > {config.max_probe_error:g}",
                         **chosen)
-    if phase == "probe":
+    if phase is Phase.PROBE:
         return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and cached_weights.MOD.on(config.inactive_mods)
     a_static = a_static and chosen["scaling"] != Scaling.BLOCKWISE.value

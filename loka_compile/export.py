@@ -36,6 +36,7 @@ from loka_compile.fallback import _error_text, _forget_rewrite, _warn_fallback
 from loka_compile.inductor_passes import LokaPostGradPass, _inductor_patches, in_higher_order_op_body
 from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format
+from loka_compile.passes import Phase
 from loka_compile.passes.find_sites import VIEW_LIKE
 from loka_compile.passes.mods import cached_weights, fused_casts
 from loka_compile.plan import Plan, load_plan, param_fingerprint
@@ -118,7 +119,7 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     if dynamic_batch and not batch_dynamic:
         log.warning("loka export: torch.export fixed the batch size at %d (the model specializes dim 0 of "
                     "its first input); the package takes that batch size only", _first_tensor(args).shape[0])
-    loka_pass = _ExportPass(LokaPostGradPass(record, "fp8", frozenset()),
+    loka_pass = _ExportPass(LokaPostGradPass(record, Phase.FP8, frozenset()),
                             fold=cached_weights.MOD.on(config.inactive_mods))
     try:
         written = torch._inductor.aoti_compile_and_package(
@@ -242,10 +243,10 @@ class _ExportPass(CustomGraphPass):
             log.info("loka export: %d constants (FP8 weights and their scales) computed once, here", folded)
             for ctx in self.loka_pass.record.contexts.values():
                 for site in ctx.sites:
-                    if ctx.decisions[site.key].fp8:
+                    if ctx.decisions[site.id].fp8:
                         for operand, producer in zip("ab", site.producers):
                             if producer.startswith("constant:"):
-                                site.casts[operand] = EXPORTED_WEIGHT
+                                ctx.casts.setdefault(site.id, {})[operand] = EXPORTED_WEIGHT
         foreign = sorted({str(n.target) for n in graph.nodes if n.op == "call_function"
                           and getattr(n.target, "namespace", None) == "loka"})
         if foreign:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from loka_compile.passes import Decision, Reason
+from loka_compile.passes import Decision, Phase, Reason
 from loka_compile.state import GraphRecord
 
 
@@ -42,16 +42,16 @@ def _warn_fallback(record: GraphRecord, why: str, whole_graph: bool = True) -> N
         log.warning("loka could not handle graph %s (%s); it runs through Inductor in high precision", record.name, why)
 
 
-def _forget_rewrite(record: GraphRecord, why: str, kind=None, phase: Optional[str] = None) -> None:
+def _forget_rewrite(record: GraphRecord, why: str, kind=None, phase: Optional[Phase] = None) -> None:
     """Rewritten graphs (of `kind`, of `phase`; None: all) that will not run: drop them
     from the record, and give the sites their passes found but never decided a decision
     that says why."""
     def matches(key):
-        return (kind is None or key[1] is kind) and (phase is None or key[0] == phase)
+        return (kind is None or key[1] is kind) and (phase is None or key[0] is phase)
 
     for key in [key for key in record.graph_modules if matches(key)]:
         record.graph_modules.pop(key)
     for key, ctx in record.contexts.items():
         if matches(key):
             for site in ctx.sites:
-                ctx.decisions.setdefault(site.key, Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why))
+                ctx.decisions.setdefault(site.id, Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why))

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from loka_compile.passes import GraphKind
+from loka_compile.passes import GraphKind, Phase
 from loka_compile.passes.mods import cached_weights
 
 log = logging.getLogger("loka")
@@ -42,11 +42,11 @@ DIR_NAME = "graphs"
 FORMAT = 1
 
 
-def bypass_reason(phase: str, kind: GraphKind, inactive_mods, param_input_indices) -> Optional[str]:
+def bypass_reason(phase: Phase, kind: GraphKind, inactive_mods, param_input_indices) -> Optional[str]:
     """Why a graph must not use the FX graph cache, or None."""
     if torch._inductor.config.freezing:
         return "freezing: its weights are constants taken from this process's parameters"
-    if phase == "fp8" and kind is GraphKind.INFERENCE and cached_weights.MOD.on(inactive_mods) \
+    if phase is Phase.FP8 and kind is GraphKind.INFERENCE and cached_weights.MOD.on(inactive_mods) \
             and param_input_indices:
         # Its FP8 weight copies are constants taken from this process's parameters, and
         # the compiled graph is wrapped to refresh them; a cached entry holds neither.

@@ -61,7 +61,7 @@ def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecor
         return compile_fx_inner(gm, example_inputs, **kwargs)
     why = graph_cache.bypass_reason(loka_pass.phase, kind, record.config.inactive_mods, loka_pass.param_input_indices)
     if why is not None:
-        log.debug("%s/%s (%s): FX graph cache bypassed: %s", record.name, kind.value, loka_pass.phase, why)
+        log.debug("%s/%s (%s): FX graph cache bypassed: %s", record.name, kind.value, loka_pass.phase.value, why)
         with inductor_config.patch(fx_graph_cache=False):
             return compile_fx_inner(gm, example_inputs, **kwargs)
     slot = (loka_pass.phase, kind)
@@ -88,11 +88,11 @@ def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecor
         else:
             if loka_pass.digests.pop(kind, None) == kept:
                 log.debug("%s/%s (%s): FX graph cache hit; sites recorded again", record.name, kind.value,
-                          loka_pass.phase)
+                          loka_pass.phase.value)
                 return compiled
             why = "loka's passes make another graph now"
     log.info("loka: %s/%s (%s): FX graph cache entry not used (%s); compiled again", record.name, kind.value,
-             loka_pass.phase, why)
+             loka_pass.phase.value, why)
     for table, value in zip((record.contexts, record.graph_modules), before):
         if value is None:
             table.pop(slot, None)

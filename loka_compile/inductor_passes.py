@@ -23,7 +23,7 @@ from loka_compile import dispatch, graph_cache, passes, speed
 from loka_compile.config import LokaConfig
 from loka_compile.fallback import _error_text
 from loka_compile.kernels import ops as loka_ops
-from loka_compile.passes import Decision, graph_kind, mods, PassContext, Reason, run_passes
+from loka_compile.passes import Decision, graph_kind, mods, PassContext, Phase, Reason, run_passes
 from loka_compile.passes.find_sites import keep_gemm_provenance
 from loka_compile.passes.mods import fused_casts, saved_fp8, weight_both_layouts
 from loka_compile.passes.mods.saved_fp8 import check_saves, find_operands, save_fp8_operands, SavedFp8
@@ -52,11 +52,14 @@ def _passes_digest() -> str:
 class LokaPostGradPass(CustomGraphPass):
     """Runs loka's pass pipeline on one post-grad ATen graph (forward or backward)."""
 
-    def __init__(self, record: GraphRecord, phase: str, param_input_indices: frozenset):
+    def __init__(self, record: GraphRecord, phase: Phase, param_input_indices: frozenset):
         self.record = record
         self.phase = phase
         self.param_input_indices = param_input_indices
         self.digests = {}  # GraphKind -> digest of the graph as the passes left it (graph_cache)
+        # Dispatch decides each site once per compile of a variant: the joint-graph Mods' call
+        # (LokaJointPass) is the decision the forward and backward graphs' passes read.
+        self.decided = DecidedOnce()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if in_higher_order_op_body():
@@ -69,11 +72,11 @@ class LokaPostGradPass(CustomGraphPass):
         ctx = PassContext(graph=record.name, kind=kind, phase=self.phase,
                           param_input_indices=self.param_input_indices, decide=None,
                           inactive_mods=record.config.inactive_mods, static_a_scales=static,
-                          perturb_outputs=self.phase == "probe" and record.config.output_budget_on,
+                          perturb_outputs=self.phase is Phase.PROBE and record.config.output_budget_on,
                           speed_check=record.config.speed_check, time_chain=speed.chain_timing,
                           providers=tuple(record.config.providers or ()))
-        ctx.decide = functools.partial(_decide, record=record, phase=self.phase, ctx=ctx)
-        if self.phase == "fp8" and record.amax_guards is not None:
+        ctx.decide = functools.partial(_decide, record=record, phase=self.phase, ctx=ctx, decided=self.decided)
+        if self.phase is Phase.FP8 and record.amax_guards is not None:
             ctx.amax_guard_prefix, ctx.window_amax = record.amax_guards.prefix, record.amax_guards.window_amax
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
@@ -95,7 +98,7 @@ class LokaPostGradPass(CustomGraphPass):
                 log.warning("loka plan %s holds no decision for %d site(s) of %s/%s, decided here: %s",
                             record.plan.source, len(missing), record.name, kind.value, missing)
         fp8 = sum(d.fp8 for d in ctx.decisions.values())
-        log.info("%s/%s (%s): %d GEMM sites, %d in FP8", record.name, kind.value, self.phase, len(ctx.sites), fp8)
+        log.info("%s/%s (%s): %d GEMM sites, %d in FP8", record.name, kind.value, self.phase.value, len(ctx.sites), fp8)
 
     def uuid(self) -> str:
         """Part of Inductor's FX graph cache key: what the graph after loka's passes
@@ -105,10 +108,10 @@ class LokaPostGradPass(CustomGraphPass):
         record, plan = self.record, self.record.plan
         unsafe, passing = _verdict_signature(plan, record.config)
         verdicts = sorted(unsafe), sorted(passing), plan.digest() if plan.source else ""
-        name = record.name if self.phase == "probe" else ""
-        guards = record.amax_guards if self.phase == "fp8" else None  # their ops carry its prefix and limits
+        name = record.name if self.phase is Phase.PROBE else ""
+        guards = record.amax_guards if self.phase is Phase.FP8 else None  # their ops carry its prefix and limits
         guards = "" if guards is None else f"{guards.prefix}|{sorted(guards.window_amax.items())}"
-        return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase}|{name}|{verdicts}|{guards}"
+        return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase.value}|{name}|{verdicts}|{guards}"
                               .encode()).hexdigest()
 
 
@@ -129,7 +132,7 @@ class LokaJointPass(CustomGraphPass):
         # What the forward saves is measured with saved_fp8 off too (the report compares it).
         saved = record.mod_results[saved_fp8.MOD.name] = SavedFp8.of_joint_graph(graph)
         record.mod_results.pop(weight_both_layouts.MOD.name, None)
-        if phase == "probe":
+        if phase is Phase.PROBE:
             return
         if weight_both_layouts.MOD.on(inactive):
             self._share_weight_casts(graph)
@@ -152,13 +155,13 @@ class LokaJointPass(CustomGraphPass):
 
     def _joint_context(self, graph: torch.fx.Graph) -> PassContext:
         record, phase = self.post_grad.record, self.post_grad.phase
-        guards = record.amax_guards if phase == "fp8" else None  # the saved_fp8 Mod's casts carry them
+        guards = record.amax_guards if phase is Phase.FP8 else None  # the saved_fp8 Mod's casts carry them
         ctx = PassContext(graph=record.name, kind=passes.GraphKind.BACKWARD, phase=phase,
                           param_input_indices=self.post_grad.param_input_indices, decide=None,
                           inactive_mods=record.config.inactive_mods, joint=True,
                           amax_guard_prefix=guards.prefix if guards else "",
                           window_amax=guards.window_amax if guards else {})
-        ctx.decide = functools.partial(_decide, record=record, phase=phase, ctx=ctx)
+        ctx.decide = functools.partial(_decide, record=record, phase=phase, ctx=ctx, decided=self.post_grad.decided)
         return ctx
 
     def _share_weight_casts(self, graph: torch.fx.Graph) -> None:
@@ -184,15 +187,43 @@ class LokaJointPass(CustomGraphPass):
         return hashlib.sha256(f"joint|{self.post_grad.uuid()}".encode()).hexdigest()
 
 
-def _decide(site, record: GraphRecord, phase: str, ctx: PassContext, **kwargs) -> Decision:
-    """Dispatch's decision from the per-site verdicts; a site the output budget keeps in high
-    precision (in the plan's unsafe verdicts beside them) is then amended by the budget, with
-    its reason."""
+class DecidedOnce:
+    """Dispatch's decision per site id, made at the first `ctx.decide` of a compile and read by
+    every later one: the joint graph's Mods decide a site that the forward or backward graph
+    finds again under the same id. A site found again as another GEMM (a shape, role or operand
+    that differs) is decided afresh, logged."""
+
+    def __init__(self):
+        self._first: dict = {}  # site id -> (what the decision depends on, Decision)
+
+    @staticmethod
+    def _gemm(site, kwargs) -> tuple:
+        return (site.op, site.role, site.shape, site.batch, site.dtype, site.device, site.module, site.unit_scalars,
+                site.a_is_grad, site.b_is_grad, sorted((k, v) for k, v in kwargs.items() if v))  # a_static=False: none
+
+    def get(self, site, make, **kwargs) -> Decision:
+        gemm = self._gemm(site, kwargs)
+        first = self._first.get(site.id)
+        if first is not None and first[0] == gemm:
+            return first[1]
+        if first is not None:
+            log.info("loka: site %s is found again as another GEMM (%s, was %s); decided afresh", site.id, gemm,
+                     first[0])
+        decision = make(site, **kwargs)
+        self._first[site.id] = gemm, decision
+        return decision
+
+
+def _decide(site, record: GraphRecord, phase: Phase, ctx: PassContext, decided: DecidedOnce, **kwargs) -> Decision:
+    """Dispatch's decision from the per-site verdicts, made once per site of the compile
+    (`decided`); a site the output budget keeps in high precision (in the plan's unsafe
+    verdicts beside them) is then amended by the budget in `ctx`, with its reason."""
     kept = record.output_budget.kept if record.output_budget is not None else {}
     plan = record.plan
     if site.id in kept:
         plan = dataclasses.replace(plan, unsafe={sid: e for sid, e in plan.unsafe.items() if sid not in kept})
-    decision = dispatch.decide(site, config=record.config, phase=phase, plan=plan, **kwargs)
+    decision = decided.get(site, functools.partial(dispatch.decide, config=record.config, phase=phase, plan=plan),
+                           **kwargs)
     if site.id in kept and decision.fp8:
         decision = ctx.amend(site, "output_budget", kept[site.id], decision=decision, fp8=False,
                              reason=Reason.PROBE_UNSAFE, detail=kept[site.id])

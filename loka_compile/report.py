@@ -11,7 +11,7 @@ from tabulate import tabulate
 
 from loka_compile import probe
 from loka_compile.plan import Plan, SitePlan, id_parts, param_fingerprint, upgrade_target
-from loka_compile.passes import GraphKind, Reason
+from loka_compile.passes import GraphKind, Phase, Reason
 from loka_compile.passes import mods as mod_registry
 from loka_compile.state import state_of
 
@@ -63,7 +63,7 @@ class SiteRecord:
 @dataclasses.dataclass(frozen=True)
 class GraphReport:
     name: str
-    phase: str
+    phase: Phase
     fallback: Optional[str]
     graph_modules: dict     # kind -> the rewritten post-grad GraphModule of the active phase
     config: object
@@ -107,7 +107,7 @@ def _candidates(decision, fp8: bool) -> dict:
 
 
 def _site_records(record) -> list:
-    contexts = {kind: ctx for (phase, kind), ctx in record.contexts.items() if phase == record.phase}
+    contexts = record.contexts_of()
     forward_names = {}
     for kind in (GraphKind.FORWARD, GraphKind.INFERENCE):
         if kind in contexts:
@@ -118,7 +118,7 @@ def _site_records(record) -> list:
     for kind in sorted(contexts, key=_KIND_ORDER.get):
         ctx = contexts[kind]
         for site in ctx.sites:
-            decision = ctx.decisions.get(site.key)
+            decision = ctx.decisions.get(site.id)
             fp8, reason = decision.fp8, decision.reason
             fell_back = record.fallback or record.fallen_back.get(kind)
             if fell_back:
@@ -134,10 +134,10 @@ def _site_records(record) -> list:
                 history=tuple(record.plan.history.get(site.id, ())),
                 verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
                 bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
-                casts=dict(site.casts) if fp8 or not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
+                casts=dict(ctx.casts.get(site.id, {})) if fp8 or not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
                 padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id,
                 m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id),
-                amendments=tuple(a for a in ctx.amendments if a.site_id == site.id)))
+                amendments=record.amendments_of(site.id)))
     return rows
 
 
@@ -170,7 +170,7 @@ class Report:
 
     def __init__(self, records):
         self.graphs = [GraphReport(r.name, r.phase, r.fallback or "; ".join(r.fallen_back.values()) or None,
-                                   {kind.value: gm for (phase, kind), gm in r.graph_modules.items() if phase == r.phase},
+                                   {kind.value: gm for (phase, kind), gm in r.graph_modules.items() if phase is r.phase},
                                    r.config, getattr(r, "output_budget", None),
                                    getattr(r, "output_budget_skipped", "")) for r in records]
         self.sites = [row for r in records for row in _site_records(r)]
@@ -179,8 +179,8 @@ class Report:
             for name, result in r.mod_results.items():
                 results[name].append(result)
         self._mod_results = {name: tuple(found) for name, found in results.items()}
-        self.cached_weights = [w for r in records for (phase, kind), ctx in r.contexts.items()
-                                if phase == r.phase and not (r.fallback or r.fallen_back.get(kind))
+        self.cached_weights = [w for r in records for kind, ctx in r.contexts_of().items()
+                                if not (r.fallback or r.fallen_back.get(kind))
                                 for w in ctx.cached_weights]
 
     @property
@@ -370,7 +370,7 @@ def plan_of(compiled) -> Plan:
     records = state_of(compiled).records
     if not records:
         raise ValueError("loka has compiled no graph for this model: run it once before saving its plan")
-    probing = [r.name for r in records if r.phase == "probe"]
+    probing = [r.name for r in records if r.phase is Phase.PROBE]
     if probing:
         raise ValueError(f"graphs {probing} are still in their probe window: save the plan after it closes")
     plan = Plan(device_type=records[0].plan.device_type, recipe=records[0].config.recipe)
@@ -389,13 +389,13 @@ def plan_of(compiled) -> Plan:
         plan.a_scales.update(record.plan.a_scales)
         for sid, events in record.plan.history.items():
             plan.history.setdefault(sid, []).extend(events)
-        ids = frozenset(s.id for (phase, _), ctx in record.contexts.items() if phase == record.phase
-                        for s in ctx.sites)
-        for (phase, kind), ctx in record.contexts.items():
-            if phase != record.phase or record.fallback or record.fallen_back.get(kind):
+        contexts = record.contexts_of()
+        ids = frozenset(s.id for ctx in contexts.values() for s in ctx.sites)
+        for kind, ctx in contexts.items():
+            if record.fallback or record.fallen_back.get(kind):
                 continue
             for site in ctx.sites:
-                decision = ctx.decisions.get(site.key)
+                decision = ctx.decisions.get(site.id)
                 if decision is None or decision.reason in (Reason.GRAPH_FALLBACK, Reason.PROBING):
                     continue
                 entry = SitePlan.from_decision(decision, site.shape, site.dtype)

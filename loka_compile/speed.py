@@ -562,7 +562,7 @@ def chain_timing(chain, ctx):
     FP8 GPU; None elsewhere, or where its shape has no concrete size to time at (the chain is
     then fused)."""
     site = chain.producer
-    decision = ctx.decisions[site.key]
+    decision = ctx.decisions[site.id]
     if not provider_registry.has_fp8_hardware(site.device):
         return None
     shape = site_shape(site, decision.scaling)

@@ -28,6 +28,7 @@ from loka_compile import probe
 from loka_compile.amax_guard import AmaxGuards
 from loka_compile.config import LokaConfig
 from loka_compile.output_budget import OutputBudget
+from loka_compile.passes import Phase
 from loka_compile.plan import Plan
 
 _STATE_ATTRIBUTE = "_loka_state"
@@ -55,7 +56,7 @@ class GraphRecord:
     store: probe.ProbeStore          # the Probe statistics of the compile that owns the graph (`LokaState`)
     contexts: dict = dataclasses.field(default_factory=dict)        # (phase, kind) -> PassContext
     graph_modules: dict = dataclasses.field(default_factory=dict)   # (phase, kind) -> GraphModule
-    phase: str = "fp8"
+    phase: Phase = Phase.FP8       # the variant that runs
     plan: Plan = dataclasses.field(default_factory=Plan)  # the graph's own: verdicts by site id, loaded sites
     fallback: Optional[str] = None   # why the graph runs without loka, if it does
     # Mod name -> what it returned on this graph, where it ran (a joint-graph Mod: its last run)
@@ -65,6 +66,19 @@ class GraphRecord:
     output_budget_skipped: str = ""  # why the output budget did not act on this graph, when it was on
     amax_guards: Optional[AmaxGuards] = None  # the tensorwise sites' run-time amax check (amax_guard.py)
     warned: bool = False
+    # Verdict changes at run time (a re-check, a tripped amax guard), as Amendments of a site's
+    # "verdict": the variant they rebuild decides afresh, so its contexts do not show them.
+    verdict_amendments: list = dataclasses.field(default_factory=list)
+
+    def amendments_of(self, site_id: str) -> tuple:
+        """The running contexts' amendments of a site, then its verdict changes, in order."""
+        return tuple(a for ctx in self.contexts_of().values() for a in ctx.amendments if a.site_id == site_id) + \
+            tuple(a for a in self.verdict_amendments if a.site_id == site_id)
+
+    def contexts_of(self, phase: Optional[Phase] = None) -> dict:
+        """ATen graph kind -> PassContext of `phase` (None: the running one)."""
+        phase = self.phase if phase is None else phase
+        return {kind: ctx for (of, kind), ctx in self.contexts.items() if of is phase}
 
 
 class LokaState:
@@ -92,17 +106,17 @@ class LokaState:
         an id, a recompile's, wins)."""
         table = {}
         for record in self.records:
-            for (phase, _), ctx in record.contexts.items():
-                if phase == record.phase:
-                    table.update({site.id: ctx.decisions[site.key] for site in ctx.sites if site.key in ctx.decisions})
+            for ctx in record.contexts_of().values():
+                table.update({site.id: ctx.decisions[site.id] for site in ctx.sites if site.id in ctx.decisions})
         return table
 
     @property
     def amendments(self) -> list:
         """Every change to a decision after Dispatch made it (`passes.Amendment`), over every
         graph's running phase, in order."""
-        return [a for record in self.records for (phase, _), ctx in record.contexts.items()
-                if phase == record.phase for a in ctx.amendments]
+        return [a for record in self.records
+                for a in [*(a for ctx in record.contexts_of().values() for a in ctx.amendments),
+                          *record.verdict_amendments]]
 
     def __repr__(self) -> str:
         return f"<LokaState: {len(self.records)} graph(s) {[r.name for r in self.records]}>"

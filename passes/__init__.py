@@ -13,7 +13,7 @@ import logging
 import torch
 
 from .amax_guard import amax_guard
-from .context import Amendment, Decision, GraphKind, PassContext, Reason, Role, Site
+from .context import Amendment, Decision, GraphKind, PassContext, Phase, Reason, Role, Site
 from .dispatch_sites import dispatch_sites
 from .find_sites import find_sites, graph_kind
 from .hop_sites import hop_sites
@@ -45,4 +45,4 @@ def run_passes(graph: torch.fx.Graph, ctx: PassContext) -> PassContext:
 
 
 __all__ = ["MODS", "PIPELINE", "run_passes", "graph_kind", "Amendment", "Decision", "GraphKind", "PassContext",
-           "Reason", "Role", "Site"]
+           "Phase", "Reason", "Role", "Site"]

@@ -16,5 +16,5 @@ from .context import PassContext
 
 def dispatch_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
     for site in ctx.sites:
-        ctx.decisions[site.key] = ctx.decide(site, a_static=ctx.static_a_scale(site) is not None)
+        ctx.decisions[site.id] = ctx.decide(site, a_static=ctx.static_a_scale(site) is not None)
     return sum(d.fp8 for d in ctx.decisions.values())

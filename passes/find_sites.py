@@ -581,10 +581,10 @@ def is_packed_linear(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and str(node.target).startswith(PACKED_LINEAR_PREFIXES)
 
 
-def _packed_linear_site(node: torch.fx.Node, ctx: PassContext, name: str) -> Site:
+def _packed_linear_site(node: torch.fx.Node, ctx: PassContext, sid: str) -> Site:
     x_val, out_val = node.args[0].meta["val"], node.meta["val"]
     rows = as_dim(x_val.numel() // x_val.shape[-1]) if x_val.shape[-1] else 0
-    return Site(key=f"{ctx.graph}/{ctx.kind.value}/{node.name}", name=name, graph=ctx.graph, kind=ctx.kind,
+    return Site(id=sid, graph=ctx.graph, kind=ctx.kind,
                 node=node, op="packed_linear", role=Role.FWD, module=module_path(node),
                 shape=(rows, as_dim(x_val.shape[-1]), as_dim(out_val.shape[-1])), batch=None, dtype=x_val.dtype,
                 device=x_val.device, a_is_grad=False, b_is_grad=False,
@@ -610,9 +610,7 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
         if is_packed_linear(node):
             base = f"{module_path(node) or '<root>'}:fwd"
             names_seen[base] = names_seen.get(base, 0) + 1
-            site = _packed_linear_site(node, ctx, base if names_seen[base] == 1 else f"{base}#{names_seen[base]}")
-            site.id = site_id(ctx.kind, base, names_seen[base])
-            ctx.sites.append(site)
+            ctx.sites.append(_packed_linear_site(node, ctx, site_id(ctx.kind, base, names_seen[base])))
             continue
         if node.op != "call_function" or node.target not in GEMM_OPS:
             continue
@@ -622,8 +620,7 @@ def find_sites(graph: torch.fx.Graph, ctx: PassContext) -> int:
             module, seq_nr = recovered_provenance(node, grads, wgrads)
         base = site_base(module, role, recomputed)
         names_seen[base] = names_seen.get(base, 0) + 1
-        ctx.sites.append(gemm_site(node, ctx, f"{ctx.graph}/{ctx.kind.value}/{node.name}", base, names_seen[base],
-                                   role, module, seq_nr, grads, weights))
+        ctx.sites.append(gemm_site(node, ctx, base, names_seen[base], role, module, seq_nr, grads, weights))
     return len(ctx.sites)
 
 
@@ -643,7 +640,7 @@ def site_base(module: Optional[str], role: Role, recomputed: bool) -> str:
     return f"{module or '<root>'}:{role.value}{':recomputed' if recomputed else ''}"
 
 
-def gemm_site(node: torch.fx.Node, ctx: PassContext, key: str, base: str, ordinal: int, role: Role, module: str,
+def gemm_site(node: torch.fx.Node, ctx: PassContext, base: str, ordinal: int, role: Role, module: str,
               seq_nr: Optional[int], grads: set, weights: dict) -> Site:
     """The Site of GEMM `node`: `base` is "<module>:<role>[:recomputed]", `ordinal` its
     1-based order among the graph's sites of that base; `grads`: the nodes that carry the
@@ -653,8 +650,7 @@ def gemm_site(node: torch.fx.Node, ctx: PassContext, key: str, base: str, ordina
     fold = batch_fold(node)
     rows = as_dim(a_val.shape[0] * a_val.shape[1]) if fold else as_dim(a_val.shape[-2])
     return Site(
-        key=key,
-        name=base if ordinal == 1 else f"{base}#{ordinal}",
+        id=site_id(ctx.kind, base, ordinal),
         graph=ctx.graph,
         kind=ctx.kind,
         node=node,
@@ -675,5 +671,4 @@ def gemm_site(node: torch.fx.Node, ctx: PassContext, key: str, base: str, ordina
         b_major=operand_major(b_val),
         b_is_weight=weight_source(b, weights) is not None,
         fold=fold,
-        id=site_id(ctx.kind, base, ordinal),
     )

@@ -150,6 +150,6 @@ def _record(node: torch.fx.Node, ctx: PassContext, where: str, detail: str, grad
     base = site_base(module, role, recomputed)
     names_seen[base] = names_seen.get(base, 0) + 1
     # A body's nodes carry the op's sequence number, not their own: it would link them all.
-    site = gemm_site(node, ctx, f"{where}{node.name}", base, names_seen[base], role, module, None, grads, {})
+    site = gemm_site(node, ctx, base, names_seen[base], role, module, None, grads, {})
     ctx.sites.append(site)
-    ctx.decisions[site.key] = Decision(fp8=False, reason=Reason.HIGHER_ORDER_OP, detail=detail)
+    ctx.decisions[site.id] = Decision(fp8=False, reason=Reason.HIGHER_ORDER_OP, detail=detail)

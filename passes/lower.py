@@ -84,17 +84,17 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
     fused_casts = FUSED_CASTS.on(ctx.inactive_mods)
     cache_weights = ctx.kind is GraphKind.INFERENCE and CACHED_WEIGHTS.on(ctx.inactive_mods)
     chains = plan_chains(ctx, functools.partial(time_chain, ctx=ctx) if ctx.speed_check else None)
-    by_producer = {chain.producer.key: chain for chain in chains}
-    by_consumer = {piece.consumer.key: (chain, piece) for chain in chains for piece in chain.pieces}
+    by_producer = {chain.producer.id: chain for chain in chains}
+    by_consumer = {piece.consumer.id: (chain, piece) for chain in chains for piece in chain.pieces}
     dangling = []  # views that led cached weights to their GEMMs
     for site in ctx.sites:
-        decision = ctx.decisions[site.key]
+        decision = ctx.decisions[site.id]
         if not decision.fp8:
             restore_original(site.node, operands(site.node)[1])
-            _report_saved_operands_of_high_precision(site)
+            _report_saved_operands_of_high_precision(site, ctx.casts.setdefault(site.id, {}))
             continue
-        if site.fold:
-            site.node = _fold_batch(site.node, site.fold)
+        if site.fold:  # the site as lowered: its GEMM is the 2-D one now (ctx.sites keeps it as found)
+            site = dataclasses.replace(site, node=_fold_batch(site.node, site.fold))
         node = site.node
         a, b, bias, _ = operands(node)
         spec = GemmSpec(Scaling(decision.scaling), Fp8Format(decision.a_format), Fp8Format(decision.b_format),
@@ -106,19 +106,19 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
         spec = dataclasses.replace(spec, amax_guard=ctx.amax_guard(site, spec))
         row_max = per_piece_row_max(BENCHMARKED_REDUCTIONS.on(ctx.inactive_mods), CAT_CASTS.on(ctx.inactive_mods),
                                     spec.pad_k)
-        site.casts = operand_casts(site, decision.scaling, fused_casts, a_static=spec.a_static_scale is not None,
-                                   row_max=row_max)
+        casts = ctx.casts[site.id] = operand_casts(site, decision.scaling, fused_casts,
+                                                   a_static=spec.a_static_scale is not None, row_max=row_max)
         if spec.a_static_scale is not None:
-            site.casts["a"] = f"static scale (calibrated {static['policy']})"
-        saved_a, saved_b = (_saved(x, which, spec, site) for which, x in (("a", a), ("b", b)))
+            casts["a"] = f"static scale (calibrated {static['policy']})"
+        saved_a, saved_b = (_saved(x, which, spec, site, node, casts) for which, x in (("a", a), ("b", b)))
         if operands(node)[1] is not b:  # a weight the Mod cast another way: `_saved` restored it
             b = operands(node)[1]
-            site.casts["b"] = operand_casts(site, decision.scaling, fused_casts)["b"]
-        fed, piece = by_consumer.get(site.key, (None, None))
+            casts["b"] = operand_casts(site, decision.scaling, fused_casts)["b"]
+        fed, piece = by_consumer.get(site.id, (None, None))
         pieces = None if saved_a or fed else per_piece_cast(a, decision.scaling, fused_casts,
                                                             spec.a_static_scale is not None, row_max)
         if fed is not None:
-            site.casts["a"] = description(fed)
+            casts["a"] = description(fed)
             scale = consumer_scale_constant(fed, piece, spec.scaling, node)
             a_args = [fed.output] if scale is None else [fed.output, scale]
             columns = None if len(fed.pieces) == 1 else (piece.start, piece.width)
@@ -132,15 +132,14 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
                                        (len(pieces[0]), a.meta["val"].dtype, pieces[1]))
         cached = cached_operand(node, b, spec, ctx) if cache_weights else None
         if cached is not None:
-            site.casts["b"] = CACHED_WEIGHT
+            casts["b"] = CACHED_WEIGHT
         quantized_b = cached or saved_b
-        feeds = by_producer.get(site.key)
+        feeds = by_producer.get(site.id)
         gemm = functools.partial(_gemm_on_cast_b if quantized_b else _gemm, a_cast=a_cast, spec=spec, feeds=feeds)
         args = [*a_args, *quantized_b] if quantized_b else [*a_args, b]
         args += [] if bias is None else [bias]
         if feeds is None:
-            inserted = replace_with_traced(node, gemm, args)
-            site.node = next(n for n in reversed(inserted) if n.op == "call_function")
+            replace_with_traced(node, gemm, args)
         else:
             # The consumer's A, written where it is first read; the bf16 links go once it is lowered.
             norm = feeds.norm
@@ -151,7 +150,6 @@ def lower(graph: torch.fx.Graph, ctx: PassContext) -> int:
             feeds.output = written[0] if isinstance(written, tuple) else written
             if isinstance(written, tuple):
                 _read_pre_norm_value(feeds, written[1], chains)
-            site.node = feeds.output
             note = _feed_note(feeds)
             ctx.amend(site, (NORM_MOD if feeds.norm is not None else EPILOGUE_MOD).name, note, provider="triton",
                       detail=f"{decision.detail}; {note}" if decision.detail else note)
@@ -261,7 +259,7 @@ def _cast_a_from_epilogue(args: tuple, *, scale: Optional[float], scaling: Scali
     return (q, constant), args[2:]
 
 
-def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional[tuple]:
+def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site, node: torch.fx.Node, casts: dict) -> Optional[tuple]:
     """(q, scale) of an operand the saved_fp8 or weight_both_layouts Mod cast in the
     forward, when that cast is the one `spec` asks for; else None: a weight the GEMM then
     reads as written where it can (`restore_original`), else the operand is cast here from
@@ -276,22 +274,22 @@ def _saved(operand: torch.fx.Node, which: str, spec: GemmSpec, site) -> Optional
             and (scale.meta["val"].dim() == 0) == tensorwise and not (spec.pad_k or spec.pad_n) \
             and spec.a_static_scale is None:
         return found
-    if restore_original(site.node, operand):
+    if restore_original(node, operand):
         return None
     log.warning("loka: %s: operand %s was saved in FP8 by the forward as another cast than this GEMM's (%s %s); "
                 "cast again from its dequantized copy", site.name, which, spec.scaling.value, fmt.value)
-    site.casts[which] = "standalone (cast again from the forward's FP8 copy: another cast than this GEMM's)"
+    casts[which] = "standalone (cast again from the forward's FP8 copy: another cast than this GEMM's)"
     return None
 
 
-def _report_saved_operands_of_high_precision(site) -> None:
+def _report_saved_operands_of_high_precision(site, casts: dict) -> None:
     """A site kept in high precision here that the saved_fp8 Mod, deciding in the joint
     graph, took for FP8 reads the dequantized FP8 copy: say so (rare: the two decisions
     differ only where the speed check's timings do)."""
     a, b, _, _ = operands(site.node)
     for which, operand in (("a", a), ("b", b)):
         if saved_operand(operand) is not None:
-            site.casts[which] = "dequantized FP8 copy saved by the forward (the GEMM runs in high precision)"
+            casts[which] = "dequantized FP8 copy saved by the forward (the GEMM runs in high precision)"
             log.warning("loka: %s runs in high precision on the FP8 copy of operand %s that the forward saved "
                         "(%s)", site.name, which, site.id)
 

@@ -30,16 +30,16 @@ import contextlib
 
 import torch
 
-from .context import GraphKind, PassContext, Reason, Role
+from .context import GraphKind, PassContext, Phase, Reason, Role
 from .find_sites import operands
 
 
 def probe(graph: torch.fx.Graph, ctx: PassContext) -> int:
-    if ctx.phase != "probe":
+    if ctx.phase is not Phase.PROBE:
         return 0
     inserted = 0
     for site in ctx.sites:
-        decision = ctx.decisions[site.key]
+        decision = ctx.decisions[site.id]
         if decision.reason is not Reason.PROBING:
             continue
         a, b, _, _ = operands(site.node)

@@ -9,7 +9,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 import loka_compile
 from loka_compile import LokaConfig, dispatch
-from loka_compile.passes import GraphKind, PassContext, graph_kind, run_passes
+from loka_compile.passes import GraphKind, PassContext, Phase, graph_kind, run_passes
 from numerics import sqnr_db
 
 
@@ -121,13 +121,13 @@ def run_lowering(gm, scale=0.01, disabled=(), static_sites=None, recipe="rowwise
     """find_sites .. lower on gm's graph, every site's A with a static scale (or those
     numbered in `static_sites`, 1-based); `scale`: one for all, or a list by site."""
     config = LokaConfig(recipe=recipe, disabled_mods=list(disabled), providers=list(providers))
-    decide = functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={})
+    decide = functools.partial(dispatch.decide, config=config, phase=Phase.FP8, unsafe_sites={})
     count = sum(n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
                 for n in gm.graph.nodes)
     numbers = range(1, count + 1) if static_sites is None else static_sites
     scales = scale if isinstance(scale, list) else [scale] * count
     static = {f"inference/<root>:fwd#{i}": {"scale": scales[i - 1], "policy": "amax"} for i in numbers}
-    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
+    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase=Phase.FP8, param_input_indices=frozenset(),
                       decide=decide, inactive_mods=config.inactive_mods, static_a_scales=static,
                       providers=config.providers)
     run_passes(gm.graph, ctx)

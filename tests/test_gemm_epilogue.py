@@ -19,7 +19,7 @@ import loka_compile
 from graphs import (OUTPUT_SQNR_DB, assert_no_loss, calibrated_plan, compile_with, inference_graph,
                     run_lowering, with_and_without)
 from loka_compile import LokaConfig, dispatch
-from loka_compile.passes import PIPELINE, GraphKind, PassContext
+from loka_compile.passes import PIPELINE, GraphKind, PassContext, Phase
 from loka_compile.passes.mods.gemm_epilogue import EPILOGUE_CAST
 from numerics import sqnr_db
 
@@ -58,11 +58,10 @@ def test_activation_then_next_gemm_is_one_fused_gemm(activation, dtype):
     # fc1 -> act -> fc2 and fc2 -> fc3: two producers, each writing the next A in FP8
     assert [(n.args[7], n.args[8]) for n in fused] == [(activation, torch.float8_e4m3fn),
                                                        ("none", torch.float8_e4m3fn)]
-    sites = {s.id: s for s in ctx.sites}
-    assert sites["inference/<root>:fwd#2"].casts["a"] == \
+    assert ctx.casts["inference/<root>:fwd#2"]["a"] == \
         f"{EPILOGUE_CAST} <root>:fwd's GEMM ({activation})"
-    assert sites["inference/<root>:fwd#3"].casts["a"].startswith(EPILOGUE_CAST)
-    assert ctx.decisions[sites["inference/<root>:fwd#1"].key].provider == "triton"
+    assert ctx.casts["inference/<root>:fwd#3"]["a"].startswith(EPILOGUE_CAST)
+    assert ctx.decisions["inference/<root>:fwd#1"].provider == "triton"
     # no bf16 activation is left between the GEMMs: every pointwise op of the activation is gone
     assert not any(n.target in (torch.ops.aten.relu.default, torch.ops.aten.exp.default, torch.ops.aten.erf.default,
                                 torch.ops.aten.tanh.default) for n in gm.graph.nodes if n.op == "call_function")
@@ -115,7 +114,7 @@ def test_declines(case):
     gm = inference_graph(fn, *args)
     ctx = run_lowering(gm, static_sites=static_sites, disabled=disabled, providers=allowed)
     assert not fused_gemms(gm)
-    assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
+    assert not any(ctx.casts.get(s.id, {}).get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
 
 
 def dispatched_mlp() -> PassContext:
@@ -123,8 +122,8 @@ def dispatched_mlp() -> PassContext:
     every A with a static scale: what plan_chains reads."""
     gm = inference_graph(mlp, torch.randn(32, 64, dtype=torch.bfloat16), *weights())
     config = LokaConfig(recipe="rowwise")
-    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(),
-                      decide=functools.partial(dispatch.decide, config=config, phase="fp8", unsafe_sites={}),
+    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase=Phase.FP8, param_input_indices=frozenset(),
+                      decide=functools.partial(dispatch.decide, config=config, phase=Phase.FP8, unsafe_sites={}),
                       inactive_mods=config.inactive_mods, providers=config.providers,
                       static_a_scales={f"inference/<root>:fwd#{i}": {"scale": 0.01, "policy": "amax"}
                                        for i in (1, 2, 3)})
@@ -167,8 +166,8 @@ def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(scale, fused_total, u
     fc1, fc2, fc3 = ctx.sites
     for site, (fp8, bf16_us, fp8_us) in ((fc1, (True, 10.0, 8.0)), (fc2, (False, 10.0, 12.0)),
                                          (fc3, (False, 10.0, 30.0))):
-        decision = ctx.decisions[site.key]
-        ctx.decisions[site.key] = dataclasses.replace(
+        decision = ctx.decisions[site.id]
+        ctx.decisions[site.id] = dataclasses.replace(
             decision, fp8=fp8, reason=Reason.FP8 if fp8 else Reason.SLOWER_THAN_BF16, bf16_us=bf16_us * scale,
             fp8_us=fp8_us * scale, candidates=(Candidate(decision.provider, (fp8_us - 1.0) * scale, fp8),))
 
@@ -180,11 +179,11 @@ def test_a_site_slower_alone_goes_fp8_where_its_chain_pays(scale, fused_total, u
 
     chains = gemm_epilogue.plan_chains(ctx, timing)
     assert [(c.producer, [p.consumer for p in c.pieces]) for c in chains] == ([(fc1, [fc2])] if upgraded else [])
-    assert ctx.decisions[fc2.key].fp8 is upgraded and not ctx.decisions[fc3.key].fp8
+    assert ctx.decisions[fc2.id].fp8 is upgraded and not ctx.decisions[fc3.id].fp8
     # the Mod's change is an amendment of fc2's decision, by the Mod, with why; nothing else changed
     assert [(a.site_id, a.by) for a in ctx.amendments] == ([(fc2.id, "gemm_epilogue")] if upgraded else [])
     if upgraded:
-        assert ctx.decisions[fc2.key].detail.startswith(
+        assert ctx.decisions[fc2.id].detail.startswith(
             "FP8 in the fused chain <root>:fwd -> <root>:fwd#2: 190.0 us vs 230.0 us")
         (amendment,) = ctx.amendments
         assert ("fp8", False, True) in amendment.changes and ("reason", "slower_than_bf16", "fp8") in amendment.changes
@@ -240,7 +239,7 @@ def test_split_pieces_each_feed_their_gemm_with_their_own_scale():
     out_scale = getattr(fused, gemm.args[11].target)
     assert gemm.args[7] == "relu" and out_scale.shape == (128,)
     assert torch.equal(out_scale, torch.cat([torch.full((w,), s) for w, s in zip((32, 64, 32), scales[1:])]))
-    fed = [s for s in ctx.sites if s.casts["a"].startswith(EPILOGUE_CAST)]
+    fed = [s for s in ctx.sites if ctx.casts[s.id]["a"].startswith(EPILOGUE_CAST)]
     assert len(fed) == 3 and not any(n.target in (torch.ops.aten.split_with_sizes.default, torch.ops.aten.relu.default)
                                      for n in fused.graph.nodes if n.op == "call_function")
     exact = split_blocks(*(t.double() for t in args))
@@ -260,7 +259,7 @@ def test_split_declines(case):
     gm = inference_graph(fn, x, *split_weights())
     ctx = run_lowering(gm)
     assert not fused_gemms(gm)
-    assert not any(s.casts.get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
+    assert not any(ctx.casts.get(s.id, {}).get("a", "").startswith(EPILOGUE_CAST) for s in ctx.sites)
 
 
 def test_epilogue_timing_times_both_forms_once_per_shape(cache_dir, monkeypatch):

@@ -78,10 +78,9 @@ def test_residual_stream_writes_the_operand_and_the_pre_norm_sum(dtype):
     assert not norm_ops_left(gm)
     pre_readers = [user for getitem in node.users if getitem.args[1] == 1 for user in getitem.users]
     assert pre_readers, "nothing reads the pre-norm sum"
-    sites = {s.id: s for s in ctx.sites}
-    assert sites["inference/<root>:fwd#2"].casts["a"] == \
+    assert ctx.casts["inference/<root>:fwd#2"]["a"] == \
         f"{EPILOGUE_CAST} <root>:fwd's GEMM (residual add, normalized (layer norm))"
-    assert "layer norm (and the pre-norm value)" in ctx.decisions[sites["inference/<root>:fwd#1"].key].detail
+    assert "layer norm (and the pre-norm value)" in ctx.decisions["inference/<root>:fwd#1"].detail
     assert_no_loss(exact, fused, unfused)
 
 

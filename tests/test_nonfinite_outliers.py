@@ -124,7 +124,11 @@ def test_an_outlier_after_the_window_sends_its_tensorwise_site_rowwise(caplog):
     assert site.detail.startswith("rowwise: amax guard: operand a's amax 1e+06 is over 28672 x its probe window's")
     history = [(e["step"], e["from"], e["to"], e["by"]) for e in site.history]
     assert history == [(5, "tensorwise", "rowwise", "amax_guard")]
+    (amendment,) = site.amendments  # the verdict change is an amendment too, in the report and the state
+    assert (amendment.by, amendment.changes) == ("amax_guard", (("verdict", "tensorwise", "rowwise"),))
+    assert amendment in loka_compile.state_of(compiled).amendments and amendment.why in site.history[0]["detail"]
     assert "demoted tensorwise -> rowwise at call 5 by the amax guard" in loka_compile.report(compiled).summary()
+    assert f"{site.id}: amax_guard: verdict 'tensorwise' -> 'rowwise'" in loka_compile.report(compiled).summary()
     warnings = [r.getMessage() for r in caplog.records
                 if r.levelno == logging.WARNING and "amax guard" in r.getMessage()]
     assert len(warnings) == 3 and "inference/0:fwd#1 demoted tensorwise -> rowwise from call 5" in warnings[0]

@@ -8,7 +8,7 @@ import torch
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 from loka_compile import LokaConfig, dispatch, speed
-from loka_compile.passes import GraphKind, PassContext, Reason, Role, graph_kind, run_passes
+from loka_compile.passes import GraphKind, PassContext, Phase, Reason, Role, graph_kind, run_passes
 from loka_compile.passes.context import Candidate
 from loka_compile.passes.dispatch_sites import dispatch_sites
 from loka_compile.passes.find_sites import clean_module_path, find_sites
@@ -36,7 +36,7 @@ def linear_relu_linear(x, w1, b1, w2):
     return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)), w2)
 
 
-def make_ctx(graph, phase="fp8", params=frozenset(), config=None, unsafe=None):
+def make_ctx(graph, phase=Phase.FP8, params=frozenset(), config=None, unsafe=None):
     config = config or LokaConfig(recipe="rowwise")
     decide = functools.partial(dispatch.decide, config=config, phase=phase, unsafe_sites=unsafe or {})
     return PassContext(graph="t", kind=graph_kind(graph), phase=phase, param_input_indices=params, decide=decide,
@@ -122,7 +122,7 @@ class TestLower:
                 assert operand.target is aten.where.self
                 assert operand.args[1].args[0].meta["val"].dtype == torch.float8_e4m3fn
         by_name = {s.name.split(":")[1]: s for s in ctx.sites}
-        casts = [s.casts for s in ctx.sites]
+        casts = [ctx.casts.get(s.id, {}) for s in ctx.sites]
         assert casts[0]["a"].startswith("standalone (graph input") and casts[1]["a"] == "fused into relu"
         assert all(c["b"].startswith("standalone (graph input") for c in casts)
         assert by_name
@@ -136,13 +136,13 @@ class TestLower:
         produced it, so no kernel can compute both; dgrad's run along them."""
         _, bwd = mlp_graphs
         ctx = run_passes(bwd.graph, make_ctx(bwd.graph, params=frozenset({1, 2, 3})))
-        by_role = {(s.role, s.module): s.casts for s in ctx.sites}
+        by_role = {(s.role, s.module): ctx.casts.get(s.id, {}) for s in ctx.sites}
         dgrad = next(c for (role, _), c in by_role.items() if role is Role.DGRAD)
         assert dgrad["a"].startswith("standalone (graph input tangents")
         wgrads = [c for (role, _), c in by_role.items() if role is Role.WGRAD]
         assert any(c["a"] == "standalone (scales across threshold_backward's rows)" for c in wgrads), wgrads
         tensorwise = run_passes(mlp_graphs[0].graph, make_ctx(mlp_graphs[0].graph, config=LokaConfig(recipe="tensorwise")))
-        assert tensorwise.sites[1].casts["a"] == "standalone (tensorwise amax of relu's output)"
+        assert tensorwise.casts[tensorwise.sites[1].id]["a"] == "standalone (tensorwise amax of relu's output)"
 
     def test_unfused_casts_are_one_opaque_node_per_operand(self, mlp_graphs):
         fwd, _ = mlp_graphs
@@ -150,7 +150,7 @@ class TestLower:
                                                                           disabled_mods=("fused_casts",))))
         assert targets(fwd.graph).count(torch.ops.loka.quantize_operand.default) == 4
         assert not fp8_casts(fwd.graph)
-        assert all(c == "standalone (loka.quantize_operand)" for s in ctx.sites for c in s.casts.values())
+        assert all(c == "standalone (loka.quantize_operand)" for s in ctx.sites for c in ctx.casts.get(s.id, {}).values())
         fwd.recompile()
         x, w1, b1, w2 = torch.randn(32, 64), torch.randn(128, 64), torch.randn(128), torch.randn(48, 128)
         assert sqnr_db(linear_relu_linear(x, w1, b1, w2), fwd(x, w1, b1, w2)[0]) > 20
@@ -194,7 +194,7 @@ class TestLower:
         _, bwd = mlp_graphs
         ctx = make_ctx(bwd.graph, params=frozenset({1, 2, 3}), config=LokaConfig())  # default recipe
         run_passes(bwd.graph, ctx)
-        by_role = {s.role: ctx.decisions[s.key] for s in ctx.sites}
+        by_role = {s.role: ctx.decisions[s.id] for s in ctx.sites}
         assert by_role[Role.WGRAD].reason is Reason.RECIPE_HIGH_PRECISION and by_role[Role.DGRAD].fp8
         # the two wgrad GEMMs keep their ATen mm on high-precision operands; the dgrad's mm
         # is the emulation's, on dequantized FP8 operands
@@ -207,7 +207,7 @@ class TestLower:
 class TestProbe:
     def test_probe_phase_inserts_observers_and_keeps_gemms(self, mlp_graphs):
         fwd, _ = mlp_graphs
-        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase="probe"))
+        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase=Phase.PROBE))
         assert ctx.changes["probe"] == 2 and ctx.changes["lower"] == 0
         assert targets(fwd.graph).count(torch.ops.loka.observe_gemm.default) == 2
         assert aten.addmm.default in targets(fwd.graph)
@@ -219,7 +219,7 @@ class TestProbe:
 
     def test_fp8_phase_inserts_no_observers(self, mlp_graphs):
         fwd, _ = mlp_graphs
-        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase="fp8"))
+        ctx = run_passes(fwd.graph, make_ctx(fwd.graph, phase=Phase.FP8))
         assert ctx.changes["probe"] == 0
         assert torch.ops.loka.observe_gemm.default not in targets(fwd.graph)
 
@@ -227,8 +227,8 @@ class TestProbe:
         fwd, _ = mlp_graphs
         ctx = make_ctx(fwd.graph)
         find_sites(fwd.graph, ctx)
-        first = ctx.sites[0].key
-        ctx.decide = functools.partial(dispatch.decide, config=LokaConfig(recipe="rowwise"), phase="fp8",
+        first = ctx.sites[0].id
+        ctx.decide = functools.partial(dispatch.decide, config=LokaConfig(recipe="rowwise"), phase=Phase.FP8,
                                        unsafe_sites={first: 0.5})
         dispatch_sites(fwd.graph, ctx)
         assert ctx.decisions[first].reason is Reason.PROBE_UNSAFE

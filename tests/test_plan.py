@@ -12,7 +12,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 import loka_compile
 from loka_compile import LokaConfig, dispatch
-from loka_compile.passes import Decision, GraphKind, PassContext, Reason, graph_kind
+from loka_compile.passes import Decision, GraphKind, PassContext, Phase, Reason, graph_kind
 from loka_compile.passes.context import Candidate
 from loka_compile.passes.find_sites import find_sites
 from loka_compile.plan import Plan, SitePlan
@@ -94,7 +94,7 @@ def test_site_ids_count_repeated_modules_in_order():
         return make_boxed_func(gm.forward)
 
     aot_function(fn, fw_compiler=keep, bw_compiler=keep)(torch.randn(16, 32), torch.randn(32, 32, requires_grad=True))
-    ctx = PassContext(graph="t", kind=graph_kind(graphs[0].graph), phase="fp8", param_input_indices=frozenset(),
+    ctx = PassContext(graph="t", kind=graph_kind(graphs[0].graph), phase=Phase.FP8, param_input_indices=frozenset(),
                       decide=None)
     find_sites(graphs[0].graph, ctx)
     assert [s.id for s in ctx.sites] == ["forward/<root>:fwd#1", "forward/<root>:fwd#2"]
@@ -214,7 +214,7 @@ def test_dispatch_rechecks_a_planned_site(caplog):
         return make_boxed_func(gm.forward)
 
     aot_function(fn, fw_compiler=keep)(torch.randn(32, 64), torch.randn(48, 64))
-    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase="fp8", param_input_indices=frozenset(), decide=None)
+    ctx = PassContext(graph="t", kind=GraphKind.INFERENCE, phase=Phase.FP8, param_input_indices=frozenset(), decide=None)
     find_sites(graphs[0].graph, ctx)
     (site,) = ctx.sites
     config = LokaConfig(recipe="rowwise")

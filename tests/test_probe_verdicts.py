@@ -83,31 +83,31 @@ def test_a_rowwise_site_chains_to_blockwise_only(store):
 
 
 def _site(role=Role.FWD):
-    return Site(key="g0/forward/mm", name="fc:fwd:mm", graph="g0", kind=GraphKind.FORWARD, node=None, op="mm",
+    return Site(id="forward/fc:fwd#1", graph="g0", kind=GraphKind.FORWARD, node=None, op="mm",
                 role=role, module="fc", shape=(M, K, N), batch=None, dtype=torch.float32,
                 device=torch.device("cpu"), a_is_grad=False, b_is_grad=False, producers=(), consumers=(),
-                seq_nr=None, id="forward/fc:fwd#0")
+                seq_nr=None)
 
 
 def test_dispatch_applies_the_target_scaling_and_skips_one_without_a_provider(monkeypatch):
     config = LokaConfig(recipe="tensorwise")
     steps = [["tensorwise", 0.96], ["rowwise", 0.95], ["blockwise", 0.04]]
-    decision = dispatch.decide(_site(), config, "fp8", upgraded_sites={"forward/fc:fwd#0": ("blockwise", steps)})
+    decision = dispatch.decide(_site(), config, "fp8", upgraded_sites={"forward/fc:fwd#1": ("blockwise", steps)})
     assert decision.fp8 and decision.scaling == "blockwise" and decision.provider == "emulated"
     assert "blockwise: the Probe measured tensorwise rel. error 0.96 > 0.1" in decision.detail
     assert "blockwise rel. error 0.04 <= 0.1" in decision.detail
     # legacy plans' (tensorwise, rowwise) pairs still go rowwise
-    legacy = dispatch.decide(_site(), config, "fp8", upgraded_sites={"g0/forward/mm": (0.9, 0.05)})
+    legacy = dispatch.decide(_site(), config, "fp8", upgraded_sites={"forward/fc:fwd#1": (0.9, 0.05)})
     assert legacy.fp8 and legacy.scaling == "rowwise" and "tensorwise rel. error 0.9 > 0.1" in legacy.detail
     # no provider runs blockwise: the chain has no further step, so bf16 with the bounds
     real = providers.select
     monkeypatch.setattr(providers, "select", lambda request: [] if request.scaling.value == "blockwise"
                         else real(request))
-    kept = dispatch.decide(_site(), config, "fp8", upgraded_sites={"forward/fc:fwd#0": ("blockwise", steps)})
+    kept = dispatch.decide(_site(), config, "fp8", upgraded_sites={"forward/fc:fwd#1": ("blockwise", steps)})
     assert not kept.fp8 and kept.reason is Reason.PROBE_UNSAFE and "no finer scaling" in kept.detail
     # ... but a passing rowwise step further up the chain is taken
     both = [["tensorwise", 0.96], ["rowwise", 0.05], ["blockwise", 0.04]]
-    up = dispatch.decide(_site(), config, "fp8", upgraded_sites={"forward/fc:fwd#0": ("rowwise", both)})
+    up = dispatch.decide(_site(), config, "fp8", upgraded_sites={"forward/fc:fwd#1": ("rowwise", both)})
     assert up.fp8 and up.scaling == "rowwise"
 
 
@@ -154,7 +154,7 @@ def _record(**kw):
     base = dict(name="fc:fwd:mm", module="fc", role="fwd", shape=(64, 256, 32), fp8=True, provider="p1",
                 reason="fp8", graph="g0", kind="forward", op="mm", batch=None, dtype="float32", scaling="rowwise",
                 formats="e4m3 x e4m3", producers=(), consumers=(), forward_site="", key="k", probe={},
-                id="forward/fc:fwd#0")
+                id="forward/fc:fwd#1")
     return SiteRecord(**{**base, **kw})
 
 

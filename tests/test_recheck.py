@@ -64,6 +64,9 @@ def test_drift_demotes_at_a_logged_call_and_recovery_promotes_back(caplog):
     assert [(e["step"], e["observed_at"], e["from"], e["to"], e["change"]) for e in history] == [
         (9, 8, "tensorwise", "blockwise", "demoted"), (12, 11, "blockwise", "tensorwise", "promoted")]
     assert "blockwise rel. error" in history[0]["detail"] and "> 0.1" in history[0]["detail"]
+    assert [(a.by, a.changes) for a in site.amendments] == [
+        ("re-check", (("verdict", "tensorwise", "blockwise"),)), ("re-check", (("verdict", "blockwise", "tensorwise"),))]
+    assert [a.why for a in site.amendments] == [e["detail"] for e in history]
     demoted = [r for r in caplog.records if "demoted tensorwise -> blockwise from call 9" in r.getMessage()]
     promoted = [r for r in caplog.records if "promoted blockwise -> tensorwise from call 12" in r.getMessage()]
     assert [r.levelno for r in demoted] == [logging.WARNING] and [r.levelno for r in promoted] == [logging.INFO]

@@ -290,7 +290,7 @@ def test_reset_forgets_verdicts():
         out = compiled(x)
         ref = model(x)
     assert [(s.key.split("/", 1)[1], s.reason) for s in loka_compile.report(compiled).sites] == \
-        [("inference/addmm", "fp8")]
+        [("inference/fc:fwd#1", "fp8")]
     assert not torch.equal(out, ref) and sqnr_db(ref, out) > OUTPUT_SQNR_FLOOR_DB  # FP8 ran
 
 
@@ -308,7 +308,7 @@ def test_a_model_still_probing_after_reset_lends_no_observations():
         new(torch.randn(32, 32))
         new(torch.randn(32, 32))
     sites = loka_compile.report(new).sites
-    assert [s.reason for s in sites] == ["fp8"] and sites[0].key != "g0/inference/addmm"
+    assert [s.reason for s in sites] == ["fp8"] and not sites[0].key.startswith("g0/")
 
 
 # ------------------------------------------------------------------ failure midway

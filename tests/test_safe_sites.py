@@ -140,10 +140,10 @@ def _spiky_gradient(seed):
 
 
 def _dgrad_site():
-    return Site(key="g0/backward/mm", name="fc:dgrad:mm", graph="g0", kind=GraphKind.BACKWARD, node=None, op="mm",
+    return Site(id="backward/fc:dgrad#1", graph="g0", kind=GraphKind.BACKWARD, node=None, op="mm",
                 role=Role.DGRAD, module="fc", shape=(M, K, 32), batch=None, dtype=torch.float32,
                 device=torch.device("cpu"), a_is_grad=True, b_is_grad=False, producers=(), consumers=(),
-                seq_nr=None, id="backward/fc:dgrad#0")
+                seq_nr=None)
 
 
 def test_a_gradient_that_e4m3_flushes_at_every_scaling_goes_e5m2(store):
@@ -155,7 +155,7 @@ def test_a_gradient_that_e4m3_flushes_at_every_scaling_goes_e5m2(store):
     unsafe, upgraded = probe.verdicts(store, ["d"], 0.1, chain=True)
     assert unsafe == {} and upgraded["d"][0] == "rowwise e5m2"
     decision = dispatch.decide(_dgrad_site(), LokaConfig(recipe="rowwise"), "fp8",
-                               upgraded_sites={"backward/fc:dgrad#0": upgraded["d"]})
+                               upgraded_sites={"backward/fc:dgrad#1": upgraded["d"]})
     assert decision.fp8 and decision.scaling == "rowwise" and (decision.a_format, decision.b_format) == \
         ("e5m2", "e4m3")
     assert "rowwise e5m2: the Probe measured rowwise rel. error" in decision.detail, decision.detail

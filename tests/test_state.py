@@ -2,6 +2,7 @@
 never mix, anything that is not a loka-compiled model is refused, and the state is found
 through every form a compiled model takes (module, function, DDP around or inside)."""
 
+import collections
 import datetime
 
 import pytest
@@ -185,3 +186,33 @@ def test_a_budget_demotion_is_an_amendment_in_the_report():
     assert f"{sites['fc1'].id}: output_budget: fp8 True -> False, reason 'fp8' -> 'probe_unsafe'" in summary
     (row,) = [line for line in report.table().splitlines() if sites["fc1"].id in line]
     assert row.rstrip().endswith("output_budget")
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_dispatch_decides_each_site_once_in_a_training_compile(monkeypatch):
+    """The joint graph's Mods (weight_both_layouts, saved_fp8) decide the dgrad and wgrad sites
+    and the forward's twins first; the forward and backward graphs read those decisions."""
+    from loka_compile import dispatch
+
+    calls, real = [], dispatch.decide
+
+    def counting(site, **kwargs):
+        calls.append(site.id)
+        return real(site, **kwargs)
+
+    monkeypatch.setattr(dispatch, "decide", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                          nn.Linear(64, 32))
+    compiled = torch.compile(model, backend="loka",
+                             options={"recipe": "rowwise", "probe_steps": 0, "speed_check": False, **PER_SITE})
+    x = torch.randn(64, 64)
+    out = compiled(x)
+    out.square().mean().backward()
+    record = loka_compile.state_of(compiled).records[0]
+    assert {"saved_fp8", "weight_both_layouts"} <= set(record.mod_results)  # the joint graph's Mods ran
+    sites = loka_compile.report(compiled).sites
+    roles = {s.role for s in sites}
+    assert roles == {"fwd", "dgrad", "wgrad"} and all(s.fp8 for s in sites), [(s.id, s.reason) for s in sites]
+    assert sorted(calls) == sorted(s.id for s in sites), collections.Counter(calls)  # one call per site, no more
+    assert sqnr_db(model(x), out) > OUTPUT_SQNR_FLOOR_DB

@@ -315,7 +315,7 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
     slow_ok = time_epilogue is not None
     consumers = {}
     for site in ctx.sites:
-        decision = ctx.decisions[site.key]
+        decision = ctx.decisions[site.id]
         static = ctx.static_a_scale(site)
         if _eligible(decision, slow_ok) and static is not None and site.op in ("mm", "addmm") \
                 and site.batch is None and decision.scaling in (Scaling.TENSORWISE.value, Scaling.ROWWISE.value) \
@@ -324,14 +324,14 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
     order = {node: i for i, node in enumerate(ctx.sites[0].node.graph.nodes)} if ctx.sites else {}
     chains = []
     for site in ctx.sites:
-        decision = ctx.decisions[site.key]
+        decision = ctx.decisions[site.id]
         if not _eligible(decision, slow_ok) or _producer_declines(site, decision, ctx.providers) is not None:
             continue
         found = _walk(site, consumers, norms)
         if found is None:
             continue
         pieces, activation, residual, norm, links = found
-        formats = {ctx.decisions[consumer.key].a_format for consumer, _, _ in pieces}
+        formats = {ctx.decisions[consumer.id].a_format for consumer, _, _ in pieces}
         if len(formats) != 1 or (norm is None and not epilogues):
             continue
         chain = Chain(site, [Piece(consumer, start, width, float(ctx.static_a_scale(consumer)["scale"]))
@@ -348,7 +348,7 @@ def plan_chains(ctx: PassContext, time_epilogue=None) -> list:
                 log.warning("loka: %s: %s: timing the fused GEMM failed (%s: %s); not fused", site.name, MOD,
                             type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
                 continue
-            if any(not ctx.decisions[member.key].fp8 for member in _members(chain)):
+            if any(not ctx.decisions[member.id].fp8 for member in _members(chain)):
                 if not _upgrade_in_chain(chain, ctx):
                     continue
             elif chain.timing is not None and not chain.timing.pays:
@@ -388,7 +388,7 @@ def _upgrade_in_chain(chain: Chain, ctx: PassContext) -> bool:
     if timing is None:
         return False
     members = _members(chain)
-    decisions = [ctx.decisions[member.key] for member in members]
+    decisions = [ctx.decisions[member.id] for member in members]
     if any(d.fp8_us is None or d.bf16_us is None for d in decisions):  # a member's FP8 went untimed
         return False
     # A chain with no op between its GEMMs runs no pointwise kernel as decided either
