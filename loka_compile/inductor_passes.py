@@ -294,10 +294,7 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     fallback)."""
     patches = dict(list_mode_options(config.mode))
     if patches.get("triton.cudagraphs"):
-        # An FX graph cache hit in a CUDA-graph mode raised TypeError ("'NoneType'
-        # object does not support the context manager protocol") inside Inductor on
-        # the H100 (torch 2.11) for graphs loka compiles after the probe window and
-        # their fallbacks (DLRM training, MaskNet inference); cause not isolated.
+        # A cache hit for a graph compiled after the probe window failed inside Inductor (docs/design.md).
         patches["fx_graph_cache"] = False
     if custom_pass is not None:
         patches["post_grad_custom_pre_pass"] = LokaProvenancePass(inductor_config.post_grad_custom_pre_pass)
