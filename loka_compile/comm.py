@@ -257,6 +257,9 @@ class _Bucket:
     dtype: torch.dtype
     calls: int = 0
     errors: list = dataclasses.field(default_factory=list)   # 0-d tensors, read at the close
+    # per call, whether the high-precision result was finite (a loss-scaling overflow's is not:
+    # it says nothing of FP8's error, and counts as a call all the same, so windows close alike)
+    informative: list = dataclasses.field(default_factory=list)
     high_precision_us: list = dataclasses.field(default_factory=list)
     fp8_us: list = dataclasses.field(default_factory=list)
 
@@ -319,12 +322,15 @@ class GradientComm:
         """How this call of bucket `key` runs: "high_precision", "fp8", or "measure" (both, in
         its window). Counts the call; logs once why a bucket cannot go FP8 (`why_not`, or
         what `_supported` finds)."""
-        why_not = why_not or (_supported(tensor) if world > 1 else "one rank")
+        if world < 2:
+            if key not in self.decisions:
+                self.decisions[key] = self._decision(key, tensor, world, False, CommReason.SINGLE_RANK, "one rank")
+            return "high_precision"
+        why_not = why_not or _supported(tensor)
         if why_not:
             self._log_once(key, f"gradient bucket {key} keeps its high-precision collective: {why_not}")
             if key not in self.decisions:
-                reason = CommReason.SINGLE_RANK if world == 1 else CommReason.UNSUPPORTED
-                self.decisions[key] = self._decision(key, tensor, world, False, reason, why_not)
+                self.decisions[key] = self._decision(key, tensor, world, False, CommReason.UNSUPPORTED, why_not)
             return "high_precision"
         decision = self.decisions.get(key)
         if decision is not None:
@@ -367,21 +373,23 @@ class GradientComm:
                 results[how] = high_precision(tensor) if how == "high_precision" else fp8(copy)
             self.count(how, tensor, world)
         bucket.errors.append(metrics.rel_error_tensor(results["high_precision"], results["fp8"]))
+        bucket.informative.append(torch.isfinite(results["high_precision"]).all())
         if len(bucket.errors) >= self.options.window_steps:
             self.decisions[key] = self._close(key, bucket, tensor, world)
         return results["high_precision"]
 
     def _close(self, key: str, bucket: _Bucket, tensor, world: int) -> CommDecision:
         """Every rank's window of this bucket, merged alike on all (`ranks.decide_once`)."""
-        errors = [float(e) for e in bucket.errors]
+        errors = [float(e) for e, finite in zip(bucket.errors, bucket.informative) if bool(finite)]
         view = {"errors": errors, "hp_us": statistics.median(bucket.high_precision_us),
                 "fp8_us": statistics.median(bucket.fp8_us)}
 
         def merge(views):
             bounds = [_bound(v["errors"]) for v in views]
             worst = max(range(len(views)), key=lambda i: bounds[i])
-            return {"bound": bounds[worst], "mean": statistics.fmean(views[worst]["errors"]),
-                    "hp_us": views[0]["hp_us"], "fp8_us": views[0]["fp8_us"], "calls": len(errors)}
+            worst_errors = views[worst]["errors"]
+            return {"bound": bounds[worst], "mean": statistics.fmean(worst_errors) if worst_errors else math.inf,
+                    "hp_us": views[0]["hp_us"], "fp8_us": views[0]["fp8_us"], "calls": len(worst_errors)}
 
         seen = ranks.decide_once(lambda: view, merge=merge)
         opts = self.options
@@ -389,6 +397,8 @@ class GradientComm:
         if seen["bound"] > opts.max_error:
             fp8, reason = False, CommReason.OVER_BUDGET
             detail = f"error bound {seen['bound']:.3g} > max_error {opts.max_error:g}"
+            if not seen["calls"]:
+                detail += " (no window call had a finite high-precision result)"
         elif opts.speed_check and speedup < opts.min_speedup:
             fp8, reason = False, CommReason.NOT_FASTER
             detail = (f"FP8 {seen['fp8_us']:.0f} us vs high precision {seen['hp_us']:.0f} us "
@@ -417,7 +427,9 @@ class GradientComm:
 
 
 def _bound(errors: list) -> float:
-    """The Probe's one-sided 95% bound on the mean error across calls (NaN or inf: +inf)."""
+    """The Probe's one-sided 95% bound on the mean error across calls (NaN or inf, or no call: +inf)."""
+    if not errors:
+        return math.inf
     finite = all(math.isfinite(e) for e in errors)
     mean = statistics.fmean(errors) if finite else math.inf
     std = statistics.stdev(errors) if finite and len(errors) > 1 else 0.0
