@@ -170,9 +170,33 @@ def _fsdp2(rank, device):
     return out
 
 
+def _overflow(rank, device):
+    """A loss-scaling overflow on rank 1 at step 2, in every bucket's window (measured: steps 1-2,
+    or 2-3 where DDP's rebuilt buckets warm up again): its gradients (so the all-reduced ones)
+    are inf and the step is skipped, as a loss scaler skips it. That call counts towards the
+    window but not the bound."""
+    ids = [device.index] if device.type == "cuda" else None
+    torch.manual_seed(0)
+    model = Mlp().to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=1)
+    handle = loka_compile.fp8_gradient_comm(ddp, **FP8_ONLY)
+    data = torch.Generator().manual_seed(100 + rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(FP8_STEP + 1):
+        x, y = torch.randn(BATCH, 32, generator=data).to(device), torch.randn(BATCH, 16, generator=data).to(device)
+        optimizer.zero_grad(set_to_none=True)
+        scale = math.inf if (step == 2 and rank == 1) else 1.0
+        (F.mse_loss(ddp(x), y) * scale).backward()
+        if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            optimizer.step()
+    return {"decisions": decisions_of(handle), "calls": {k: d.calls for k, d in handle.decisions.items()},
+            "params_finite": all(torch.isfinite(p).all().item() for p in model.parameters())}
+
+
 def _rank(rank, backend):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    return {"exchange": _exchange(rank, device), "ddp": _ddp(rank, device), "fsdp2": _fsdp2(rank, device)}
+    return {"exchange": _exchange(rank, device), "ddp": _ddp(rank, device), "fsdp2": _fsdp2(rank, device),
+            "overflow": _overflow(rank, device)}
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +296,13 @@ def check_fsdp2(ranks):
     assert all(fp8 for fp8, *_ in decisions.values()), decisions
 
 
+def check_overflow(ranks):
+    o0, o1 = ranks[0]["overflow"], ranks[1]["overflow"]
+    assert o0["decisions"] == o1["decisions"] and o0["params_finite"]
+    assert all(fp8 for fp8, *_ in o0["decisions"].values()), o0["decisions"]
+    assert set(o0["calls"].values()) == {WINDOW - 1}, o0["calls"]  # the overflow's call not in the bound
+
+
 # ------------------------------------------------------------------ gloo, 2 CPU processes
 
 @pytest.mark.slow
@@ -304,12 +335,17 @@ def test_fsdp2_fp8_reduce_scatter_trains_like_high_precision(ranks):
     check_fsdp2(ranks)
 
 
+@pytest.mark.slow
+def test_overflow_in_the_window_counts_but_does_not_bound(ranks):
+    check_overflow(ranks)
+
+
 # ------------------------------------------------------------------ NCCL, 2 GPUs
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("check", [check_exchange, check_ddp, check_budget_zero, check_speed_checked, check_bytes,
-                                   check_fsdp2], ids=lambda f: f.__name__)
+                                   check_fsdp2, check_overflow], ids=lambda f: f.__name__)
 def test_nccl(nccl_ranks, check):
     check(nccl_ranks)
 
