@@ -536,12 +536,23 @@ def _fp8_reduce_scatter_class():
     return Fp8ReduceScatter
 
 
+# The attribute of the DDP (or FSDP2 root) module that holds its GradientComm, for the report.
+_ATTRIBUTE = "_loka_gradient_comm"
+
+
+def gradient_comm_of(model) -> Optional[GradientComm]:
+    """The GradientComm `fp8_gradient_comm` gave `model` (a DDP, torch.compile of one, or an
+    FSDP2 root), else None."""
+    return getattr(getattr(model, "_orig_mod", model), _ATTRIBUTE, None)
+
+
 def fp8_gradient_comm(model: torch.nn.Module, **options) -> GradientComm:
     """Opt in to FP8 gradient communication, decided bucket by bucket by measurement (module
     docstring): `model` is a DistributedDataParallel (or `torch.compile` of one: a comm hook is
     registered, so no other may be) or a model sharded with FSDP2's `fully_shard` (every
     FSDPModule in it gets the FP8 reduce-scatter). `options`: `CommOptions`. Returns the
-    `GradientComm` whose `decisions`, `table()` and `str()` say what each bucket runs and why."""
+    `GradientComm` whose `decisions`, `table()` and `str()` say what each bucket runs and why
+    (`loka_compile.report(model)` holds it as `report.communication`)."""
     valid = [f.name for f in dataclasses.fields(CommOptions)]
     unknown = [key for key in options if key not in valid]
     if unknown:
@@ -552,6 +563,7 @@ def fp8_gradient_comm(model: torch.nn.Module, **options) -> GradientComm:
         comm = GradientComm(opts, "all_reduce")
         comm.group = inner.process_group
         inner.register_comm_hook(comm, _ddp_hook)
+        setattr(inner, _ATTRIBUTE, comm)
         return comm
     from torch.distributed.fsdp import FSDPModule
 
@@ -566,4 +578,5 @@ def fp8_gradient_comm(model: torch.nn.Module, **options) -> GradientComm:
     cls = _fp8_reduce_scatter_class()
     for name, module in sharded:
         module.set_custom_reduce_scatter(cls(comm, name or "root"))
+    setattr(inner, _ATTRIBUTE, comm)
     return comm

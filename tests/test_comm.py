@@ -145,7 +145,8 @@ def _ddp(rank, device):
                     "final_sent": dict(handle.sent) if handle else None,
                     "plan_bytes": handle.wire_bytes_per_step() if handle else None,
                     "numels": {k: d.numel for k, d in handle.decisions.items()} if handle else None,
-                    "text": str(handle) if handle else ""}
+                    "text": str(handle) if handle else "",
+                    "report": str(loka_compile.report(forward)) if loka and handle else None}
     return out
 
 
@@ -250,6 +251,8 @@ def check_ddp(ranks):
     assert len(decisions) >= 2 and decisions == d1["fp8"]["decisions"]
     assert all(fp8 and reason == "fp8" and bound <= comm.CommOptions().max_error
                for fp8, reason, bound, *_ in decisions.values()), decisions
+    if d0["fp8"]["report"] is not None:  # loka's report of the compiled DDP model names the decisions
+        assert f"FP8 gradient all-reduce: {len(decisions)} of {len(decisions)} bucket(s) in FP8" in d0["fp8"]["report"]
 
 
 def check_budget_zero(ranks):
