@@ -163,20 +163,24 @@ def chunk_elements(numel: int, world: int, block: int) -> int:
 
 
 def _pack(chunks: torch.Tensor, block: int) -> torch.Tensor:
-    """[C, chunk] float -> [C, chunk + 4 chunk/block] uint8: e4m3 bytes then fp32 scales, per chunk."""
-    count, length = chunks.shape
+    """[C, chunk] float -> [C, (chunk / block) (block + 4)] uint8: each block's e4m3 bytes then
+    its fp32 scale, so that `_unpack` reads both as views, without copies."""
+    count = chunks.shape[0]
     q, scale = triton_quant.quantize_rowwise(chunks.reshape(-1, block), Fp8Format.E4M3.value)
-    q_bytes = q.view(torch.uint8).reshape(count, length)
-    scale_bytes = scale.reshape(count, length // block).view(torch.uint8)
-    return torch.cat([q_bytes, scale_bytes], dim=1)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1).view(count, -1)
 
 
 def _unpack(packed: torch.Tensor, length: int, block: int) -> torch.Tensor:
     """The fp32 values of `_pack`'s bytes: [C, length]."""
-    count = packed.shape[0]
-    q = packed[:, :length].contiguous().view(Fp8Format.E4M3.dtype).reshape(-1, block)
-    scale = packed[:, length:].contiguous().view(torch.float32).reshape(-1, 1)
-    return dequantize(q, scale).reshape(count, length)
+    blocks = packed.view(-1, block + _SCALE_BYTES)
+    q = blocks[:, :block].view(Fp8Format.E4M3.dtype)
+    scale = blocks[:, block:].view(torch.float32)  # rows of block + 4 bytes keep each scale 4-byte aligned
+    return dequantize(q, scale).view(packed.shape[0], length)
+
+
+def _padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
+    """flat with zeros appended up to numel elements (flat itself when it has them)."""
+    return flat if flat.numel() == numel else torch.nn.functional.pad(flat, (0, numel - flat.numel()))
 
 
 def fp8_all_reduce(buffer: torch.Tensor, group, block: int, gather: str, average: bool = True) -> torch.Tensor:
@@ -185,8 +189,7 @@ def fp8_all_reduce(buffer: torch.Tensor, group, block: int, gather: str, average
     world = dist.get_world_size(group)
     numel = buffer.numel()
     chunk = chunk_elements(numel, world, block)
-    flat = torch.nn.functional.pad(buffer.reshape(-1), (0, world * chunk - numel))
-    packed = _pack(flat.view(world, chunk), block)
+    packed = _pack(_padded(buffer.reshape(-1), world * chunk).view(world, chunk), block)
     received = torch.empty_like(packed)
     dist.all_to_all_single(received, packed, group=group)
     reduced = _unpack(received, chunk, block).sum(dim=0)
@@ -209,8 +212,8 @@ def fp8_reduce_scatter(output: torch.Tensor, data: torch.Tensor, group, block: i
     world = dist.get_world_size(group)
     numel = output.numel()
     chunk = chunk_elements(numel * world, world, block)
-    chunks = torch.nn.functional.pad(data.reshape(world, numel), (0, chunk - numel))
-    packed = _pack(chunks, block)
+    chunks = data.reshape(world, numel)
+    packed = _pack(chunks if chunk == numel else torch.nn.functional.pad(chunks, (0, chunk - numel)), block)
     received = torch.empty_like(packed)
     dist.all_to_all_single(received, packed, group=group)
     reduced = _unpack(received, chunk, block).sum(dim=0)

@@ -376,3 +376,17 @@ def test_wire_bytes():
     assert fp8 == round(0.75 * 4 * (264 + 512))
     hp, fp8 = comm.wire_bytes("reduce_scatter", 1000, 4, 4, 128, "e4m3")
     assert (hp, fp8) == (3000, round(0.75 * 4 * 264))
+
+
+def test_packed_bytes_are_the_reference_cast():
+    """The bytes sent are the e4m3 cast with one scale per block, read back bit for bit."""
+    from loka_compile.kernels.quantize import Fp8Format, dequantize, quantize_along
+
+    chunks = torch.randn(3, 256) * torch.tensor([[1e-3], [1.0], [1e3]])
+    chunks[1, 7] = float("nan")
+    packed = comm._pack(chunks, 128)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 2 * (128 + 4))
+    q, scale = quantize_along(chunks.reshape(-1, 128), -1, Fp8Format.E4M3)
+    expected = dequantize(q, scale).view(3, 256)
+    assert torch.equal(comm._unpack(packed, 256, 128).nan_to_num(), expected.nan_to_num())
+    assert comm._unpack(packed, 256, 128)[1, :128].isnan().all()
