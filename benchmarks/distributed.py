@@ -1,5 +1,7 @@
 """Data-parallel training on 1, 2 and 4 GPUs of one host: DDP and FSDP2 in bf16, torchao
-float8 under FSDP2 with its FP8 all-gather, and loka (no FP8 communication yet) under both.
+float8 under FSDP2 with its FP8 all-gather, and loka under both, without and with FP8 gradient
+communication (`loka_compile.fp8_gradient_comm`: each gradient bucket measured for
+--comm-window steps, then FP8 where its error is within budget and it is faster).
 
     python -m benchmarks.distributed --out "$OUT"                       # defaults below, 1/2/4 GPUs
     python -m benchmarks.distributed --gpus 1,2 --steps 100 --out /tmp/d   # a shorter run
@@ -15,12 +17,15 @@ parts, wrapping, training and held-out evaluation) and rank 0 writes the rows. P
 - scaling efficiency: weak scaling (the batch per rank is fixed), step time on 1 GPU / step
   time on N;
 - bytes communicated per step, counted as the collectives are called: DDP's all-reduce
-  buckets through a comm hook, FSDP2's all-gather and reduce-scatter through its custom
-  collective hooks (`set_custom_all_gather` / `set_custom_reduce_scatter`; analytic from the
-  parameter shards where the installed torch lacks them, and the row says so). `*_payload`
+  buckets through a comm hook (with FP8 gradient communication, by loka's own hook: its
+  window's high-precision and FP8 collectives both, then what each bucket's decision sends; the
+  FP8 plan's bytes per step, window excluded, are `fp8_comm_wire_bytes_per_step`), FSDP2's
+  all-gather and reduce-scatter through its custom collective hooks (`set_custom_all_gather` /
+  `set_custom_reduce_scatter`; analytic from the parameter shards where the installed torch
+  lacks them, and the row says so). `*_payload`
   is each collective's full tensor (all-gather output, reduce-scatter input, all-reduce
-  buffer); `wire_bytes_per_rank` what a ring algorithm sends from each rank: (N-1)/N of the
-  all-gather and reduce-scatter payloads, 2(N-1)/N of the all-reduce's;
+  buffer, all-to-all send buffer); `wire_bytes_per_rank` what each rank sends: (N-1)/N of the
+  all-gather, reduce-scatter and all-to-all payloads, 2(N-1)/N of the all-reduce's (a ring);
 - held-out NE after all steps, and its change against DDP bf16 at the same world size.
 
 Results: <out>/<stem>.json, .md (table) and .png (plot, with matplotlib). The launcher stops
@@ -52,6 +57,7 @@ class Config:
     strategy: str
     backend: str
     torchao_float8: bool = False
+    fp8_comm: bool = False  # loka_compile.fp8_gradient_comm on the wrapped model
 
 
 CONFIGS = {c.name: c for c in (
@@ -60,6 +66,9 @@ CONFIGS = {c.name: c for c in (
     Config("fsdp2_torchao_float8", "fsdp2", "inductor", torchao_float8=True),
     Config("ddp_loka", "ddp", "loka"),
     Config("fsdp2_loka", "fsdp2", "loka"),
+    Config("ddp_loka_fp8_comm", "ddp", "loka", fp8_comm=True),
+    Config("fsdp2_loka_fp8_comm", "fsdp2", "loka", fp8_comm=True),
+    Config("ddp_bf16_fp8_comm", "ddp", "inductor", fp8_comm=True),  # FP8 gradients alone, bf16 GEMMs
 )}
 # The bf16 row each config's speed is read against (same strategy, same world size).
 BASELINE = {"ddp": "ddp_bf16", "fsdp2": "fsdp2_bf16"}
@@ -74,17 +83,23 @@ class CommBytes:
 
     def __init__(self, world: int):
         self.world = world
-        self.all_gather = self.reduce_scatter = self.all_reduce = 0
+        self.all_gather = self.reduce_scatter = self.all_reduce = self.all_to_all = 0
         self.method = "counted"
 
     def wire_per_rank(self) -> float:
         n = self.world
-        return (n - 1) / n * (self.all_gather + self.reduce_scatter) + 2 * (n - 1) / n * self.all_reduce
+        return (n - 1) / n * (self.all_gather + self.reduce_scatter + self.all_to_all) + \
+            2 * (n - 1) / n * self.all_reduce
+
+    def add_sent(self, sent: dict) -> None:
+        """Add a GradientComm's payload bytes (`GradientComm.sent`)."""
+        for name, value in sent.items():
+            setattr(self, name, getattr(self, name) + value)
 
     def per_step(self, steps: int) -> dict:
         return {"all_gather_payload": self.all_gather / steps, "reduce_scatter_payload": self.reduce_scatter / steps,
-                "all_reduce_payload": self.all_reduce / steps, "wire_bytes_per_rank": self.wire_per_rank() / steps,
-                "bytes_method": self.method}
+                "all_reduce_payload": self.all_reduce / steps, "all_to_all_payload": self.all_to_all / steps,
+                "wire_bytes_per_rank": self.wire_per_rank() / steps, "bytes_method": self.method}
 
 
 def count_ddp(ddp, counter: CommBytes) -> None:
@@ -156,6 +171,25 @@ def torchao_scales(model):
     return lambda step: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+def comm_options(args) -> dict:
+    """fp8_gradient_comm's options from the command line."""
+    return {"window_steps": args.comm_window, "max_error": args.comm_max_error, "gather": args.comm_gather,
+            "speed_check": not args.comm_no_speed_check}
+
+
+def fp8_comm_row(gradient_comm) -> dict:
+    """What FP8 gradient communication decided: buckets in FP8 of all, the plan's bytes per step
+    (window excluded) against high precision, and each bucket's decision."""
+    plan = gradient_comm.wire_bytes_per_step()
+    decisions = gradient_comm.decisions.values()
+    return {"fp8_comm_buckets": f"{sum(d.fp8 for d in decisions)}/{len(gradient_comm.decisions)}",
+            "fp8_comm_wire_bytes_per_step": plan["fp8_plan"],
+            "fp8_comm_high_precision_wire_bytes_per_step": plan["high_precision"],
+            "fp8_comm_decisions": [{"bucket": d.key, "elements": d.numel, "fp8": d.fp8, "reason": d.reason.value,
+                                    "error_bound": d.error_bound, "high_precision_us": d.high_precision_us,
+                                    "fp8_us": d.fp8_us, "detail": d.detail} for d in decisions]}
+
+
 def gathered_bytes(config: Config, device: torch.device, part, param) -> int:
     """Bytes per element FSDP2 all-gathers (the wrapping in examples/distributed.py): tables in
     their own dtype, GEMM parts in bf16 on CUDA, torchao's float8 Linear weights in FP8."""
@@ -189,14 +223,22 @@ def run_config(config: Config, args, device: torch.device) -> dict:
         forward = example.wrap(task, config.strategy, device)
         counter = CommBytes(world)
         if config.strategy == "ddp":
-            count_ddp(forward, counter)
+            if not config.fp8_comm:  # DDP takes one comm hook: loka's counts its own bytes
+                count_ddp(forward, counter)
         else:
-            count_fsdp2([*task.parts, task.model], counter)
+            count_fsdp2([*task.parts, task.model], counter)  # loka's reduce-scatter replaces the counted one
+        gradient_comm = loka_compile.fp8_gradient_comm(forward, **comm_options(args)) if config.fp8_comm else None
         on_step = torchao_scales(task.model) if config.torchao_float8 else None
-        warmup = min(max(args.warmup, example.warmup_steps(config.backend, options)), args.steps - 1)
+        warmup = max(args.warmup, example.warmup_steps(config.backend, options))
+        if gradient_comm is not None:  # its window, after a warm-up call (and DDP's rebuilt buckets' one)
+            warmup = max(warmup, args.comm_window + 3)
+        warmup = min(warmup, args.steps - 1)
         row.update(example.train(task, forward, device, args.steps, args.lr, warmup, on_step=on_step))
         if counter.method != "counted":
             analytic_fsdp2_bytes(task, counter, args.steps, lambda part, p: gathered_bytes(config, device, part, p))
+        if gradient_comm is not None:
+            counter.add_sent(gradient_comm.sent)
+            row.update(fp8_comm_row(gradient_comm))
         row.update(counter.per_step(args.steps))
         row.update(example.evaluate(task, forward, device, args.eval_batches, options["probe_steps"] + 1))
         row.update(example.fp8_sites(task, config.backend))
@@ -274,17 +316,19 @@ def markdown(env: dict, rows: list[dict]) -> str:
     lines = [f"# Distributed training: {env['model']} ({env['preset']}), batch {env['batch_per_rank']} per rank, "
              f"{env['steps']} steps, {env['device']}", "",
              "| GPUs | config | ms/step | speedup vs bf16 | scaling eff. | all-gather MB | reduce-scatter MB | "
-             "all-reduce MB | wire MB/rank | held-out NE | NE vs DDP bf16 | FP8 sites |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "all-reduce MB | all-to-all MB | wire MB/rank | FP8 grad buckets (plan MB/step) | held-out NE | "
+             "NE vs DDP bf16 | FP8 sites |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["world_size"], r["config"])):
         if "error" in r:
-            lines.append(f"| {r['world_size']} | {r['config']} | error: {r['error']} |" + " |" * 9)
+            lines.append(f"| {r['world_size']} | {r['config']} | error: {r['error']} |" + " |" * 11)
             continue
         mb = lambda key: fmt(r.get(key, 0) / 1e6, ".1f")  # noqa: E731
         lines.append(
             f"| {r['world_size']} | {r['config']} | {fmt(r['step_ms'], '.2f')} | {fmt(r.get('speedup_vs_bf16'), '.2f')} | "
             f"{fmt(r.get('scaling_efficiency'), '.2f')} | {mb('all_gather_payload')} | {mb('reduce_scatter_payload')} | "
-            f"{mb('all_reduce_payload')} | {mb('wire_bytes_per_rank')} | {fmt(r['ne'], '.4f')} | "
+            f"{mb('all_reduce_payload')} | {mb('all_to_all_payload')} | {mb('wire_bytes_per_rank')} | "
+            f"{fp8_comm_cell(r)} | {fmt(r['ne'], '.4f')} | "
             f"{fmt(100 * r['ne_rel_change_vs_ddp_bf16'], '+.2f') + '%' if 'ne_rel_change_vs_ddp_bf16' in r else ''} | "
             f"{r.get('fp8_sites', '')}{'/' + str(r['sites']) if 'sites' in r else ''} |")
     methods = sorted({r["bytes_method"] for r in rows if "bytes_method" in r})
@@ -292,6 +336,14 @@ def markdown(env: dict, rows: list[dict]) -> str:
     lines += ["", f"Bytes: {'; '.join(methods)}. Step time: median of {clock} on rank 0 after the warm-up. "
               "Scaling efficiency: step time on 1 GPU / on N (weak scaling)."]
     return "\n".join(lines) + "\n"
+
+
+def fp8_comm_cell(row: dict) -> str:
+    """"2/3 (12.1 vs 46.2)": buckets in FP8, and the plan's MB per step against high precision."""
+    if "fp8_comm_buckets" not in row:
+        return ""
+    return (f"{row['fp8_comm_buckets']} ({row['fp8_comm_wire_bytes_per_step'] / 1e6:.1f} vs "
+            f"{row['fp8_comm_high_precision_wire_bytes_per_step'] / 1e6:.1f})")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -399,6 +451,10 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank")
     parser.add_argument("--probe-steps", type=int, default=2)
+    parser.add_argument("--comm-window", type=int, default=4, help="FP8 gradient communication: measured steps")
+    parser.add_argument("--comm-max-error", type=float, default=0.1, help="its budget on a bucket's relative error")
+    parser.add_argument("--comm-gather", default="e4m3", choices=("e4m3", "bf16"), help="its all-gather's format")
+    parser.add_argument("--comm-no-speed-check", action="store_true", help="FP8 where within budget, faster or not")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--total-seconds", type=float, default=510.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -415,7 +471,10 @@ def parse_args(argv=None):
     args.passthrough = [f"--configs={args.configs}", f"--model={args.model}", f"--preset={args.preset}",
                         f"--max-rows={args.max_rows}", f"--batch={args.batch}", f"--steps={args.steps}",
                         f"--warmup={args.warmup}", f"--lr={args.lr}", f"--eval-batches={args.eval_batches}",
-                        f"--probe-steps={args.probe_steps}", f"--device={args.device}"]
+                        f"--probe-steps={args.probe_steps}", f"--device={args.device}",
+                        f"--comm-window={args.comm_window}", f"--comm-max-error={args.comm_max_error}",
+                        f"--comm-gather={args.comm_gather}",
+                        *(["--comm-no-speed-check"] if args.comm_no_speed_check else [])]
     return args
 
 

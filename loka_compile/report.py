@@ -10,6 +10,7 @@ import torch
 from tabulate import tabulate
 
 from loka_compile import probe
+from loka_compile.comm import gradient_comm_of
 from loka_compile.plan import Plan, SitePlan, id_parts, param_fingerprint, upgrade_target
 from loka_compile.passes import GraphKind, Phase, Reason
 from loka_compile.passes import mods as mod_registry
@@ -166,9 +167,11 @@ class Report:
     """`report.sites`: one SiteRecord per GEMM site of every matching graph;
     `report.graphs`: per Dynamo graph, its phase, fallback and rewritten GraphModules;
     `str(report)`: the overview (summary, FP8 per role and FLOP share, why the rest stays
-    in high precision); `report.table()`: every site."""
+    in high precision); `report.table()`: every site. `report.communication`: the model's FP8
+    gradient communication (`comm.GradientComm`: each bucket's decision), when it has one."""
 
-    def __init__(self, records):
+    def __init__(self, records, communication=None):
+        self.communication = communication
         self.graphs = [GraphReport(r.name, r.phase, r.fallback or "; ".join(r.fallen_back.values()) or None,
                                    {kind.value: gm for (phase, kind), gm in r.graph_modules.items() if phase is r.phase},
                                    r.config, getattr(r, "output_budget", None),
@@ -332,6 +335,8 @@ class Report:
         lines += self._amendment_lines(largest)
         lines += self._budget_lines()
         lines += self._history_lines()
+        if self.communication is not None:
+            lines.append(str(self.communication).split("\n")[0])  # its table: print(report.communication)
         if table_hint:
             lines.append(table_hint)
         return "\n".join(lines)
@@ -355,8 +360,9 @@ def _probe_cell(site: SiteRecord) -> str:
 
 def report(compiled) -> Report:
     """The report for a loka-compiled model or function: the graphs of its compile's state
-    (`state.state_of`; ValueError for anything else)."""
-    return Report(state_of(compiled).records)
+    (`state.state_of`; ValueError for anything else), with its FP8 gradient communication
+    where `fp8_gradient_comm` gave it one."""
+    return Report(state_of(compiled).records, gradient_comm_of(compiled))
 
 
 # -- plans: a compiled model's, and a saved one's report ---------------------------------
