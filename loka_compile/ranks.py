@@ -41,6 +41,14 @@ def decide_once(decide: Callable, merge: Optional[Callable] = None):
     text where it does not pickle), so every rank takes the same `except` branch."""
     if not distributed():
         return decide() if merge is None else merge([decide()])
+    # Compile passes run under a fake-tensor mode; the object collectives need real tensors.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return _decide_on_ranks(decide, merge)
+
+
+def _decide_on_ranks(decide: Callable, merge: Optional[Callable]):
+    """`decide_once` when distributed."""
     dist = torch.distributed
     error = None
     if merge is not None or dist.get_rank() == 0:

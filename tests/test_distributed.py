@@ -276,8 +276,14 @@ def _decisions(rank, store_dir):
     except speed.NoProviderRuns as error:
         raised = error.failed
     merged = ranks.decide_once(lambda: {f"site{rank}": rank}, merge=lambda views: sorted(k for v in views for k in v))
+    # Inductor's passes, the speed check's caller, run under a fake-tensor mode.
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        shape = speed.SiteShape(80, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
+        under_fake = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", ("emulated",))
+        merged_under_fake = ranks.decide_once(lambda: rank, merge=sorted)
     speed.clear_cache()
-    return {"timing": dataclasses.asdict(timing), "stored": stored, "raised": raised, "merged": merged}
+    return {"timing": dataclasses.asdict(timing), "stored": stored, "raised": raised, "merged": merged,
+            "under_fake": dataclasses.asdict(under_fake), "merged_under_fake": merged_under_fake}
 
 
 def _rank(rank, store_dir, backend):
@@ -411,3 +417,6 @@ def test_rank0_decides_timings_and_failures_for_all(ranks):
     assert d0["stored"] and not d1["stored"]  # rank 1 measured nothing, stored nothing
     assert d0["raised"] == d1["raised"] == {"emulated": "raised on rank 0"}  # the same exception type on both
     assert d0["merged"] == d1["merged"] == ["site0", "site1"]
+    # Under a compile's fake-tensor mode too (the broadcast had failed there, so sites went FP8 untimed).
+    assert d0["under_fake"] == d1["under_fake"] and d0["under_fake"]["bf16_us"] > 0
+    assert d0["merged_under_fake"] == d1["merged_under_fake"] == [0, 1]
