@@ -359,25 +359,43 @@ def finer_scalings(summary: dict, scaling: str, e: float, max_error: float, metr
     return steps
 
 
-def safer_scalings(summaries: dict, error: dict, labels: dict, sites: dict, config) -> dict:
-    """site id -> `finer_scalings` of each site of `error` (going FP8 at `labels`' scaling),
-    those a provider runs for the site (`sites`: id -> Site) under `config`."""
+def safer_scalings(summaries: dict, error: dict, scalings: dict, sites: dict, config) -> dict:
+    """site id -> `finer_scalings` of each site of `error` (going FP8 at `scalings`'
+    scaling), those a provider runs for the site (`sites`: id -> Site) under `config`; none
+    for a site without Probe statistics (`summaries`: id -> the Probe's summary)."""
     def runs(site):
         return lambda scaling: site is not None and dispatch.upgrade_runs(site, config, scaling)
 
-    return {sid: finer_scalings(summaries[sid], labels[sid], e, config.max_probe_error, config.probe_metric,
-                                runs(sites.get(sid)))
+    return {sid: finer_scalings(summaries.get(sid, {}), scalings.get(sid, ""), e, config.max_probe_error,
+                                config.probe_metric, runs(sites.get(sid)))
             for sid, e in error.items()}
+
+
+def make_safe_or_keep(sensitivity: dict, error: dict, budget: Optional[float], scalings: dict, summaries: dict,
+                      sites: dict, config, labels: Optional[dict] = None, **weighing) -> Weighed:
+    """`keep_within` with each site first offered the finer scalings the Probe measured
+    within its per-site bound (`safer_scalings`, from the scaling it runs: `scalings`, site
+    id -> "rowwise"), so that a site stays in high precision only when none is left. The
+    window's close, the refit at the measured scale and `calibrate` all weigh sites so.
+    `labels`: how details name the scaling each error was measured in (default `scalings`);
+    `weighing`: `keep_within`'s other arguments."""
+    finer = safer_scalings(summaries, error, scalings, sites, config)
+    return keep_within(sensitivity, error, budget, scalings if labels is None else labels, finer=finer, **weighing)
+
+
+def upgrade_entry(summary: dict, scaling: str, metric: str) -> tuple:
+    """A plan's upgrade verdict to a finer `scaling` the Probe measured at a site:
+    (scaling, [its own step, that scaling's step]), which Dispatch reads as an upgrade."""
+    steps = probe.chain_steps(summary, metric)
+    return scaling, [steps[0], *[step for step in steps[1:] if step[0] == scaling]]
 
 
 def record_made_safe(budget: OutputBudget, weighed: Weighed, summaries: dict, metric: str) -> None:
     """Into `budget`: each site a finer scaling made safe (`Weighed.made_safe`), its error
-    there and its plan entry (scaling, [its own step, that scaling's step]), which Dispatch
-    reads as an upgrade."""
+    there and its plan entry (`upgrade_entry`)."""
     for sid, (scaling, detail) in weighed.made_safe.items():
-        steps = probe.chain_steps(summaries[sid], metric)
         budget.error[sid], budget.made_safe[sid] = weighed.error[sid], detail
-        budget.upgraded[sid] = (scaling, [steps[0], *[step for step in steps[1:] if step[0] == scaling]])
+        budget.upgraded[sid] = upgrade_entry(summaries[sid], scaling, metric)
 
 
 def last_gemm_sites(gm: torch.fx.GraphModule, sites: dict, ids) -> tuple:

@@ -236,17 +236,10 @@ def test_rechecks_run_the_perturb_ops_inert_and_keep_the_budgets_sites(caplog):
     assert sites["fc1"].history == () and "promoted" not in caplog.text
 
 
-def _understated_run(monkeypatch, caplog, budget, refit):
+def _understated_run(understate_sensitivities, caplog, budget, refit):
     """MLPWithNorm with its sensitivities planted 20x too small: the prediction lets all
     three sites (each s * e about 0.036) go FP8, and the FP8 variant measures about 0.06."""
-    measure = compiled_graph.LokaCompiledGraph._measure_sensitivities
-
-    def understated(self, *args):
-        measured = measure(self, *args)
-        measured["sensitivity"] = {sid: s / 20 for sid, s in measured["sensitivity"].items()}
-        return measured
-
-    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_measure_sensitivities", understated)
+    understate_sensitivities(20)
     torch.manual_seed(0)
     model, x = MLPWithNorm(), torch.randn(64, 64)
     with caplog.at_level(logging.WARNING, logger="loka"):
@@ -257,13 +250,13 @@ def _understated_run(monkeypatch, caplog, budget, refit):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, monkeypatch):
+def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, understate_sensitivities):
     """With refit_output_budget, a measurement over 1.5x the budget 0.03 is weighed again at
     the measured scale (about x 20): the sites the budget cannot afford are kept and the
     FP8 variant compiled again measures far less, within VERIFY_SLACK of the budget (seeds
     0-4: 0.053-0.069 first, then all three kept)."""
     budget = 0.03
-    model, x, compiled, out, first = _understated_run(monkeypatch, caplog, budget, refit=True)
+    model, x, compiled, out, first = _understated_run(understate_sensitivities, caplog, budget, refit=True)
     assert first > budget_window.VERIFY_SLACK * budget and "compiling the FP8 variant again" in caplog.text
     graph = loka_compile.report(compiled).graphs[0]
     kept = [s for s in loka_compile.report(compiled).sites if s.role == "fwd" and not s.fp8]
@@ -275,9 +268,9 @@ def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, mon
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_by_default_a_missed_prediction_is_only_logged(caplog, monkeypatch):
+def test_by_default_a_missed_prediction_is_only_logged(caplog, understate_sensitivities):
     budget = 0.03
-    _, _, compiled, _, first = _understated_run(monkeypatch, caplog, budget, refit=False)
+    _, _, compiled, _, first = _understated_run(understate_sensitivities, caplog, budget, refit=False)
     assert first > budget_window.VERIFY_SLACK * budget and "exceeded over 1.5x" in caplog.text
     assert "compiling the FP8 variant again" not in caplog.text
     graph = loka_compile.report(compiled).graphs[0]

@@ -167,3 +167,41 @@ def test_a_forward_site_has_no_gradient_format_step(store):
     x, w = split_input(), SplitScales().fc.weight.detach().t()
     torch.ops.loka.observe_gemm(x, w, "f", "rowwise", "e4m3", "e4m3")
     assert [s for s, _ in probe.chain_steps(store.summary("f"))] == ["rowwise", "blockwise"]
+
+
+# ---- the refit at the measured scale and calibrate try the finer scaling first -----------
+
+# SplitScales' sensitivity is about 1 and its rowwise error about 0.36: planted 20x too small,
+# the window predicts rowwise within either budget below, and the FP8 variant measures ~0.36.
+UNDERSTATED = 20
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+@pytest.mark.parametrize("budget, rescued", [(0.1, True), (0.02, False)])
+def test_the_refit_tries_blockwise_before_keeping_a_site(understate_sensitivities, budget, rescued):
+    """At the measured scale (x ~20) rowwise is far over either budget. Blockwise (error
+    ~0.037, x 20 / 20) fits 0.1: the site is made safe at the refit, the FP8 variant
+    compiled again measures within the budget, and the report says which change. It does
+    not fit 0.02: the site stays in high precision, tried at blockwise first."""
+    understate_sensitivities(UNDERSTATED)
+    torch.manual_seed(0)
+    model, x = SplitScales(), split_input()
+    compiled, out, report = _compiled_report(model, x, {**LOOSE_SITE_BOUND, "max_output_error": budget,
+                                                        "refit_output_budget": True})
+    budget_record = report.graphs[0].output_budget
+    (site,) = [s for s in report.sites if s.role == "fwd"]
+    assert budget_record.predicted_before < budget  # the window alone let rowwise through
+    if rescued:
+        assert site.fp8 and site.scaling == "blockwise" and not budget_record.kept
+        assert "measured shortfall" in site.detail and "made safe by blockwise scaling" in site.detail, site.detail
+        (amendment,) = [a for a in site.amendments if a.by == "output_budget"]
+        assert "made safe by blockwise scaling" in amendment.why
+        assert "1 made safe by a finer scaling" in report.summary()
+        with torch.no_grad():
+            reference = model(x).double()
+        assert torch.isfinite(out).all() and 0 < budget_record.measured < budget
+        assert budget_record.measured == pytest.approx(float((out - reference).norm() / reference.norm()), rel=1e-3)
+    else:
+        assert not site.fp8 and site.id in budget_record.kept and not budget_record.made_safe
+        assert "(blockwise)" in site.detail and "measured shortfall" in site.detail, site.detail
+        assert "made safe" not in report.summary()
