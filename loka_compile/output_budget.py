@@ -325,8 +325,7 @@ def keep_within(sensitivity: dict, error: dict, budget: Optional[float], labels:
                    f"max_ne_increase {ne_budget:g}")
         if finer.get(sid):
             scaling, e = finer[sid].pop(0)
-            made_safe[sid] = (scaling, f"{why}: made safe by {scaling} scaling (rel. error {error[sid]:.3g} -> "
-                                       f"{e:.3g})")
+            made_safe[sid] = (scaling, made_safe_detail(why, scaling, error[sid], e))
             error[sid], labels[sid] = e, scaling
             contribution[sid] = contribution_of(sid)
             for name in ne:
@@ -339,6 +338,11 @@ def keep_within(sensitivity: dict, error: dict, budget: Optional[float], labels:
     return Weighed(kept=kept, before=before, after=predicted(contribution[s] for s in left),
                    ne_before=ne_before, ne_after=totals(), made_safe=made_safe,
                    error={sid: error[sid] for sid in left})
+
+
+def made_safe_detail(why: str, scaling: str, before: float, after: float) -> str:
+    """A site's detail when a finer scaling made it safe: why it had to change, and the change."""
+    return f"{why}: made safe by {scaling} scaling (rel. error {before:.3g} -> {after:.3g})"
 
 
 def finer_scalings(summary: dict, scaling: str, e: float, max_error: float, metric: str, runs) -> list:
