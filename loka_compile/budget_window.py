@@ -377,15 +377,13 @@ class _SideRuns:
 
 
     def run_eager(self, gm: torch.fx.GraphModule, dtype: Optional[torch.dtype]) -> list:
-        """The floating outputs of the Dynamo graph run eagerly on copies of the arguments,
-        every floating one in `dtype` (None: as it is) but those that carry integers past
-        bf16's exact range (ids in a float tensor, as deepctr-torch passes them): bf16 would
-        change the ids."""
+        """The floating outputs of the Dynamo graph run eagerly on the arguments, every
+        floating one copied in `dtype` (None: as they are; a graph that rounds its inputs
+        itself, `output_budget.floor_graphs`, keeps ids carried in floats exact)."""
         def cast(a):
             if not (isinstance(a, torch.Tensor) and a.is_floating_point()) or dtype is None:
                 return a
-            ids = a.numel() > 0 and bool((a == a.round()).all()) and float(a.abs().max()) > BF16_EXACT_INTEGERS
-            return a.detach().clone() if ids else a.detach().to(dtype, copy=True)
+            return a.detach().to(dtype, copy=True)
         return self.run(gm, [cast(a) for a in self.args])
 
 
@@ -419,6 +417,3 @@ BUDGET_WAIT_CALLS = 8
 # above this many bytes of copies the predicted floor stands alone.
 FLOOR_RUN_MAX_BYTES = 2 << 30
 
-
-# bf16 holds every integer up to 2^8 exactly (8 significand bits).
-BF16_EXACT_INTEGERS = 256

@@ -473,17 +473,55 @@ def computes_in_low_precision(gm: torch.fx.GraphModule, args) -> bool:
     return False
 
 
+# Methods that convert a tensor to integers (ids read from a float tensor, as deepctr-torch
+# reads its features), and the ops through which values reach them unchanged (slices, views).
+_INTEGER_METHODS = {"long", "int", "short", "byte", "char"}
+_INDEXING = {"getitem", "__getitem__", "view", "reshape", "squeeze", "unsqueeze", "narrow", "select", "flatten",
+             "contiguous", "split", "chunk", "unbind", "t", "transpose", "permute", "expand"}
+
+
+def _integer_conversion(node: torch.fx.Node) -> bool:
+    if node.op == "call_method" and node.target in _INTEGER_METHODS:
+        return True
+    dtypes = _dtype_constants(node) if _op_name(node) in _CONVERSIONS else []
+    return bool(dtypes) and not any(d.is_floating_point or d.is_complex for d in dtypes)
+
+
+def reads_ids_only(node: torch.fx.Node) -> bool:
+    """Whether every use of `node`'s values goes, through slices and views only, into an
+    integer conversion (`x[:, 3:7].long()`): they are ids, and rounding them would change them."""
+    if _integer_conversion(node):
+        return True
+    return _op_name(node) in _INDEXING and bool(node.users) and all(map(reads_ids_only, node.users))
+
+
+def _to_if_floating(value, dtype: torch.dtype):
+    """`value` in `dtype` when it is a floating tensor, else as it is."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
 def precision_copy(gm: torch.fx.GraphModule, dtype: torch.dtype, convert: tuple = (),
-                   conversions_only: bool = False, autocast_off: bool = False) -> torch.fx.GraphModule:
+                   conversions_only: bool = False, autocast_off: bool = False,
+                   round_inputs: bool = False) -> torch.fx.GraphModule:
     """A copy of a Dynamo graph (the original is left as it is) in which every dtype of
     `convert` the graph names becomes `dtype`: conversions (`.to(torch.bfloat16)`,
     `.bfloat16()`, `.half()`, `.float()`) and, unless `conversions_only`, any op's dtype
     argument (factories, `softmax(dtype=)`); floating attributes it reads of a dtype in
     `convert` are converted at read. `autocast_off`: its autocast regions are disabled.
-    Floating attributes are read through a copy, so an eager run leaves buffers as they were."""
+    `round_inputs`: each floating input is read in `dtype` too, except where its values are
+    only ids (`reads_ids_only`: those uses read it as it is, exact). Floating attributes
+    (and, with `round_inputs`, inputs) are read through a copy, so an eager run leaves
+    buffers as they were."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     swap = lambda a: dtype if isinstance(a, torch.dtype) and a in convert else a  # noqa: E731
+    if round_inputs:
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        for node in reversed(inputs):  # after the last input: placeholders stay first
+            with graph.inserting_after(inputs[-1]):
+                read = graph.call_function(_to_if_floating, (node, dtype))
+            for user in [u for u in node.users if u is not read and not reads_ids_only(u)]:
+                user.replace_input_with(node, read)
     for node in list(graph.nodes):
         if node.op == "get_attr":
             value = _floating_attr(gm, node)
@@ -510,11 +548,13 @@ def floor_graphs(gm: torch.fx.GraphModule, args) -> tuple:
     its bf16/fp16 conversions made fp32 ones, autocast off, inputs in fp32. The bf16 graph
     is the model's own low-precision arithmetic where it has some (the graph as it is, on its
     own inputs); a graph without any runs in bf16: its conversions to fp32 (`.to(weight.dtype)`
-    in an fp32 model) made bf16 ones, inputs in bf16."""
+    in an fp32 model) made bf16 ones, inputs read in bf16 but where they carry ids (a float
+    tensor of ids and dense features, read by `.long()`: those reads stay exact). Both
+    bf16 graphs take their inputs as they are (the dtype returned is None)."""
     high = precision_copy(gm, torch.float32, LOW_PRECISION, autocast_off=True)
     if computes_in_low_precision(gm, args):
         return high, precision_copy(gm, torch.float32), None
-    return high, precision_copy(gm, torch.bfloat16, (torch.float32,), conversions_only=True), torch.bfloat16
+    return high, precision_copy(gm, torch.bfloat16, (torch.float32,), conversions_only=True, round_inputs=True), None
 
 
 # Dynamo-graph ops whose output is a probability of a binary event, and those of a binary

@@ -505,6 +505,51 @@ def test_the_measured_floor_keeps_ids_carried_in_floats():
     assert floor.measured is not None and 0 < floor.measured < 3 * floor.predicted, floor
 
 
+class MixedFeatures(nn.Module):
+    """deepctr-torch's input format: one float tensor whose first columns are ids (read with
+    `.long()`) and whose others are dense features, then an MLP over both."""
+
+    IDS = 2
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(1000, 32), nn.Linear(2 * 32 + 30, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        ids, dense = x[:, :self.IDS].long(), x[:, self.IDS:]
+        h = torch.cat([self.emb(ids).flatten(1), dense], dim=1)
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_the_measured_floor_keeps_ids_exact_in_a_tensor_that_also_holds_dense_features():
+    """The bf16 run rounds the dense columns and every parameter to bf16 but reads the id
+    columns exact: the floor equals the same model computed so by hand against fp32. Rounding
+    the whole input (ids 257-999 -> other rows) would make it about the output's own size."""
+    torch.manual_seed(0)
+    model = MixedFeatures()
+    x = torch.cat([torch.randint(0, 1000, (64, MixedFeatures.IDS)).float(), torch.randn(64, 30)], dim=1)
+    floor = _closing_floor(torch.compile(model, backend="loka", options={"recipe": "rowwise"}), x)
+    low = MixedFeatures()
+    low.load_state_dict(model.state_dict())
+    low.to(torch.bfloat16)
+    with torch.no_grad():
+        ids, dense = x[:, :MixedFeatures.IDS].long(), x[:, MixedFeatures.IDS:].bfloat16()
+        by_hand = low.fc2(torch.relu(low.fc1(torch.cat([low.emb(ids).flatten(1), dense], dim=1))))
+        expected = rel_error(model(x).double(), by_hand)
+    assert floor.measured is not None, floor.why_unmeasured
+    assert 1e-3 < expected < 0.05 and floor.measured == pytest.approx(expected, rel=1e-3)
+
+
+def test_reads_ids_only_follows_slices_into_integer_conversions():
+    def f(x):
+        return x[:, :2].long().sum() + x[:, 2:].sum() + x.to(torch.int32).sum()
+
+    gm = torch._dynamo.export(f)(torch.randn(4, 5)).graph_module
+    (x,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert sorted(map(output_budget.reads_ids_only, x.users)) == [False, True, True]
+
+
 def test_head_kinds_of_a_dynamo_graph():
     """Found in the graph: a sigmoid's output, 0-d BCE losses (on logits or probabilities,
     summed), a named head's logits through a squeeze; other outputs are not heads."""
