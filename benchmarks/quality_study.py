@@ -45,7 +45,7 @@ last call's JSON copied to benchmarks/results/, runs the next slice. --configs p
 "bf16,loka_k16_ne0.001": the defaults against bf16 first); --shard i/n runs whole (model, seed)
 groups, every n-th, into <stem>.shard<i>of<n>.json (one process per GPU of a multi-GPU call), and
 --summary-only merges the shards' files into one summary. The summary covers the rows of this
-run's setting (preset, steps, batch, mode, speed check). --preset production (= paper) is batch
+run's setting (preset, steps, batch, mode, speed check; bf16 rows serve either speed check). --preset production (= paper) is batch
 8192 at the zoo's paper sizes and the public suite's production preset. Output:
 <out>/<name>.json (rows, summary, environment), <name>.md (the summary table), <name>.png when
 matplotlib imports (speedup against dNE per model, one point per configuration).
@@ -323,6 +323,12 @@ def setting(args) -> dict:
     return {name: getattr(args, name) for name in SETTING}
 
 
+def of_setting(row: dict, here: dict) -> bool:
+    """Whether a row counts in a run of setting `here`. A bf16 row counts whatever the speed
+    check (it has none), so runs with it on and off share their bf16 rows."""
+    return all(row.get(k) == v for k, v in here.items() if not (k == "speed_check" and row["config"] == BASELINE))
+
+
 def row_key(row: dict) -> tuple:
     return (row["model"], row["config"], row["seed"], *(row.get(name) for name in SETTING))
 
@@ -489,15 +495,15 @@ def main(argv=None) -> Path:
     merge = _names(args.merge) if args.merge is not None else default_merge(stem, out)
     rows = load_rows(merge)
     here = setting(args)
-    current = lambda: [r for r in rows if all(r.get(k) == v for k, v in here.items())]  # noqa: E731
+    current = lambda: [r for r in rows if of_setting(r, here)]  # noqa: E731
     if rows:
         train.log(f"merged {len(rows)} rows of {', '.join(m for m in merge if Path(m).exists())} "
                   f"({len(current())} of this run's setting {here})")
-    done = {row_key(r) for r in rows if finished(r)}
+    done = {(r["model"], r["config"], r["seed"]) for r in current() if finished(r)}
     plan = planned_rows(_names(args.zoo), _names(args.public), configs, args.seeds)
     if args.shard is not None:
         plan = shard_rows(plan, args.shard)
-    todo = [] if args.summary_only else [p for p in plan if (p[0], p[2], p[3], *here.values()) not in done]
+    todo = [] if args.summary_only else [p for p in plan if (p[0], p[2], p[3]) not in done]
     seconds, basis = estimate_seconds(todo, current(), args.preset)
     calls = f"; about {math.ceil(seconds / args.total_seconds)} call(s) of --total-seconds " \
             f"{args.total_seconds:g}" if args.total_seconds and todo else ""

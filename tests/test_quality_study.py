@@ -118,3 +118,17 @@ def test_a_row_whose_estimate_does_not_fit_the_time_left_is_left_for_the_next_ca
     assert json.loads(path.read_text())["rows"] == []
     with pytest.raises(SystemExit, match="unknown"):
         study.main(["--configs", "loka_k99_ne0.5", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_bf16_rows_serve_runs_with_the_speed_check_on_and_off(tmp_path, capsys):
+    earlier = tmp_path / "earlier.json"
+    rows = [_row("dlrm_dcnv2", "bf16", seed, ne=0.8 + 0.01 * seed, batch=64) for seed in range(2)]
+    rows += [_row("dlrm_dcnv2", "loka_k16_ne0.001", seed, ne=0.8 + 0.01 * seed, batch=64, speed_check="off")
+             for seed in range(2)]
+    earlier.write_text(json.dumps({"rows": rows}))
+    path = study.main(["--zoo", "dlrm_dcnv2", "--public", "", "--seeds", "2", "--batch", "64", "--multiples", "16",
+                       "--ne-increases", "0.001", "--rules", "", "--speed-check", "off", "--device", "cpu",
+                       "--merge", str(earlier), "--out", str(tmp_path), "--name", "off"])
+    assert "0 of 4 rows to run (4 done earlier)" in capsys.readouterr().out
+    by = {e["config"]: e for e in json.loads(path.read_text())["summary"]}
+    assert by["bf16"]["seeds"] == 2 and by["loka_k16_ne0.001"]["dne_paired"] == pytest.approx(0.0)
