@@ -501,9 +501,9 @@ def main(argv=None) -> Path:
                   f"({len(current())} of this run's setting {here})")
     done = {(r["model"], r["config"], r["seed"]) for r in current() if finished(r)}
     plan = planned_rows(_names(args.zoo), _names(args.public), configs, args.seeds)
-    if args.shard is not None:
-        plan = shard_rows(plan, args.shard)
     todo = [] if args.summary_only else [p for p in plan if (p[0], p[2], p[3]) not in done]
+    if args.shard is not None:  # of the rows left, so that every call spreads them over its GPUs afresh
+        plan, todo = shard_rows(plan, args.shard), shard_rows(todo, args.shard)
     seconds, basis = estimate_seconds(todo, current(), args.preset)
     calls = f"; about {math.ceil(seconds / args.total_seconds)} call(s) of --total-seconds " \
             f"{args.total_seconds:g}" if args.total_seconds and todo else ""
