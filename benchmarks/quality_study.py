@@ -502,12 +502,14 @@ def main(argv=None) -> Path:
     done = {(r["model"], r["config"], r["seed"]) for r in current() if finished(r)}
     plan = planned_rows(_names(args.zoo), _names(args.public), configs, args.seeds)
     todo = [] if args.summary_only else [p for p in plan if (p[0], p[2], p[3]) not in done]
+    earlier = len(plan) - len(todo)
     if args.shard is not None:  # of the rows left, so that every call spreads them over its GPUs afresh
-        plan, todo = shard_rows(plan, args.shard), shard_rows(todo, args.shard)
+        todo = shard_rows(todo, args.shard)
     seconds, basis = estimate_seconds(todo, current(), args.preset)
     calls = f"; about {math.ceil(seconds / args.total_seconds)} call(s) of --total-seconds " \
             f"{args.total_seconds:g}" if args.total_seconds and todo else ""
-    train.log(f"estimate: {len(todo)} of {len(plan)} rows to run ({len(plan) - len(todo)} done earlier), "
+    share = f" (shard {args.shard[0]} of {args.shard[1]}: {len(todo)} of the rows left)" if args.shard else ""
+    train.log(f"estimate: {len(todo)} of {len(plan)} rows to run ({earlier} done earlier){share}, "
               f"{seconds:.0f} s ({basis}){calls}")
 
     def write() -> None:
