@@ -45,9 +45,9 @@ last call's JSON copied to benchmarks/results/, runs the next slice. --configs p
 "bf16,loka_k16_ne0.001": the defaults against bf16 first); --shard i/n runs whole (model, seed)
 groups, every n-th, into <stem>.shard<i>of<n>.json (one process per GPU of a multi-GPU call), and
 --summary-only merges the shards' files into one summary. The summary covers the rows of this
-run's setting (preset, steps, batch, mode, speed check; bf16 rows serve either speed check). --preset production (= paper) is batch
-8192 at the zoo's paper sizes and the public suite's production preset. Output:
-<out>/<name>.json (rows, summary, environment), <name>.md (the summary table), <name>.png when
+run's setting (preset, steps, batch, mode, speed check; bf16 rows serve either speed check).
+--preset production (= paper) is batch 8192 at the zoo's paper sizes and the public suite's
+production preset. Output: <out>/<name>.json (rows, summary, environment), <name>.md (the summary table), <name>.png when
 matplotlib imports (speedup against dNE per model, one point per configuration).
 """
 

@@ -263,7 +263,8 @@ class _FinerScalings:
         else:
             entry = output_budget.upgrade_entry(self.summaries[sid], step, self.config.probe_metric)
             decision = dispatch.decide(self.sites[sid], self.config, Phase.FP8,
-                                       plan=dataclasses.replace(plan, upgraded={**plan.upgraded, sid: entry}, source=""))
+                                       plan=dataclasses.replace(plan, upgraded={**plan.upgraded, sid: entry},
+                                                                source=""))
             if not decision.fp8 or decision.scaling != step:
                 return False
             plan.upgraded[sid] = entry
@@ -315,8 +316,8 @@ def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict,
     for sid, detail in weighed.kept.items():
         _keep_in_high_precision(plan, sid, errors[sid], detail)
     log.info("loka calibrate: %s: output budget as calibrated (static scales, prediction x %.2g): predicted "
-             "output discrepancy %.3g -> %.3g, %d site(s) made safe (a dynamic cast or a finer scaling), %d more kept in high "
-             "precision", record.name, k, weighed.before, weighed.after, len(made_safe), len(weighed.kept))
+             "output discrepancy %.3g -> %.3g, %d site(s) made safe (a dynamic cast or a finer scaling), %d more "
+             "kept in high precision", record.name, k, weighed.before, weighed.after, len(made_safe), len(weighed.kept))
 
 
 def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, decision, metric: str) -> float:
@@ -483,5 +484,6 @@ def _within_predicted_ne(plan: Plan, budgets: list, tolerance: float, finer: Opt
     plan.task_metric = {"metric": "predicted relative NE increase", "before": before, "after": predicted(),
                         "tolerance": tolerance, "made_safe": made_safe, "backed_off": backed_off, "measured": False}
     log.info("loka calibrate: predicted relative NE increase %.3g before, %.3g after making %d site(s) safe by a "
-             "finer scaling or a dynamic cast and backing off %d (no labels; tolerance %g)", before, plan.task_metric["after"],
+             "finer scaling or a dynamic cast and backing off %d (no labels; tolerance %g)", before,
+             plan.task_metric["after"],
              len(made_safe), len(backed_off), tolerance)
