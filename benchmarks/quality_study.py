@@ -47,8 +47,9 @@ groups, every n-th, into <stem>.shard<i>of<n>.json (one process per GPU of a mul
 --summary-only merges the shards' files into one summary. The summary covers the rows of this
 run's setting (preset, steps, batch, mode, speed check; bf16 rows serve either speed check).
 --preset production (= paper) is batch 8192 at the zoo's paper sizes and the public suite's
-production preset. Output: <out>/<name>.json (rows, summary, environment), <name>.md (the summary table), <name>.png when
-matplotlib imports (speedup against dNE per model, one point per configuration).
+production preset. Output: <out>/<name>.json (rows, summary, environment), <name>.md (the
+summary table), <name>.png when matplotlib imports (speedup against dNE per model, one point per
+configuration).
 """
 
 from __future__ import annotations
