@@ -32,16 +32,24 @@ logits); public models (benchmarks.public) as benchmarks.public.run trains them 
 model under bf16 autocast, their own loss, Adam); a multi-task model's NE is that of its first
 head against its first label, a listwise model (DSSM, YouTubeDNN) gets none.
 
---total-seconds stops starting rows once spent (later rows record `skipped`), so a run fits a
-device call; the JSON is rewritten after every row. Runs resume and merge: rows of earlier runs'
-JSON files (--merge; by default <stem>.json under benchmarks/results and under --out, stem
-<date>_<device>_quality_study) are kept, and those that finished (NE measured, or failed other
-than by a time budget) are not run again, so calls of one day add up to one file; the summary
-covers the rows of this run's setting (preset, steps, batch, mode). Before the first row the
-run prints how many rows it will run and an estimate of their time, from the wall time of
-earlier rows of the same model and config where merged, else a guess. Output: <out>/<name>.json (rows, summary,
-environment), <name>.md (the summary table), <name>.png when matplotlib imports (speedup
-against dNE per model, one point per configuration).
+Runnable in slices. Before any row the run prints how many rows it will run and an estimate
+of their time (each row: the median wall time of finished rows of its setting, model and config,
+else of its model and kind, else a guess per size, GUESS_ROW_SECONDS; plus each zoo model's
+measured setup), and how many calls of --total-seconds that takes. A row starts only when its
+estimate fits what is left of --total-seconds, so a run ends inside its device call; the JSON is
+rewritten after every row. Runs resume and merge: rows of earlier runs' JSON files (--merge; by
+default <stem>.json and its shards' <stem>.shard*.json under benchmarks/results and under --out,
+stem <date>_<device>_quality_study or --name) are kept, and those that finished (NE measured, or
+failed other than by a time budget) are not run again, so the same command, called again with the
+last call's JSON copied to benchmarks/results/, runs the next slice. --configs picks rows (e.g.
+"bf16,loka_k16_ne0.001": the defaults against bf16 first); --shard i/n runs whole (model, seed)
+groups, every n-th, into <stem>.shard<i>of<n>.json (one process per GPU of a multi-GPU call), and
+--summary-only merges the shards' files into one summary. The summary covers the rows of this
+run's setting (preset, steps, batch, mode, speed check; bf16 rows serve either speed check).
+--preset production (= paper) is batch 8192 at the zoo's paper sizes and the public suite's
+production preset. Output: <out>/<name>.json (rows, summary, environment), <name>.md (the
+summary table), <name>.png when matplotlib imports (speedup against dNE per model, one point per
+configuration).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import collections
 import dataclasses
 import datetime as _dt
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -117,10 +126,19 @@ def _report_sites(compiled) -> list:
 # ------------------------------------------------------------------ rows
 
 
+# --preset names one size for both suites: the zoo's preset of that name ("tiny", "paper") or
+# the public suite's ("tiny", "production"); "production" and "paper" name the same size, batch
+# 8192, in each suite's terms.
+ZOO_PRESET = {"production": "paper"}
+PUBLIC_PRESET = {"paper": "production"}
+PRESETS = ("tiny", "paper", "production")
+
+
 def zoo_setup(name: str, seed: int, args, device) -> tuple:
     """(benchmarks.train ModelSetup, its arguments) of one zoo model and seed, shared by its rows."""
     train_args = train.parse_args([
-        "--models", name, "--preset", args.preset, "--steps", str(args.timed), "--warmup", str(args.warmup),
+        "--models", name, "--preset", ZOO_PRESET.get(args.preset, args.preset), "--steps", str(args.timed),
+        "--warmup", str(args.warmup),
         "--quality-steps", str(args.steps), "--eval-batches", str(args.eval_batches), "--seed", str(seed),
         "--max-seconds", str(args.max_seconds), "--ceiling-configs", "", "--device", str(device),
         *(["--batch", str(args.batch)] if args.batch else [])])
@@ -168,7 +186,7 @@ def public_row(name: str, cfg_name: str, seed: int, args, device, deadline) -> d
             raise train.BudgetExceeded("skipped: --total-seconds budget spent before this row")
         cfg = train.resolve_config(cfg_name)
         torch._dynamo.reset()
-        bench = build(name, args.preset, device=device, seed=seed)
+        bench = build(name, PUBLIC_PRESET.get(args.preset, args.preset), device=device, seed=seed)
         unit = TrainUnit(bench, bench.model, amp=cfg.dtype == torch.bfloat16)
         fn = train.compile_unit(unit, cfg)
         opt = torch.optim.Adam(bench.model.parameters(), lr=args.lr)
@@ -288,13 +306,28 @@ def plot(summary: list, path: Path) -> None:
 
 # What makes rows comparable: a row counts toward the summary only where these match the run's.
 SETTING = ("preset", "steps", "batch", "mode", "speed_check")
-# The guess of one row's wall time before any row of the study has run (GPU: the first compile
-# of a tiny zoo model's graphs, probe and FP8 variants, and 500 steps); measured rows replace it.
-GUESS_ROW_SECONDS = 20.0
+# The guess of one row's wall time before any row of its setting has run; measured rows
+# replace it. Tiny (GPU): the first compile of a tiny zoo model's graphs, probe and FP8
+# variants, and 500 steps. Production (H100, batch 8192): public Wukong's loka row took 91 s and
+# its bf16 row 42 s for their compiles and 17 steps
+# (benchmarks/results/2026-11-27_H100_public_production_wukong.json), DLRM-DCNv2's step is
+# 100-104 ms (2026-11-25_H100_train_final.md): 500 steps add 15-50 s.
+GUESS_ROW_SECONDS = {"tiny": {"bf16": 20.0, "loka": 20.0}, "production": {"bf16": 90.0, "loka": 150.0}}
+
+
+def guess_seconds(config: str, preset: str) -> float:
+    size = GUESS_ROW_SECONDS["tiny" if preset == "tiny" else "production"]
+    return size["bf16" if config == BASELINE else "loka"]
 
 
 def setting(args) -> dict:
     return {name: getattr(args, name) for name in SETTING}
+
+
+def of_setting(row: dict, here: dict) -> bool:
+    """Whether a row counts in a run of setting `here`. A bf16 row counts whatever the speed
+    check (it has none), so runs with it on and off share their bf16 rows."""
+    return all(row.get(k) == v for k, v in here.items() if not (k == "speed_check" and row["config"] == BASELINE))
 
 
 def row_key(row: dict) -> tuple:
@@ -328,27 +361,49 @@ def planned_rows(zoo: list, public: list, configs: dict, seeds: int) -> list:
             for source, names in (("zoo", zoo), ("public", public)) for name in names for config in configs]
 
 
-def estimate_seconds(todo: list, done: list) -> tuple:
-    """(seconds, basis) for the rows `todo` [(model, source, config, seed)]: each the median
-    wall time of finished rows of its model and config, else of its model, else of any row
-    `done`, else GUESS_ROW_SECONDS."""
+def row_seconds(model: str, config: str, done: list, preset: str = "tiny") -> tuple:
+    """(seconds, basis) of one row: the median wall time of the finished rows `done` (of the
+    run's setting) of its model and config, else of its model and kind (bf16 or loka), else
+    of its model, else `guess_seconds`."""
     walls = [r for r in done if r.get("wall_s") and finished(r)]
+    kind = lambda c: c == BASELINE  # noqa: E731
+    for level, rows in (("model and config", [r for r in walls if (r["model"], r["config"]) == (model, config)]),
+                        ("model and kind", [r for r in walls if r["model"] == model
+                                            and kind(r["config"]) == kind(config)]),
+                        ("model", [r for r in walls if r["model"] == model])):
+        if rows:
+            return statistics.median(r["wall_s"] for r in rows), level
+    guess = guess_seconds(config, preset)
+    return guess, f"{guess:g} s guessed"
 
-    def median(rows):
-        return statistics.median(r["wall_s"] for r in rows) if rows else None
 
+def setup_seconds(model: str, done: list) -> float:
+    """A zoo model's setup (its master weights and batches, once per seed), as measured in
+    the rows `done` it preceded (`setup_s`); 0 before one was measured."""
+    setups = [r["setup_s"] for r in done if r["model"] == model and r.get("setup_s")]
+    return statistics.median(setups) if setups else 0.0
+
+
+def estimate_seconds(todo: list, done: list, preset: str = "tiny") -> tuple:
+    """(seconds, basis) for the rows `todo` [(model, source, config, seed)], each `row_seconds`,
+    and each zoo (model, seed) group's `setup_seconds`."""
     total, basis = 0.0, collections.Counter()
-    for model, _, config, _ in todo:
-        for level, rows in (("model and config", [r for r in walls if (r["model"], r["config"]) == (model, config)]),
-                            ("model", [r for r in walls if r["model"] == model]), ("any row", walls)):
-            if rows:
-                total += median(rows)
-                basis[level] += 1
-                break
-        else:
-            total += GUESS_ROW_SECONDS
-            basis[f"{GUESS_ROW_SECONDS:g} s guessed"] += 1
+    for model, source, config, _ in todo:
+        seconds, level = row_seconds(model, config, done, preset)
+        total += seconds
+        basis[level] += 1
+    total += sum(setup_seconds(model, done) for model, source, _, _ in
+                 dict.fromkeys((m, s, None, seed) for m, s, _, seed in todo) if source == "zoo")
     return total, ", ".join(f"{n} from {level}" for level, n in basis.items())
+
+
+def shard_rows(plan: list, shard: tuple) -> list:
+    """The rows of `plan` of shard (i, n): whole (model, seed) groups, every n-th from the i-th,
+    so a model's bf16 and loka rows of one seed run in one process (one GPU) and stay paired."""
+    index, count = shard
+    groups = list(dict.fromkeys((model, seed) for model, _, _, seed in plan))
+    mine = {group for i, group in enumerate(groups) if i % count == index}
+    return [row for row in plan if (row[0], row[3]) in mine]
 
 
 # ------------------------------------------------------------------ main
@@ -367,7 +422,9 @@ def parse_args(argv=None):
     p.add_argument("--zoo", default="dlrm_dcnv2,wukong,masknet", help="comma list of benchmarks.zoo models")
     p.add_argument("--public", default="deepctr_torch.DeepFM,deepctr_torch.DCN",
                    help="comma list of benchmarks.public models")
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", choices=PRESETS,
+                   help="tiny, or production (= paper): batch 8192, the zoo's paper and the public suite's "
+                        "production sizes")
     p.add_argument("--batch", type=int, default=None, help="default: the preset's")
     p.add_argument("--steps", type=int, default=500, help="training steps before held-out NE")
     p.add_argument("--seeds", type=int, default=3)
@@ -378,6 +435,13 @@ def parse_args(argv=None):
     p.add_argument("--ne-increases", default="0.0003,0.001,0.003", help="max_ne_increase per budget level")
     p.add_argument("--rules", default=",".join(RULES),
                    help=f"comma list of the rows without the output budget among {', '.join(RULES)} ('' for none)")
+    p.add_argument("--configs", default=None,
+                   help="comma list of the rows to run among bf16, the budget levels' and --rules' (default: all)")
+    p.add_argument("--shard", default=None,
+                   help="i/n: run the i-th (0-based) of n shares of the rows, whole (model, seed) groups, into "
+                        "<stem>.shard<i>of<n>.json: one process per GPU")
+    p.add_argument("--summary-only", action="store_true",
+                   help="run no row: merge (--merge, or the default files and their shards) and write the summary")
     p.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
     p.add_argument("--speed-check", default="on", choices=["on", "off"],
                    help="off: every loka row runs without the speed check, so its quality rule alone decides")
@@ -397,6 +461,14 @@ def parse_args(argv=None):
     args.rules = tuple(_names(args.rules))
     if set(args.rules) - set(RULES):
         p.error(f"--rules: unknown {sorted(set(args.rules) - set(RULES))}; valid: {', '.join(RULES)}")
+    if args.shard is not None:
+        try:
+            index, count = (int(v) for v in args.shard.split("/"))
+        except ValueError:
+            p.error(f"--shard takes i/n such as 0/4, not {args.shard!r}")
+        if not 0 <= index < count:
+            p.error(f"--shard {args.shard}: i must be in 0..n-1")
+        args.shard = (index, count)
     return args
 
 
@@ -408,32 +480,41 @@ def main(argv=None) -> Path:
         device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     configs = study_configs(args.multiples, args.ne_increases, args.mode, args.rules, args.speed_check == "on")
+    if args.configs is not None:
+        unknown = sorted(set(_names(args.configs)) - set(configs))
+        if unknown:
+            raise SystemExit(f"--configs: unknown {unknown}; this run's rows: {', '.join(configs)}")
+        configs = {name: c for name, c in configs.items() if name in _names(args.configs)}
     train.CONFIGS.update(configs)  # run_config and compile_unit resolve rows by name there
     deadline = None if args.total_seconds is None else _T0 + args.total_seconds
     stem = args.name or f"{_dt.date.today().isoformat()}_{train.device_tag(device)}_quality_study"
+    name = stem if args.shard is None else f"{stem}.shard{args.shard[0]}of{args.shard[1]}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
-    merge = _names(args.merge) if args.merge is not None else \
-        list(dict.fromkeys([str(Path("benchmarks/results") / f"{stem}.json"), str(out / f"{stem}.json")]))
+    merge = _names(args.merge) if args.merge is not None else default_merge(stem, out)
     rows = load_rows(merge)
     here = setting(args)
-    current = lambda: [r for r in rows if all(r.get(k) == v for k, v in here.items())]  # noqa: E731
+    current = lambda: [r for r in rows if of_setting(r, here)]  # noqa: E731
     if rows:
         train.log(f"merged {len(rows)} rows of {', '.join(m for m in merge if Path(m).exists())} "
                   f"({len(current())} of this run's setting {here})")
-    done = {row_key(r) for r in rows if finished(r)}
+    done = {(r["model"], r["config"], r["seed"]) for r in current() if finished(r)}
     plan = planned_rows(_names(args.zoo), _names(args.public), configs, args.seeds)
-    todo = [p for p in plan if (p[0], p[2], p[3], *here.values()) not in done]
-    seconds, basis = estimate_seconds(todo, rows)
-    budget = f"; --total-seconds {args.total_seconds:g} cuts it" if args.total_seconds and \
-        seconds > args.total_seconds else ""
-    train.log(f"{len(todo)} of {len(plan)} rows to run ({len(plan) - len(todo)} done earlier), "
-              f"estimated {seconds:.0f} s ({basis}){budget}")
+    todo = [] if args.summary_only else [p for p in plan if (p[0], p[2], p[3]) not in done]
+    earlier = len(plan) - len(todo)
+    if args.shard is not None:  # of the rows left, so that every call spreads them over its GPUs afresh
+        todo = shard_rows(todo, args.shard)
+    seconds, basis = estimate_seconds(todo, current(), args.preset)
+    calls = f"; about {math.ceil(seconds / args.total_seconds)} call(s) of --total-seconds " \
+            f"{args.total_seconds:g}" if args.total_seconds and todo else ""
+    share = f" (shard {args.shard[0]} of {args.shard[1]}: {len(todo)} of the rows left)" if args.shard else ""
+    train.log(f"estimate: {len(todo)} of {len(plan)} rows to run ({earlier} done earlier){share}, "
+              f"{seconds:.0f} s ({basis}){calls}")
 
     def write() -> None:
-        (out / f"{stem}.json").write_text(json.dumps(
+        (out / f"{name}.json").write_text(json.dumps(
             {"environment": env, "rows": rows, "summary": summarize(current())}, indent=1, default=str))
 
     def keep(row: dict) -> None:
@@ -442,29 +523,50 @@ def main(argv=None) -> Path:
 
     built = None  # (model, seed, setup, its train args): the zoo model and seed whose rows run
     for model, source, cfg_name, seed in todo:
+        expected, level = row_seconds(model, cfg_name, current(), args.preset)
+        if source == "zoo" and (built is None or built[:2] != (model, seed)):
+            expected += setup_seconds(model, current())
+        if deadline is not None and time.perf_counter() + expected > deadline:
+            left = todo[todo.index((model, source, cfg_name, seed)):]
+            train.log(f"stopping: {model}/{cfg_name}/seed {seed} would take about {expected:.0f} s ({level}), "
+                      f"{max(0.0, deadline - time.perf_counter()):.0f} s of --total-seconds left; {len(left)} "
+                      f"row(s) left for the next call")
+            break
         train.log(f"{model}/{cfg_name}/seed {seed}: start ({time.perf_counter() - _T0:.0f} s in)")
         if source == "public":
             keep(public_row(model, cfg_name, seed, args, device, deadline))
             continue
+        setup_s = None
         if built is None or built[:2] != (model, seed):
             built = None  # the previous model's batches go before this one's are made
+            start = time.perf_counter()
             try:
                 built = (model, seed, *zoo_setup(model, seed, args, device))
             except Exception as e:  # noqa: BLE001 - a model that cannot be built still gets its rows
                 keep({"model": model, "source": "zoo", "config": cfg_name, "seed": seed, **here, "ne": None,
                       "step_ms": None, "error": f"setup: {train._error_text(e)}"})
                 continue
-        keep(zoo_row(built[2], built[3], cfg_name, seed, deadline, args))
+            setup_s = round(time.perf_counter() - start, 2)
+        keep({**zoo_row(built[2], built[3], cfg_name, seed, deadline, args), "setup_s": setup_s})
     write()
     summary = summarize(current())
     table = markdown(summary)
-    (out / f"{stem}.md").write_text(table + "\n")
+    (out / f"{name}.md").write_text(table + "\n")
     try:
-        plot(summary, out / f"{stem}.png")
+        plot(summary, out / f"{name}.png")
     except ImportError as e:
         train.log(f"no plot: {e}")
     print(table, flush=True)
-    return out / f"{stem}.json"
+    return out / f"{name}.json"
+
+
+def default_merge(stem: str, out: Path) -> list:
+    """The earlier runs' files a run merges by default: <stem>.json and its shards'
+    <stem>.shard*.json, under benchmarks/results and under `out`."""
+    paths = []
+    for folder in dict.fromkeys([Path("benchmarks/results"), out]):
+        paths += [folder / f"{stem}.json", *sorted(folder.glob(f"{stem}.shard*.json"))]
+    return list(dict.fromkeys(map(str, paths)))
 
 
 if __name__ == "__main__":

@@ -89,7 +89,9 @@ def main(argv=None) -> loka_compile.Report:
         model = copy.deepcopy(initial)
         window = 0
         if name == "loka":
-            config = loka_compile.LokaConfig(recipe=args.recipe, mode=args.mode)  # probe window on, as by default
+            # Probe window on, as by default. The model's output is a click logit: naming its head
+            # lets the output budget judge it by predicted NE (max_ne_increase) and report it.
+            config = loka_compile.LokaConfig(recipe=args.recipe, mode=args.mode, binary_outputs=("dense.top",))
             compiled = torch.compile(model, backend="loka", options=config)
             window = config.probe_steps
         else:

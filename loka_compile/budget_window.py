@@ -199,21 +199,11 @@ class OutputBudgetWindow:
         with its error in the scaling it would run (its own, or its upgrade's)."""
         plan, config = self.record.plan, self.record.config
         sensitivity = measured["sensitivity"]
-        error, labels, bf16, summaries = {}, {}, {}, {}
-        for key, sid in sites.items():
-            summary = summaries[sid] = self.record.store.summary(key)
-            if math.isfinite(summary.get("mean_bf16_rel_error", math.inf)):
-                bf16[sid] = summary["mean_bf16_rel_error"]
-            if sid in plan.unsafe:
-                continue
-            target = plan.upgraded.get(sid, (None,))[0]
-            candidate = probe._target_name(target) if isinstance(target, str) else summary.get("chosen")
-            e = output_budget.candidate_error(summary, candidate) if candidate else None
-            if e is None:  # no candidate statistics: the largest observed error
-                e = float(summary.get("max_rel_error", math.inf))
-            error[sid], labels[sid] = e, (candidate or "own").split("/")[0]
-        site_of = {s.id: s for ctx in self.record.contexts_of(Phase.PROBE).values() for s in ctx.sites}
-        finer = output_budget.safer_scalings(summaries, error, labels, site_of, config)
+        summaries = {sid: self.record.store.summary(key) for key, sid in sites.items()}
+        bf16 = {sid: summary["mean_bf16_rel_error"] for sid, summary in summaries.items()
+                if math.isfinite(summary.get("mean_bf16_rel_error", math.inf))}
+        error, labels = self._running_errors({sid: summaries[sid] for sid in summaries if sid not in plan.unsafe})
+        site_of = self._probed_sites()
         last_gemms = output_budget.last_gemm_sites(self._source.gm, site_of, sensitivity) if self._source.kept else ()
         floor = output_budget.NoiseFloor(predicted=output_budget.floor_prediction(sensitivity, bf16),
                                          measured=measured["floor_measured"], why_unmeasured=measured["why"])
@@ -227,15 +217,35 @@ class OutputBudgetWindow:
                               multiple=config.noise_floor_multiple if relative else None, heads=measured["heads"],
                               ne_budget=ne_budget, judged_outputs=measured["judged_outputs"],
                               finite_fraction=measured["finite_fraction"])
-        weighed = output_budget.keep_within(sensitivity, error, budget if measured["judge_d"] else None, labels,
-                                            heads=tuple(result.heads), ne_budget=ne_budget,
-                                            budget_text=result.describe_budget(), finer=finer,
-                                            last_gemms=frozenset(last_gemms))
+        weighed = output_budget.make_safe_or_keep(sensitivity, error, budget if measured["judge_d"] else None, labels,
+                                                  summaries, site_of, config, heads=tuple(result.heads),
+                                                  ne_budget=ne_budget, budget_text=result.describe_budget(),
+                                                  last_gemms=frozenset(last_gemms))
         result.kept, result.predicted_before, result.predicted = weighed.kept, weighed.before, weighed.after
         result.last_gemms = last_gemms
         output_budget.record_made_safe(result, weighed, summaries, config.probe_metric)
         result.ne_before, result.ne_predicted = weighed.ne_before, weighed.ne_after
         return result
+
+    def _running_errors(self, summaries: dict) -> tuple:
+        """({site id: e}, {site id: scaling}) of forward sites (`summaries`: id -> the Probe's
+        summary) going FP8: each in the scaling it runs, its upgrade's (the Probe's or the
+        budget's, in the plan) or else its own, and e that scaling's mean row relative error
+        (the largest observed error where the Probe has no candidate statistics)."""
+        plan = self.record.plan
+        error, scalings = {}, {}
+        for sid, summary in summaries.items():
+            target = plan.upgraded.get(sid, (None,))[0]
+            candidate = probe._target_name(target) if isinstance(target, str) else summary.get("chosen")
+            e = output_budget.candidate_error(summary, candidate) if candidate else None
+            if e is None:  # no candidate statistics: the largest observed error
+                e = float(summary.get("max_rel_error", math.inf))
+            error[sid], scalings[sid] = e, (candidate or "own").split("/")[0]
+        return error, scalings
+
+    def _probed_sites(self) -> dict:
+        """site id -> Site of the probe variant's sites."""
+        return {s.id: s for ctx in self.record.contexts_of(Phase.PROBE).values() for s in ctx.sites}
 
     def _verify_output_budget(self, runs: "_SideRuns", reference: list, judged: tuple) -> None:
         """Run the FP8 variant on the closing call's arguments and record its outputs'
@@ -262,39 +272,55 @@ class OutputBudgetWindow:
     def _weigh_at_measured_scale(self) -> Optional[tuple]:
         """With `refit_output_budget`, when the FP8 variant measured over VERIFY_SLACK times
         the budget: the sites left in FP8 weighed again with the prediction scaled by what
-        it measured (`output_budget.measured_scale`), as (Weighed, scale); else None. Never
-        raises (on rank 0 when distributed)."""
+        it measured (`output_budget.measured_scale`), each first offered its finer scalings
+        as at the window's close (`output_budget.make_safe_or_keep`), as (Weighed, scale,
+        the sites' Probe summaries); else None. Never raises (on rank 0 when distributed)."""
         record, budget = self.record, self.record.output_budget
         try:
             if not record.config.refit_output_budget or budget.measured is None \
                     or budget.judged_outputs == "none" or budget.measured <= VERIFY_SLACK * budget.budget:
                 return None
             scale = output_budget.measured_scale(budget)
-            errors = {sid: e for sid, e in budget.error.items()
-                      if sid not in budget.kept and sid not in record.plan.unsafe}
-            return output_budget.keep_within(budget.sensitivity, errors, budget.budget, scale=scale,
-                                             heads=tuple(budget.heads), ne_budget=budget.ne_budget,
-                                             budget_text=budget.describe_budget()), scale
+            summaries = {sid: record.store.summary(key) for key, sid in self._budget_sites().items()
+                         if sid in budget.error and sid not in budget.kept and sid not in record.plan.unsafe}
+            _, scalings = self._running_errors(summaries)
+            errors = {sid: budget.error[sid] for sid in summaries}
+            weighed = output_budget.make_safe_or_keep(budget.sensitivity, errors, budget.budget, scalings, summaries,
+                                                      self._probed_sites(), record.config, scale=scale,
+                                                      heads=tuple(budget.heads), ne_budget=budget.ne_budget,
+                                                      budget_text=budget.describe_budget(),
+                                                      last_gemms=frozenset(budget.last_gemms))
+            return weighed, scale, summaries
         except Exception as error:  # noqa: BLE001
             log.warning("loka: %s: output budget: weighing the sites again failed (%s: %s)",
                         record.name, type(error).__name__, error)
             return None
 
     def _tighten_output_budget(self, weighed: Optional[tuple]) -> bool:
-        """Keep in high precision the sites `_weigh_at_measured_scale` found the budget can
-        no longer afford; True when there were any (the FP8 variant is compiled again, once)."""
-        if not weighed or not weighed[0].kept:
+        """Apply what `_weigh_at_measured_scale` found: the sites a finer scaling makes safe
+        at the measured scale take it (an upgrade of the plan, its reason in the budget's
+        `made_safe`, which the FP8 variant's compile records as the budget's amendment), and
+        those the budget can no longer afford stay in high precision; True when either
+        changed a site (the FP8 variant is compiled again, once)."""
+        if not weighed or not (weighed[0].kept or weighed[0].made_safe):
             return False
-        weighed, scale = weighed
+        weighed, scale, summaries = weighed
         record, budget = self.record, self.record.output_budget
         for sid, detail in weighed.kept.items():
             budget.kept[sid] = detail
             record.plan.unsafe[sid] = budget.error[sid]
+            budget.made_safe.pop(sid, None)  # the window's finer scaling no longer suffices
+            if budget.upgraded.pop(sid, None) is not None:
+                record.plan.upgraded.pop(sid, None)
+        output_budget.record_made_safe(budget, weighed, summaries, record.config.probe_metric)
+        record.plan.upgraded.update({sid: budget.upgraded[sid] for sid in weighed.made_safe})
         budget.predicted = weighed.after
+        made_safe = ", ".join(f"{sid} ({scaling})" for sid, (scaling, _) in weighed.made_safe.items())
         log.warning("loka: %s: output budget: the FP8 variant measured %.3g, %.2gx its prediction; weighed again "
-                    "at that scale (predicted %.3g -> %.3g), %d more site(s) kept in high precision: %s; "
-                    "compiling the FP8 variant again", record.name, budget.measured, scale, weighed.before,
-                    weighed.after, len(weighed.kept), ", ".join(weighed.kept))
+                    "at that scale (predicted %.3g -> %.3g): %d site(s) made safe by a finer scaling%s, %d more kept "
+                    "in high precision%s; compiling the FP8 variant again", record.name, budget.measured, scale,
+                    weighed.before, weighed.after, len(weighed.made_safe), f": {made_safe}" if made_safe else "",
+                    len(weighed.kept), f": {', '.join(weighed.kept)}" if weighed.kept else "")
         return True
 
     def _predicted_as_compiled(self) -> float:
@@ -351,15 +377,13 @@ class _SideRuns:
 
 
     def run_eager(self, gm: torch.fx.GraphModule, dtype: Optional[torch.dtype]) -> list:
-        """The floating outputs of the Dynamo graph run eagerly on copies of the arguments,
-        every floating one in `dtype` (None: as it is) but those that carry integers past
-        bf16's exact range (ids in a float tensor, as deepctr-torch passes them): bf16 would
-        change the ids."""
+        """The floating outputs of the Dynamo graph run eagerly on the arguments, every
+        floating one copied in `dtype` (None: as they are; a graph that rounds its inputs
+        itself, `output_budget.floor_graphs`, keeps ids carried in floats exact)."""
         def cast(a):
             if not (isinstance(a, torch.Tensor) and a.is_floating_point()) or dtype is None:
                 return a
-            ids = a.numel() > 0 and bool((a == a.round()).all()) and float(a.abs().max()) > BF16_EXACT_INTEGERS
-            return a.detach().clone() if ids else a.detach().to(dtype, copy=True)
+            return a.detach().to(dtype, copy=True)
         return self.run(gm, [cast(a) for a in self.args])
 
 
@@ -393,6 +417,3 @@ BUDGET_WAIT_CALLS = 8
 # above this many bytes of copies the predicted floor stands alone.
 FLOOR_RUN_MAX_BYTES = 2 << 30
 
-
-# bf16 holds every integer up to 2^8 exactly (8 significand bits).
-BF16_EXACT_INTEGERS = 256

@@ -23,14 +23,15 @@ from typing import Optional
 
 import torch
 
-from loka_compile import backend, output_budget, task_metrics
+from loka_compile import backend, dispatch, output_budget, probe, task_metrics
 from loka_compile.compiled_graph import probe_site_keys
 from loka_compile.config import LokaConfig
 from loka_compile.kernels import metrics
+from loka_compile.kernels import ops as loka_ops
 from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_along, quantize_tensorwise, scale_from_amax
 from loka_compile.kernels.scaled_gemm import quantize_static
 from loka_compile.passes import GraphKind, Phase, Reason
-from loka_compile.plan import Plan
+from loka_compile.plan import Plan, SitePlan
 from loka_compile.report import plan_of
 from loka_compile.state import state_of
 
@@ -56,7 +57,7 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     window weighs each site at its dynamic cast's error; once the static scales are set the
     sites are weighed again at their static casts' errors, with the prediction scaled by
     what the FP8 variant's discrepancy measured against it, and what the budget can no
-    longer afford stays in high precision, largest share first (`_rebudget`).
+    longer afford is made safer as below, largest share first (`_rebudget`).
 
     The plan holds the Probe's verdicts (unsafe, upgraded), the scales, and the sites'
     decisions without a speed check: a compile that loads it on FP8 hardware with
@@ -86,10 +87,12 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
     entropy), "auc", or a callable (predictions as logits, labels) -> a loss, lower is
     better. While the plan's is worse by more than `tolerance` (relative; default
     `max_ne_increase`, else 0.001), its FP8 site with the largest share of the output
-    budget goes to high precision and the plan is measured again. Without labels, the
-    output budget's predicted NE increase of the graph's binary heads stands in (sites
-    backed off the same way until it is within `tolerance`). The plan's `task_metric`
-    holds the metric before and after, and the sites backed off; it is logged."""
+    budget is made safer (a static scale becomes a dynamic cast, then a finer scaling the
+    Probe measured within its bound, then high precision: `_FinerScalings`) and the plan is
+    measured again. Without labels, the output budget's predicted NE increase of the
+    graph's binary heads stands in (sites made safer the same way until it is within
+    `tolerance`). The plan's `task_metric` holds the metric before and after, the sites
+    made safe and those backed off; it is logged."""
     batches = list(batches)
     if not batches:
         raise ValueError("calibrate needs at least one batch")
@@ -129,15 +132,17 @@ def calibrate(model: torch.nn.Module, batches, *, policy: str = "amax", percenti
                 graph._close_probe_window()
     plan = plan_of(compiled)
     records = state.records
+    finer = _FinerScalings(records, config)
     for record in records:
         row_errors = _static_scales(record, plan, config, policy, float(percentile), label)
-        _rebudget(record, plan, config, row_errors)
+        finer.errors.update(row_errors)
+        _rebudget(record, plan, config, row_errors, finer)
         state.store.release_samples(probe_site_keys(record))
     budgets = [r.output_budget for r in records if r.output_budget is not None]
     if labels is not None:
-        _within_task_tolerance(model, batches, labels, plan, config, budgets, metric, float(tolerance))
+        _within_task_tolerance(model, batches, labels, plan, config, budgets, metric, float(tolerance), finer)
     else:
-        _within_predicted_ne(plan, budgets, float(tolerance))
+        _within_predicted_ne(plan, budgets, float(tolerance), finer)
     return plan
 
 
@@ -194,13 +199,99 @@ def _keep_in_high_precision(plan: Plan, sid: str, error: float, detail: str) -> 
                                               detail=detail)
 
 
-def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
+# The step a site with a static scale takes first: its own scaling with a dynamic cast (an
+# amax per row or tensor, as the window measured it) instead of one calibrated scale.
+DYNAMIC_CAST = "dynamic "
+
+
+class _FinerScalings:
+    """What making a calibrated plan's site safer takes: per site id its Probe summary, its
+    Site (for Dispatch) and its graph's record, and `errors`, the error each site runs at
+    now (its static cast's where it has a static scale, else the window's). A site with a
+    static scale first casts dynamically in its own scaling, where the Probe measured that
+    with a smaller error; then it takes the finer scalings the Probe measured within its
+    per-site bound (`output_budget.safer_scalings`, the window's own steps); then it stays
+    in high precision."""
+
+    def __init__(self, records, config: LokaConfig):
+        self.config = config
+        self.summaries, self.sites, self.records, self.errors = {}, {}, {}, {}
+        for record in records:
+            for ctx in record.contexts_of(Phase.PROBE).values():
+                self.summaries.update({site.id: record.store.summary(site.key) for site in ctx.sites})
+            for ctx in record.contexts_of().values():
+                for site in ctx.sites:
+                    self.sites[site.id], self.records[site.id] = site, record
+            if record.output_budget is not None:
+                self.errors.update(record.output_budget.error)
+        self._left = {}
+
+    def steps(self, plan: Plan, errors: dict) -> dict:
+        """site id -> [(step, e), ...] for each site of `errors` (at that error now): each step
+        a smaller error than the one before, "dynamic <scaling>" or a finer scaling."""
+        scalings = {sid: plan.sites[sid].scaling for sid in errors if sid in plan.sites}
+        first = {}
+        for sid, e in errors.items():
+            entry = plan.sites.get(sid)
+            if sid in plan.a_scales and entry is not None and sid in self.summaries:
+                dynamic = output_budget.candidate_error(
+                    self.summaries[sid], loka_ops.candidate_name(entry.scaling, entry.a_format, entry.b_format))
+                if dynamic is not None and dynamic < e:
+                    first[sid] = (DYNAMIC_CAST + entry.scaling, dynamic)
+        finer = output_budget.safer_scalings(self.summaries, {sid: first.get(sid, (0, e))[1]
+                                                              for sid, e in errors.items()},
+                                             scalings, self.sites, self.config)
+        return {sid: [first[sid], *steps] if sid in first else steps for sid, steps in finer.items()}
+
+    def next_step(self, plan: Plan, sid: str) -> Optional[tuple]:
+        """(step, e): the next step a site of the plan may take (`steps`), None when none is left."""
+        if sid not in self._left:
+            self._left[sid] = self.steps(plan, {sid: self.errors.get(sid, math.inf)})[sid]
+        return self._left[sid].pop(0) if self._left[sid] else None
+
+    def take(self, plan: Plan, sid: str, step: str, e: float, detail: str) -> bool:
+        """The plan's site runs at error `e` from now on: cast dynamically ("dynamic
+        <scaling>"), or in a finer scaling (an upgrade verdict, decided again by Dispatch,
+        dynamically cast); `detail` (`output_budget.made_safe_detail`) in its decision and in
+        its graph's output budget (`made_safe`, for a finer scaling). False, changing
+        nothing, where Dispatch would not run the finer scaling in FP8 there."""
+        before = plan.sites[sid]
+        budget = self.records[sid].output_budget
+        weighed = budget is not None and sid in budget.error
+        if step.startswith(DYNAMIC_CAST):
+            plan.sites[sid] = dataclasses.replace(before, detail="; ".join(filter(None, (detail, before.detail))))
+        else:
+            entry = output_budget.upgrade_entry(self.summaries[sid], step, self.config.probe_metric)
+            decision = dispatch.decide(self.sites[sid], self.config, Phase.FP8,
+                                       plan=dataclasses.replace(plan, upgraded={**plan.upgraded, sid: entry},
+                                                                source=""))
+            if not decision.fp8 or decision.scaling != step:
+                return False
+            plan.upgraded[sid] = entry
+            plan.sites[sid] = SitePlan.from_decision(
+                dataclasses.replace(decision, detail="; ".join(filter(None, (detail, decision.detail)))),
+                before.shape or self.sites[sid].shape, self.sites[sid].dtype)
+            if weighed:
+                budget.made_safe[sid], budget.upgraded[sid] = detail, entry
+        log.info("loka calibrate: %s goes %s%s -> %s (%s)", sid, "static " if sid in plan.a_scales else "",
+                 before.scaling, step, detail)
+        plan.a_scales.pop(sid, None)
+        self.errors[sid] = e
+        if weighed:
+            budget.error[sid] = e
+        return True
+
+
+def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict,
+              finer: Optional[_FinerScalings] = None) -> None:
     """Weigh the sites again, as calibrated. The window weighed each site at its dynamic
     cast's error, and a static scale has its own (one scale for all rows: often larger).
     And after the window the FP8 variant's output discrepancy was measured: where it came
     out k times the prediction (the sum in quadrature assumes independent site errors;
     MaskNet's calibration measured k 3.5 on the H100), the prediction is scaled by k. Sites the budget can
-    no longer afford, largest s * e first, lose their static scale and stay in high precision."""
+    no longer afford, largest s * e first, first take a finer scaling the Probe measured
+    within their per-site bound (`finer`; as at the window's close), and with none left lose
+    their static scale and stay in high precision."""
     budget = record.output_budget
     if budget is None or not config.output_budget_on:
         return
@@ -213,12 +304,20 @@ def _rebudget(record, plan: Plan, config: LokaConfig, row_errors: dict) -> None:
     weighed = output_budget.keep_within(budget.sensitivity, errors,
                                         budget.budget if budget.judged_outputs != "none" else None, labels, scale=k,
                                         heads=tuple(budget.heads), ne_budget=budget.ne_budget,
-                                        budget_text=budget.describe_budget())
+                                        budget_text=budget.describe_budget(),
+                                        finer=finer.steps(plan, errors) if finer is not None else None,
+                                        last_gemms=frozenset(budget.last_gemms))
+    made_safe = []
+    for sid, (scaling, detail) in weighed.made_safe.items():
+        if finer.take(plan, sid, scaling, weighed.error[sid], detail):
+            made_safe.append(sid)
+        else:
+            weighed.kept[sid] = detail
     for sid, detail in weighed.kept.items():
         _keep_in_high_precision(plan, sid, errors[sid], detail)
     log.info("loka calibrate: %s: output budget as calibrated (static scales, prediction x %.2g): predicted "
-             "output discrepancy %.3g -> %.3g, %d more site(s) kept in high precision",
-             record.name, k, weighed.before, weighed.after, len(weighed.kept))
+             "output discrepancy %.3g -> %.3g, %d site(s) made safe (a dynamic cast or a finer scaling), %d more "
+             "kept in high precision", record.name, k, weighed.before, weighed.after, len(made_safe), len(weighed.kept))
 
 
 def _static_error(a_rows: torch.Tensor, b_cols: torch.Tensor, scale: float, decision, metric: str) -> float:
@@ -285,35 +384,69 @@ def _plan_predictions(model, batches, plan: Plan, config: LokaConfig) -> torch.T
 
 
 def _within_task_tolerance(model, batches, labels, plan: Plan, config: LokaConfig, budgets: list, metric,
-                           tolerance: float) -> None:
-    """Back off the plan's FP8 sites, largest budget share first, until its task metric on
-    the calibration data is within `tolerance` (relative) of the high-precision model's."""
+                           tolerance: float, finer: Optional[_FinerScalings] = None) -> None:
+    """Make the plan's FP8 sites safer, largest budget share first (`_make_safer_until_within`),
+    until its task metric on the calibration data is within `tolerance` (relative) of the
+    high-precision model's, measured again after each change."""
     y = torch.cat([torch.as_tensor(l).reshape(-1) for l in labels]).double()
     reference = _predictions(model, batches)
     if reference.numel() != y.numel():
         raise ValueError(f"labels give {y.numel()} values for {reference.numel()} predictions")
     name = metric if isinstance(metric, str) else getattr(metric, "__name__", "metric")
     high = _task_loss(metric, reference, y)
-    order = _budget_order(plan, budgets)
-    # Every compile of the model with a plan is a new backend: Dynamo keeps one entry each.
-    limit = max(torch._dynamo.config.recompile_limit, len(order) + 8)
-    backed_off = []
+    # Every compile of the model with a plan is a new backend: Dynamo keeps one entry each, and
+    # a site may take each finer scaling (tensorwise -> rowwise -> blockwise) before high precision.
+    changes = len(probe.SCALING_CHAIN) * len(_budget_order(plan, budgets))
+    limit = max(torch._dynamo.config.recompile_limit, changes + 8)
+    measured, asked = [], []
+
+    def over() -> Optional[str]:
+        if asked:  # asked again: the plan changed since the last measurement
+            measured.append(_task_loss(metric, _plan_predictions(model, batches, plan, config), y))
+        asked.append(True)
+        value = measured[-1]
+        if not _worse_by(value, high) > tolerance:
+            return None
+        return (f"{name} {_shown(metric, value):.5g} vs high precision {_shown(metric, high):.5g} on the calibration "
+                f"data, worse by {_worse_by(value, high):.3g} > tolerance {tolerance:g}")
+
     with torch._dynamo.config.patch(recompile_limit=limit):
-        value = before = _task_loss(metric, _plan_predictions(model, batches, plan, config), y)
-        while _worse_by(value, high) > tolerance and order:
-            sid = order.pop(0)
-            _keep_in_high_precision(plan, sid, _site_error(budgets, sid),
-                                    f"calibrate: {name} {_shown(metric, value):.5g} vs high precision "
-                                    f"{_shown(metric, high):.5g} on the calibration data, worse by "
-                                    f"{_worse_by(value, high):.3g} > tolerance {tolerance:g}; the largest budget share")
-            backed_off.append(sid)
-            value = _task_loss(metric, _plan_predictions(model, batches, plan, config), y)
+        measured.append(_task_loss(metric, _plan_predictions(model, batches, plan, config), y))
+        made_safe, backed_off = _make_safer_until_within(plan, budgets, finer, over)
+    before, value = measured[0], measured[-1]
     plan.task_metric = {"metric": name, "high_precision": _shown(metric, high), "before": _shown(metric, before),
-                        "after": _shown(metric, value), "tolerance": tolerance, "backed_off": backed_off,
-                        "measured": True}
+                        "after": _shown(metric, value), "tolerance": tolerance, "made_safe": made_safe,
+                        "backed_off": backed_off, "measured": True}
     log.info("loka calibrate: %s on the calibration data: high precision %.5g, the plan %.5g before, %.5g after "
-             "backing off %d site(s) (tolerance %g)", name, _shown(metric, high), _shown(metric, before),
-             _shown(metric, value), len(backed_off), tolerance)
+             "making %d site(s) safe (a dynamic cast or a finer scaling) and backing off %d (tolerance %g)", name,
+             _shown(metric, high), _shown(metric, before), _shown(metric, value), len(made_safe), len(backed_off),
+             tolerance)
+
+
+def _make_safer_until_within(plan: Plan, budgets: list, finer: Optional[_FinerScalings], over) -> tuple:
+    """While `over()` says how the plan misses its tolerance (None once within it), the
+    plan's FP8 site with the largest share of the output budget (`_budget_order`) is made
+    safer: it takes its next finer scaling the Probe measured within its per-site bound
+    (`finer`), or, with none left, stays in high precision. Returns ({site id: the finer
+    scaling it runs}, [site ids backed off to high precision])."""
+    made_safe, backed_off = {}, []
+    why = over()
+    while why:
+        order = _budget_order(plan, budgets)
+        if not order:
+            break
+        sid = order[0]
+        why = f"calibrate: {why}; the largest budget share"
+        step = finer.next_step(plan, sid) if finer is not None else None
+        if step is not None and finer.take(plan, sid, *step, output_budget.made_safe_detail(
+                why, step[0], finer.errors.get(sid, math.inf), step[1])):
+            made_safe[sid] = step[0]
+        else:
+            _keep_in_high_precision(plan, sid, _site_error(budgets, sid), why)
+            made_safe.pop(sid, None)
+            backed_off.append(sid)
+        why = over()
+    return made_safe, backed_off
 
 
 def _worse_by(value: float, reference: float) -> float:
@@ -327,10 +460,10 @@ def _shown(metric, value: float) -> float:
     return -value if metric == "auc" else value
 
 
-def _within_predicted_ne(plan: Plan, budgets: list, tolerance: float) -> None:
+def _within_predicted_ne(plan: Plan, budgets: list, tolerance: float, finer: Optional[_FinerScalings] = None) -> None:
     """Without labels: the output budget's predicted relative NE increase of each binary
-    head, summed over the plan's FP8 sites, brought within `tolerance` by backing off the
-    sites with the largest share of it."""
+    head, summed over the plan's FP8 sites, brought within `tolerance` by making the sites
+    with the largest share of it safer (`_make_safer_until_within`)."""
     heads = [(budget, head) for budget in budgets for head in budget.heads]
     if not heads:
         log.info("loka calibrate: no labels and no binary head among the outputs: the output budget's verdicts stand")
@@ -341,15 +474,16 @@ def _within_predicted_ne(plan: Plan, budgets: list, tolerance: float) -> None:
         return max(sum(head.relative_increase({s: e for s, e in budget.error.items() if s in fp8}).values())
                    for budget, head in heads)
 
-    before, backed_off = predicted(), []
-    order = _budget_order(plan, budgets)
-    while predicted() > tolerance and order:
-        sid = order.pop(0)
-        _keep_in_high_precision(plan, sid, _site_error(budgets, sid),
-                                f"calibrate: predicted relative NE increase {predicted():.3g} > tolerance "
-                                f"{tolerance:g} (no labels); the largest budget share")
-        backed_off.append(sid)
+    def over() -> Optional[str]:
+        value = predicted()
+        return f"predicted relative NE increase {value:.3g} > tolerance {tolerance:g} (no labels)" \
+            if value > tolerance else None
+
+    before = predicted()
+    made_safe, backed_off = _make_safer_until_within(plan, budgets, finer, over)
     plan.task_metric = {"metric": "predicted relative NE increase", "before": before, "after": predicted(),
-                        "tolerance": tolerance, "backed_off": backed_off, "measured": False}
-    log.info("loka calibrate: predicted relative NE increase %.3g before, %.3g after backing off %d site(s) "
-             "(no labels; tolerance %g)", before, plan.task_metric["after"], len(backed_off), tolerance)
+                        "tolerance": tolerance, "made_safe": made_safe, "backed_off": backed_off, "measured": False}
+    log.info("loka calibrate: predicted relative NE increase %.3g before, %.3g after making %d site(s) safe by a "
+             "finer scaling or a dynamic cast and backing off %d (no labels; tolerance %g)", before,
+             plan.task_metric["after"],
+             len(made_safe), len(backed_off), tolerance)

@@ -158,8 +158,9 @@ class LokaConfig:
         events (CTR, CVR), judged by max_ne_increase besides the heads found in the graph.
     refit_output_budget: when the FP8 variant's measured D exceeds 1.5x max_output_error,
         weigh the sites left in FP8 again with every s * e scaled by measured / predicted D,
-        keep those that no longer fit in high precision, and compile the FP8 variant once
-        more. Off by default: on the H100 the serving graphs of Wukong, MaskNet and DLRM
+        make those that no longer fit safe with a finer scaling where the Probe measured one
+        (as at the window's close), keep the rest in high precision, and compile the FP8
+        variant once more. Off by default: on the H100 the serving graphs of Wukong, MaskNet and DLRM
         measured 2.6-3.5x their prediction (D 0.0047-0.0071), so on, most graphs would give
         up FP8 sites, at a speed cost not yet measured; off, the miss is logged as a warning.
     amax_guard: after the probe window, each tensorwise site checks at every call the amax

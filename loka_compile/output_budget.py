@@ -325,8 +325,7 @@ def keep_within(sensitivity: dict, error: dict, budget: Optional[float], labels:
                    f"max_ne_increase {ne_budget:g}")
         if finer.get(sid):
             scaling, e = finer[sid].pop(0)
-            made_safe[sid] = (scaling, f"{why}: made safe by {scaling} scaling (rel. error {error[sid]:.3g} -> "
-                                       f"{e:.3g})")
+            made_safe[sid] = (scaling, made_safe_detail(why, scaling, error[sid], e))
             error[sid], labels[sid] = e, scaling
             contribution[sid] = contribution_of(sid)
             for name in ne:
@@ -339,6 +338,11 @@ def keep_within(sensitivity: dict, error: dict, budget: Optional[float], labels:
     return Weighed(kept=kept, before=before, after=predicted(contribution[s] for s in left),
                    ne_before=ne_before, ne_after=totals(), made_safe=made_safe,
                    error={sid: error[sid] for sid in left})
+
+
+def made_safe_detail(why: str, scaling: str, before: float, after: float) -> str:
+    """A site's detail when a finer scaling made it safe: why it had to change, and the change."""
+    return f"{why}: made safe by {scaling} scaling (rel. error {before:.3g} -> {after:.3g})"
 
 
 def finer_scalings(summary: dict, scaling: str, e: float, max_error: float, metric: str, runs) -> list:
@@ -359,25 +363,43 @@ def finer_scalings(summary: dict, scaling: str, e: float, max_error: float, metr
     return steps
 
 
-def safer_scalings(summaries: dict, error: dict, labels: dict, sites: dict, config) -> dict:
-    """site id -> `finer_scalings` of each site of `error` (going FP8 at `labels`' scaling),
-    those a provider runs for the site (`sites`: id -> Site) under `config`."""
+def safer_scalings(summaries: dict, error: dict, scalings: dict, sites: dict, config) -> dict:
+    """site id -> `finer_scalings` of each site of `error` (going FP8 at `scalings`'
+    scaling), those a provider runs for the site (`sites`: id -> Site) under `config`; none
+    for a site without Probe statistics (`summaries`: id -> the Probe's summary)."""
     def runs(site):
         return lambda scaling: site is not None and dispatch.upgrade_runs(site, config, scaling)
 
-    return {sid: finer_scalings(summaries[sid], labels[sid], e, config.max_probe_error, config.probe_metric,
-                                runs(sites.get(sid)))
+    return {sid: finer_scalings(summaries.get(sid, {}), scalings.get(sid, ""), e, config.max_probe_error,
+                                config.probe_metric, runs(sites.get(sid)))
             for sid, e in error.items()}
+
+
+def make_safe_or_keep(sensitivity: dict, error: dict, budget: Optional[float], scalings: dict, summaries: dict,
+                      sites: dict, config, labels: Optional[dict] = None, **weighing) -> Weighed:
+    """`keep_within` with each site first offered the finer scalings the Probe measured
+    within its per-site bound (`safer_scalings`, from the scaling it runs: `scalings`, site
+    id -> "rowwise"), so that a site stays in high precision only when none is left. The
+    window's close, the refit at the measured scale and `calibrate` all weigh sites so.
+    `labels`: how details name the scaling each error was measured in (default `scalings`);
+    `weighing`: `keep_within`'s other arguments."""
+    finer = safer_scalings(summaries, error, scalings, sites, config)
+    return keep_within(sensitivity, error, budget, scalings if labels is None else labels, finer=finer, **weighing)
+
+
+def upgrade_entry(summary: dict, scaling: str, metric: str) -> tuple:
+    """A plan's upgrade verdict to a finer `scaling` the Probe measured at a site:
+    (scaling, [its own step, that scaling's step]), which Dispatch reads as an upgrade."""
+    steps = probe.chain_steps(summary, metric)
+    return scaling, [steps[0], *[step for step in steps[1:] if step[0] == scaling]]
 
 
 def record_made_safe(budget: OutputBudget, weighed: Weighed, summaries: dict, metric: str) -> None:
     """Into `budget`: each site a finer scaling made safe (`Weighed.made_safe`), its error
-    there and its plan entry (scaling, [its own step, that scaling's step]), which Dispatch
-    reads as an upgrade."""
+    there and its plan entry (`upgrade_entry`)."""
     for sid, (scaling, detail) in weighed.made_safe.items():
-        steps = probe.chain_steps(summaries[sid], metric)
         budget.error[sid], budget.made_safe[sid] = weighed.error[sid], detail
-        budget.upgraded[sid] = (scaling, [steps[0], *[step for step in steps[1:] if step[0] == scaling]])
+        budget.upgraded[sid] = upgrade_entry(summaries[sid], scaling, metric)
 
 
 def last_gemm_sites(gm: torch.fx.GraphModule, sites: dict, ids) -> tuple:
@@ -451,17 +473,55 @@ def computes_in_low_precision(gm: torch.fx.GraphModule, args) -> bool:
     return False
 
 
+# Methods that convert a tensor to integers (ids read from a float tensor, as deepctr-torch
+# reads its features), and the ops through which values reach them unchanged (slices, views).
+_INTEGER_METHODS = {"long", "int", "short", "byte", "char"}
+_INDEXING = {"getitem", "__getitem__", "view", "reshape", "squeeze", "unsqueeze", "narrow", "select", "flatten",
+             "contiguous", "split", "chunk", "unbind", "t", "transpose", "permute", "expand"}
+
+
+def _integer_conversion(node: torch.fx.Node) -> bool:
+    if node.op == "call_method" and node.target in _INTEGER_METHODS:
+        return True
+    dtypes = _dtype_constants(node) if _op_name(node) in _CONVERSIONS else []
+    return bool(dtypes) and not any(d.is_floating_point or d.is_complex for d in dtypes)
+
+
+def reads_ids_only(node: torch.fx.Node) -> bool:
+    """Whether every use of `node`'s values goes, through slices and views only, into an
+    integer conversion (`x[:, 3:7].long()`): they are ids, and rounding them would change them."""
+    if _integer_conversion(node):
+        return True
+    return _op_name(node) in _INDEXING and bool(node.users) and all(map(reads_ids_only, node.users))
+
+
+def _to_if_floating(value, dtype: torch.dtype):
+    """`value` in `dtype` when it is a floating tensor, else as it is."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
 def precision_copy(gm: torch.fx.GraphModule, dtype: torch.dtype, convert: tuple = (),
-                   conversions_only: bool = False, autocast_off: bool = False) -> torch.fx.GraphModule:
+                   conversions_only: bool = False, autocast_off: bool = False,
+                   round_inputs: bool = False) -> torch.fx.GraphModule:
     """A copy of a Dynamo graph (the original is left as it is) in which every dtype of
     `convert` the graph names becomes `dtype`: conversions (`.to(torch.bfloat16)`,
     `.bfloat16()`, `.half()`, `.float()`) and, unless `conversions_only`, any op's dtype
     argument (factories, `softmax(dtype=)`); floating attributes it reads of a dtype in
     `convert` are converted at read. `autocast_off`: its autocast regions are disabled.
-    Floating attributes are read through a copy, so an eager run leaves buffers as they were."""
+    `round_inputs`: each floating input is read in `dtype` too, except where its values are
+    only ids (`reads_ids_only`: those uses read it as it is, exact). Floating attributes
+    (and, with `round_inputs`, inputs) are read through a copy, so an eager run leaves
+    buffers as they were."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     swap = lambda a: dtype if isinstance(a, torch.dtype) and a in convert else a  # noqa: E731
+    if round_inputs:
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        for node in reversed(inputs):  # after the last input: placeholders stay first
+            with graph.inserting_after(inputs[-1]):
+                read = graph.call_function(_to_if_floating, (node, dtype))
+            for user in [u for u in node.users if u is not read and not reads_ids_only(u)]:
+                user.replace_input_with(node, read)
     for node in list(graph.nodes):
         if node.op == "get_attr":
             value = _floating_attr(gm, node)
@@ -488,11 +548,13 @@ def floor_graphs(gm: torch.fx.GraphModule, args) -> tuple:
     its bf16/fp16 conversions made fp32 ones, autocast off, inputs in fp32. The bf16 graph
     is the model's own low-precision arithmetic where it has some (the graph as it is, on its
     own inputs); a graph without any runs in bf16: its conversions to fp32 (`.to(weight.dtype)`
-    in an fp32 model) made bf16 ones, inputs in bf16."""
+    in an fp32 model) made bf16 ones, inputs read in bf16 but where they carry ids (a float
+    tensor of ids and dense features, read by `.long()`: those reads stay exact). Both
+    bf16 graphs take their inputs as they are (the dtype returned is None)."""
     high = precision_copy(gm, torch.float32, LOW_PRECISION, autocast_off=True)
     if computes_in_low_precision(gm, args):
         return high, precision_copy(gm, torch.float32), None
-    return high, precision_copy(gm, torch.bfloat16, (torch.float32,), conversions_only=True), torch.bfloat16
+    return high, precision_copy(gm, torch.bfloat16, (torch.float32,), conversions_only=True, round_inputs=True), None
 
 
 # Dynamo-graph ops whose output is a probability of a binary event, and those of a binary

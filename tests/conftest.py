@@ -89,3 +89,22 @@ def fp8_hardware(monkeypatch):
     as_hardware = dataclasses.replace(providers.get("emulated"), emulated=False)
     monkeypatch.setattr(dispatch.providers, "has_fp8_hardware", lambda device: True)
     monkeypatch.setattr(dispatch.providers, "select", lambda request: [as_hardware])
+
+
+@pytest.fixture
+def understate_sensitivities(monkeypatch):
+    """Call with a factor: every output-budget sensitivity measured from then on is divided
+    by it, so the window's prediction falls short and the FP8 variant measures more."""
+    from loka_compile import compiled_graph
+
+    measure = compiled_graph.LokaCompiledGraph._measure_sensitivities
+
+    def plant(factor):
+        def understated(self, *args):
+            measured = measure(self, *args)
+            measured["sensitivity"] = {sid: s / factor for sid, s in measured["sensitivity"].items()}
+            return measured
+
+        monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_measure_sensitivities", understated)
+
+    return plant

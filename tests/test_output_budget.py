@@ -236,17 +236,10 @@ def test_rechecks_run_the_perturb_ops_inert_and_keep_the_budgets_sites(caplog):
     assert sites["fc1"].history == () and "promoted" not in caplog.text
 
 
-def _understated_run(monkeypatch, caplog, budget, refit):
+def _understated_run(understate_sensitivities, caplog, budget, refit):
     """MLPWithNorm with its sensitivities planted 20x too small: the prediction lets all
     three sites (each s * e about 0.036) go FP8, and the FP8 variant measures about 0.06."""
-    measure = compiled_graph.LokaCompiledGraph._measure_sensitivities
-
-    def understated(self, *args):
-        measured = measure(self, *args)
-        measured["sensitivity"] = {sid: s / 20 for sid, s in measured["sensitivity"].items()}
-        return measured
-
-    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_measure_sensitivities", understated)
+    understate_sensitivities(20)
     torch.manual_seed(0)
     model, x = MLPWithNorm(), torch.randn(64, 64)
     with caplog.at_level(logging.WARNING, logger="loka"):
@@ -257,13 +250,13 @@ def _understated_run(monkeypatch, caplog, budget, refit):
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, monkeypatch):
+def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, understate_sensitivities):
     """With refit_output_budget, a measurement over 1.5x the budget 0.03 is weighed again at
     the measured scale (about x 20): the sites the budget cannot afford are kept and the
     FP8 variant compiled again measures far less, within VERIFY_SLACK of the budget (seeds
     0-4: 0.053-0.069 first, then all three kept)."""
     budget = 0.03
-    model, x, compiled, out, first = _understated_run(monkeypatch, caplog, budget, refit=True)
+    model, x, compiled, out, first = _understated_run(understate_sensitivities, caplog, budget, refit=True)
     assert first > budget_window.VERIFY_SLACK * budget and "compiling the FP8 variant again" in caplog.text
     graph = loka_compile.report(compiled).graphs[0]
     kept = [s for s in loka_compile.report(compiled).sites if s.role == "fwd" and not s.fp8]
@@ -275,9 +268,9 @@ def test_a_missed_prediction_is_weighed_again_and_compiled_once_more(caplog, mon
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-def test_by_default_a_missed_prediction_is_only_logged(caplog, monkeypatch):
+def test_by_default_a_missed_prediction_is_only_logged(caplog, understate_sensitivities):
     budget = 0.03
-    _, _, compiled, _, first = _understated_run(monkeypatch, caplog, budget, refit=False)
+    _, _, compiled, _, first = _understated_run(understate_sensitivities, caplog, budget, refit=False)
     assert first > budget_window.VERIFY_SLACK * budget and "exceeded over 1.5x" in caplog.text
     assert "compiling the FP8 variant again" not in caplog.text
     graph = loka_compile.report(compiled).graphs[0]
@@ -510,6 +503,51 @@ def test_the_measured_floor_keeps_ids_carried_in_floats():
     compiled, _ = _run(FloatIds(), {}, x=ids)
     floor = loka_compile.report(compiled).graphs[0].output_budget.floor
     assert floor.measured is not None and 0 < floor.measured < 3 * floor.predicted, floor
+
+
+class MixedFeatures(nn.Module):
+    """deepctr-torch's input format: one float tensor whose first columns are ids (read with
+    `.long()`) and whose others are dense features, then an MLP over both."""
+
+    IDS = 2
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(1000, 32), nn.Linear(2 * 32 + 30, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        ids, dense = x[:, :self.IDS].long(), x[:, self.IDS:]
+        h = torch.cat([self.emb(ids).flatten(1), dense], dim=1)
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_the_measured_floor_keeps_ids_exact_in_a_tensor_that_also_holds_dense_features():
+    """The bf16 run rounds the dense columns and every parameter to bf16 but reads the id
+    columns exact: the floor equals the same model computed so by hand against fp32. Rounding
+    the whole input (ids 257-999 -> other rows) would make it about the output's own size."""
+    torch.manual_seed(0)
+    model = MixedFeatures()
+    x = torch.cat([torch.randint(0, 1000, (64, MixedFeatures.IDS)).float(), torch.randn(64, 30)], dim=1)
+    floor = _closing_floor(torch.compile(model, backend="loka", options={"recipe": "rowwise"}), x)
+    low = MixedFeatures()
+    low.load_state_dict(model.state_dict())
+    low.to(torch.bfloat16)
+    with torch.no_grad():
+        ids, dense = x[:, :MixedFeatures.IDS].long(), x[:, MixedFeatures.IDS:].bfloat16()
+        by_hand = low.fc2(torch.relu(low.fc1(torch.cat([low.emb(ids).flatten(1), dense], dim=1))))
+        expected = rel_error(model(x).double(), by_hand)
+    assert floor.measured is not None, floor.why_unmeasured
+    assert 1e-3 < expected < 0.05 and floor.measured == pytest.approx(expected, rel=1e-3)
+
+
+def test_reads_ids_only_follows_slices_into_integer_conversions():
+    def f(x):
+        return x[:, :2].long().sum() + x[:, 2:].sum() + x.to(torch.int32).sum()
+
+    gm = torch._dynamo.export(f)(torch.randn(4, 5)).graph_module
+    (x,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert sorted(map(output_budget.reads_ids_only, x.users)) == [False, True, True]
 
 
 def test_head_kinds_of_a_dynamo_graph():

@@ -68,13 +68,25 @@ def test_rows_merge_across_calls_and_finished_rows_are_not_run_again(tmp_path):
 
 
 def test_the_estimate_uses_the_closest_measured_rows_and_guesses_the_rest():
-    done = [_row("m", "bf16", 0, wall_s=10.0), _row("m", "loka", 0, wall_s=30.0), _row("m", "loka", 1, wall_s=50.0)]
-    seconds, basis = study.estimate_seconds([("m", "zoo", "loka", 2), ("m", "zoo", "other", 0),
+    done = [_row("m", "bf16", 0, wall_s=10.0), _row("m", "loka", 0, wall_s=30.0), _row("m", "loka", 1, wall_s=50.0),
+            _row("m", "loka_k16", 1, wall_s=70.0, setup_s=5.0)]
+    seconds, basis = study.estimate_seconds([("m", "zoo", "loka", 2), ("m", "zoo", "other", 2),
                                              ("n", "zoo", "bf16", 0)], done)
-    assert seconds == pytest.approx(40.0 + 30.0 + 30.0)  # model and config; model; any row
-    assert "1 from model and config" in basis and "1 from model" in basis and "1 from any row" in basis
-    seconds, basis = study.estimate_seconds([("m", "zoo", "bf16", 0)], [])
-    assert seconds == study.GUESS_ROW_SECONDS and "guessed" in basis
+    # model and config; model and kind (loka); a guess; one setup of m (seed 2), none measured for n
+    assert seconds == pytest.approx(40.0 + 50.0 + study.guess_seconds("bf16", "tiny") + 5.0)
+    assert "1 from model and config" in basis and "1 from model and kind" in basis and "1 from 20 s guessed" in basis
+    seconds, basis = study.estimate_seconds([("m", "zoo", "bf16", 0), ("m", "zoo", "loka", 0)], [], "production")
+    assert seconds == study.guess_seconds("bf16", "production") + study.guess_seconds("loka", "production")
+    assert seconds > 2 * study.guess_seconds("loka", "tiny") and "150 s guessed" in basis
+
+
+def test_shards_split_whole_model_and_seed_groups():
+    plan = study.planned_rows(["z"], ["p", "q"], {"bf16": None, "loka": None}, seeds=2)
+    shards = [study.shard_rows(plan, (i, 3)) for i in range(3)]
+    assert sorted(row for shard in shards for row in shard) == sorted(plan)  # every row once
+    for shard in shards:
+        groups = {(model, seed) for model, _, _, seed in shard}
+        assert shard and all(len([r for r in shard if (r[0], r[3]) == g]) == 2 for g in groups)
 
 
 def test_a_run_whose_rows_are_all_done_writes_the_merged_study_without_training(tmp_path, capsys):
@@ -91,3 +103,32 @@ def test_a_run_whose_rows_are_all_done_writes_the_merged_study_without_training(
     by = {e["config"]: e for e in data["summary"]}
     assert by["bf16"]["seeds"] == 2 and by["loka_k16_ne0.001"]["dne"] == pytest.approx(0.0005 / 0.8005)
     assert "0 of 4 rows to run (4 done earlier)" in capsys.readouterr().out
+
+
+def test_a_row_whose_estimate_does_not_fit_the_time_left_is_left_for_the_next_call(tmp_path, capsys):
+    """--total-seconds 5 and a 20 s guess per tiny row: the run prints its estimate (2 calls),
+    starts no row and says what is left; --configs picks the rows."""
+    path = study.main(["--zoo", "dlrm_dcnv2", "--public", "", "--seeds", "1", "--batch", "64", "--multiples", "16,64",
+                       "--ne-increases", "0.001,0.003", "--rules", "loka_mere", "--configs", "bf16,loka_k16_ne0.001",
+                       "--device", "cpu", "--total-seconds", "5", "--merge", "", "--out", str(tmp_path),
+                       "--name", "cut"])
+    out = capsys.readouterr().out
+    assert "estimate: 2 of 2 rows to run (0 done earlier), 40 s (2 from 20 s guessed); about 8 call(s)" in out
+    assert "stopping: dlrm_dcnv2/bf16/seed 0 would take about 20 s" in out and "2 row(s) left" in out
+    assert json.loads(path.read_text())["rows"] == []
+    with pytest.raises(SystemExit, match="unknown"):
+        study.main(["--configs", "loka_k99_ne0.5", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_bf16_rows_serve_runs_with_the_speed_check_on_and_off(tmp_path, capsys):
+    earlier = tmp_path / "earlier.json"
+    rows = [_row("dlrm_dcnv2", "bf16", seed, ne=0.8 + 0.01 * seed, batch=64) for seed in range(2)]
+    rows += [_row("dlrm_dcnv2", "loka_k16_ne0.001", seed, ne=0.8 + 0.01 * seed, batch=64, speed_check="off")
+             for seed in range(2)]
+    earlier.write_text(json.dumps({"rows": rows}))
+    path = study.main(["--zoo", "dlrm_dcnv2", "--public", "", "--seeds", "2", "--batch", "64", "--multiples", "16",
+                       "--ne-increases", "0.001", "--rules", "", "--speed-check", "off", "--device", "cpu",
+                       "--merge", str(earlier), "--out", str(tmp_path), "--name", "off"])
+    assert "0 of 4 rows to run (4 done earlier)" in capsys.readouterr().out
+    by = {e["config"]: e for e in json.loads(path.read_text())["summary"]}
+    assert by["bf16"]["seeds"] == 2 and by["loka_k16_ne0.001"]["dne_paired"] == pytest.approx(0.0)

@@ -20,3 +20,12 @@ def test_quickstart_prints_side_by_side_quality_and_the_overview(capsys):
     assert "loka vs inductor: NE" in out and out.rstrip().endswith(report.table()) \
         and "print(report.table())" not in out
     assert any(s.fp8 for s in report.sites)
+    # per graph: the noise floor, the budget, predicted and measured discrepancy, and the click
+    # head's predicted NE increase (the quickstart names its head in binary_outputs)
+    budgets = [g for g in report.graphs if g.output_budget is not None]
+    assert budgets and all(g.output_budget.floor.value > 0 and g.output_budget.measured is not None
+                           and g.output_budget.heads for g in budgets)
+    for g in budgets:
+        line = next(line for line in out.splitlines() if line.startswith(f"output budget {g.name}:"))
+        assert "noise floor" in line and "budget 16 x noise floor" in line and "measured" in line, line
+        assert "binary head output 0 (logit): predicted relative NE increase" in out

@@ -3,6 +3,8 @@
 model's last GEMM (its prediction head) alone makes the predicted discrepancy, that GEMM
 alone kept."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -167,3 +169,117 @@ def test_a_forward_site_has_no_gradient_format_step(store):
     x, w = split_input(), SplitScales().fc.weight.detach().t()
     torch.ops.loka.observe_gemm(x, w, "f", "rowwise", "e4m3", "e4m3")
     assert [s for s, _ in probe.chain_steps(store.summary("f"))] == ["rowwise", "blockwise"]
+
+
+# ---- the refit at the measured scale and calibrate try the finer scaling first -----------
+
+# SplitScales' sensitivity is about 1 and its rowwise error about 0.36: planted 20x too small,
+# the window predicts rowwise within either budget below, and the FP8 variant measures ~0.36.
+UNDERSTATED = 20
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+@pytest.mark.parametrize("budget, rescued", [(0.1, True), (0.02, False)])
+def test_the_refit_tries_blockwise_before_keeping_a_site(understate_sensitivities, budget, rescued):
+    """At the measured scale (x ~20) rowwise is far over either budget. Blockwise (error
+    ~0.037, x 20 / 20) fits 0.1: the site is made safe at the refit, the FP8 variant
+    compiled again measures within the budget, and the report says which change. It does
+    not fit 0.02: the site stays in high precision, tried at blockwise first."""
+    understate_sensitivities(UNDERSTATED)
+    torch.manual_seed(0)
+    model, x = SplitScales(), split_input()
+    compiled, out, report = _compiled_report(model, x, {**LOOSE_SITE_BOUND, "max_output_error": budget,
+                                                        "refit_output_budget": True})
+    budget_record = report.graphs[0].output_budget
+    (site,) = [s for s in report.sites if s.role == "fwd"]
+    assert budget_record.predicted_before < budget  # the window alone let rowwise through
+    if rescued:
+        assert site.fp8 and site.scaling == "blockwise" and not budget_record.kept
+        assert "measured shortfall" in site.detail and "made safe by blockwise scaling" in site.detail, site.detail
+        (amendment,) = [a for a in site.amendments if a.by == "output_budget"]
+        assert "made safe by blockwise scaling" in amendment.why
+        assert "1 made safe by a finer scaling" in report.summary()
+        with torch.no_grad():
+            reference = model(x).double()
+        assert torch.isfinite(out).all() and 0 < budget_record.measured < budget
+        assert budget_record.measured == pytest.approx(float((out - reference).norm() / reference.norm()), rel=1e-3)
+    else:
+        assert not site.fp8 and site.id in budget_record.kept and not budget_record.made_safe
+        assert "(blockwise)" in site.detail and "measured shortfall" in site.detail, site.detail
+        assert "made safe" not in report.summary()
+
+
+def _served(model, plan, tmp_path, x):
+    """The model compiled with `plan` (saved), its output on x and its forward site."""
+    path = plan.save(tmp_path / "plan.json").source
+    torch._dynamo.reset()
+    served = torch.compile(model, backend="loka", options={"recipe": "rowwise", "plan": path})
+    with torch.no_grad():
+        out = served(x)
+    (site,) = [s for s in loka_compile.report(served).sites if s.role == "fwd"]
+    return out, site
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+@pytest.mark.parametrize("budget, rescued", [(0.1, True), (0.02, False)])
+def test_calibrate_tries_blockwise_before_keeping_a_site(understate_sensitivities, tmp_path, budget, rescued):
+    """calibrate weighs the sites again at the FP8 variant's measured scale (x ~20) and
+    their static casts' errors: rowwise, with a static scale or a dynamic cast, is over
+    either budget, blockwise fits 0.1. The plan runs the site blockwise, without a static scale,
+    its detail says why, and served it stays within the budget; at 0.02 the site stays in
+    high precision."""
+    understate_sensitivities(UNDERSTATED)
+    torch.manual_seed(0)
+    model, xs = SplitScales(), [split_input() for _ in range(2)]
+    plan = loka_compile.calibrate(model, xs, options={"recipe": "rowwise", **LOOSE_SITE_BOUND,
+                                                      "max_output_error": budget})
+    (sid,) = plan.sites
+    entry = plan.sites[sid]
+    if not rescued:
+        assert not entry.fp8 and sid in plan.unsafe and sid not in plan.a_scales
+        assert "(blockwise)" in entry.detail and "made safe" not in entry.detail, entry.detail
+        return
+    assert entry.fp8 and entry.scaling == "blockwise" and sid not in plan.a_scales and sid not in plan.unsafe
+    assert plan.upgraded[sid][0] == "blockwise"
+    assert "measured shortfall" in entry.detail and "made safe by blockwise scaling" in entry.detail, entry.detail
+    out, site = _served(model, plan, tmp_path, xs[-1])
+    assert site.fp8 and site.scaling == "blockwise" and "made safe by blockwise scaling" in site.detail
+    with torch.no_grad():
+        reference = model(xs[-1]).double()
+    assert torch.isfinite(out).all() and 0 < float((out - reference).norm() / reference.norm()) < budget
+
+
+def _mse(predictions, targets):
+    return float(((predictions - targets) ** 2).mean())
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+@pytest.mark.parametrize("tolerance, rescued", [(0.5, True), (0.01, False)])
+def test_calibrate_with_labels_tries_blockwise_before_backing_a_site_off(caplog, tolerance, rescued):
+    """The output budget off (the window keeps rowwise), labels a tenth of the outputs'
+    size from the model's own outputs: the squared error to them grows by ~13x high
+    precision's with rowwise's error 0.36, ~0.14x with blockwise's 0.037. Within 0.5 the
+    site is made safe by blockwise and the metric measured again; within 0.01 blockwise is
+    tried, measured, and the site backed off."""
+    torch.manual_seed(0)
+    model, xs = SplitScales(), [split_input() for _ in range(2)]
+    with torch.no_grad():
+        labels = [(y := model(x)) + 0.1 * y.std() * torch.randn_like(y) for x in xs]
+    with caplog.at_level(logging.INFO, logger="loka"):
+        plan = loka_compile.calibrate(model, xs, labels=labels, metric=_mse, tolerance=tolerance,
+                                      options={"recipe": "rowwise", **LOOSE_SITE_BOUND, "max_output_error": None})
+    (sid,) = plan.sites
+    assert f"{sid} goes rowwise -> blockwise" in caplog.text  # tried in either case
+    record, entry = plan.task_metric, plan.sites[sid]
+    worse = lambda value: (value - record["high_precision"]) / record["high_precision"]  # noqa: E731
+    assert worse(record["before"]) > 5  # rowwise with its static scale
+    if rescued:
+        assert record["made_safe"] == {sid: "blockwise"} and not record["backed_off"]
+        assert 0 < worse(record["after"]) <= tolerance
+        assert entry.fp8 and entry.scaling == "blockwise" and sid not in plan.a_scales
+        assert "calibrate: _mse" in entry.detail and "made safe by blockwise scaling" in entry.detail, entry.detail
+    else:
+        assert record["backed_off"] == [sid] and not record["made_safe"]
+        assert record["after"] == pytest.approx(record["high_precision"], rel=1e-5)
+        assert not entry.fp8 and sid in plan.unsafe
+        assert "calibrate: _mse" in entry.detail, entry.detail
