@@ -3,6 +3,8 @@ call's arguments, module path, weights and example values are read and kept up t
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 
 import torch
@@ -13,6 +15,25 @@ from .find_sites import clean_module_path
 LINEARS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
 
 log = logging.getLogger("loka.passes")
+
+@dataclasses.dataclass
+class Rewrites:
+    """What a Dynamo-graph Mod did to one graph and the bodies of its higher-order ops."""
+
+    rewritten: int = 0
+    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> matches
+    modules: list = dataclasses.field(default_factory=list)   # the rewritten matches' module paths
+
+    def add(self, other: "Rewrites") -> None:
+        """Count what `other` (a body graph's record) did as done here too."""
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if isinstance(mine, collections.Counter):
+                mine.update(theirs)
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, field.name, mine + theirs)
 
 
 def arg(node: torch.fx.Node, index: int, name: str, default=None):

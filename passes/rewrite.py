@@ -82,14 +82,11 @@ def users_within(node: torch.fx.Node, limit: int) -> list:
 def rewrite_graph_and_bodies(gm: torch.fx.GraphModule, result, todo: list, rewrite_one, rewrite_body) -> None:
     """A Dynamo-graph Mod's driver: each higher-order op's body graph (an activation-
     checkpointed region is one) rewritten by `rewrite_body(body)`, what it did added to
-    `result` (`rewritten`, `declined`, `modules`), then `rewrite_one(item)` for each item of
+    `result` (a `dynamo_graph.Rewrites`), then `rewrite_one(item)` for each item of
     `todo` in `gm`'s own graph, all or nothing; each item is (its module path, ...)."""
     for _, body in gm.named_children():
         if isinstance(body, torch.fx.GraphModule):
-            inner = rewrite_body(body)
-            result.rewritten += inner.rewritten
-            result.declined.update(inner.declined)
-            result.modules.extend(inner.modules)
+            result.add(rewrite_body(body))
     if not todo:
         return
     with all_or_nothing(gm):

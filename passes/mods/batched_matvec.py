@@ -38,14 +38,13 @@ treats as any linear.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import operator
 
 import torch
 
-from ..dynamo_graph import example_value, fake_mode, matches_to_rewrite, module_of, set_example_values
+from ..dynamo_graph import Rewrites, example_value, fake_mode, matches_to_rewrite, module_of, set_example_values
 from ..rewrite import rewrite_graph_and_bodies
 from .mod import Mod, Stage, total
 
@@ -53,15 +52,6 @@ log = logging.getLogger("loka.passes")
 
 _MATMULS = {operator.matmul, torch.matmul}
 _MATMUL_METHODS = {"matmul", "__matmul__"}
-
-
-@dataclasses.dataclass
-class BatchedMatvecs:
-    """What the pass did to one graph."""
-
-    rewritten: int = 0
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> products
-    modules: list = dataclasses.field(default_factory=list)   # the rewritten products' module paths
 
 
 @dataclasses.dataclass
@@ -100,10 +90,10 @@ def _decline_reason(gm, found: _Matvec, inputs: dict) -> "str | None":
     return None
 
 
-def rewrite_batched_matvecs(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> BatchedMatvecs:
+def rewrite_batched_matvecs(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each 2-D matrix times a batch of columns of `gm` in place (module docstring);
     return what was rewritten and declined."""
-    result = BatchedMatvecs()
+    result = Rewrites()
     todo = matches_to_rewrite(gm, example_inputs, "batched_matvec", _matvec_of, _decline_reason, result.declined,
                               exclude_modules)
 

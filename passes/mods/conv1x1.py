@@ -65,14 +65,13 @@ change the backward too, so it walks the Dynamo graph, as transposed_linear does
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 
 import torch
 from torch._inductor import config as inductor_config
 
-from ..dynamo_graph import arg, fake_mode, matches_to_rewrite, module_of, set_example_values, tensor_of
+from ..dynamo_graph import Rewrites, arg, fake_mode, matches_to_rewrite, module_of, set_example_values, tensor_of
 from ..rewrite import rewrite_graph_and_bodies
 from .mod import Mod, Stage, total
 
@@ -84,15 +83,6 @@ aten = torch.ops.aten
 _CONVS = {torch.conv1d: 1, aten.conv1d.default: 1, aten.conv1d.padding: 1,
           torch.conv2d: 2, aten.conv2d.default: 2, aten.conv2d.padding: 2}
 _CONV_MODULES = {torch.nn.Conv1d: 1, torch.nn.Conv2d: 2}  # exact types: a subclass may have its own forward
-
-
-@dataclasses.dataclass
-class Conv1x1Linears:
-    """What the pass did to one graph."""
-
-    rewritten: int = 0
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> convolutions
-    modules: list = dataclasses.field(default_factory=list)   # the rewritten convolutions' module paths
 
 
 @dataclasses.dataclass
@@ -181,10 +171,10 @@ def _decline_reason(gm, conv: _Conv, inputs: dict) -> "str | None":
     return None
 
 
-def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Conv1x1Linears:
+def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each 1x1 convolution of `gm` that is a linear over channels in place (module
     docstring); return what was rewritten and declined."""
-    result = Conv1x1Linears()
+    result = Rewrites()
     todo = matches_to_rewrite(gm, example_inputs, "conv1x1", _conv_of, _decline_reason, result.declined, exclude_modules)
 
     def rewrite_one(conv: _Conv) -> None:

@@ -68,21 +68,18 @@ import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, arg, excluded, fake_mode, fetch_attr, module_of, module_stack, set_example_values,
-                            tensor_of)
+from ..dynamo_graph import (LINEARS, Rewrites, arg, excluded, fake_mode, fetch_attr, module_of, module_stack,
+                            set_example_values, tensor_of)
 from ..rewrite import all_or_nothing
 from .mod import Evidence, Mod, Stage, total
 
 log = logging.getLogger("loka.passes")
 
 @dataclasses.dataclass
-class HorizontalFusion:
-    """What the pass did to one graph."""
+class HorizontalFusion(Rewrites):
+    """What the pass did to one graph: `rewritten` fused GEMMs made, which replaced `linears` linears."""
 
-    groups: int = 0                   # fused GEMMs made
-    linears: int = 0                  # linears they replaced
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> linears
-    modules: list = dataclasses.field(default_factory=list)   # the fused linears' module paths
+    linears: int = 0
 
 
 @dataclasses.dataclass
@@ -207,11 +204,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             groups.append(members)
 
     for body, body_inputs in _bodies(gm, inputs):  # higher-order ops' bodies: checkpointed regions, ...
-        inner = fuse_sibling_linears(body, body_inputs, exclude_modules=exclude_modules)
-        result.groups += inner.groups
-        result.linears += inner.linears
-        result.declined.update(inner.declined)
-        result.modules.extend(inner.modules)
+        result.add(fuse_sibling_linears(body, body_inputs, exclude_modules=exclude_modules))
     if not groups and not repeats:
         return result
     with all_or_nothing(gm):
@@ -220,7 +213,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             gm.graph.erase_node(repeat.node)
         for members in groups:
             _fuse(gm, members, inputs)
-            result.groups += 1
+            result.rewritten += 1
             result.linears += len(members)
             result.modules.append(joined_module_path([lin.module for lin in members]))
             log.debug("horizontal: fused %d linears into %s", len(members), result.modules[-1])
@@ -400,7 +393,7 @@ def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
 
 def _count(evidence: Evidence) -> dict:
     runs = evidence.results_of(MOD)
-    return {"horizontal": total(runs, "groups"), "horizontal_linears": total(runs, "linears")}
+    return {"horizontal": total(runs, "rewritten"), "horizontal_linears": total(runs, "linears")}
 
 
 MOD = Mod("horizontal", Stage.DYNAMO_GRAPH, True, "sibling linears that read one input fused into one GEMM",

@@ -38,7 +38,6 @@ Bodies of higher-order ops are rewritten the same way, each graph all or nothing
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 
 from loka_compile.kernels.layer_norm_backward import layer_norm
 
-from ..dynamo_graph import arg, example_value, matches_to_rewrite, module_of, tensor_of
+from ..dynamo_graph import Rewrites, arg, example_value, matches_to_rewrite, module_of, tensor_of
 from ..rewrite import rewrite_graph_and_bodies
 from ..shapes import size_hint
 from .mod import Mod, Stage, total
@@ -68,15 +67,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _LAYER_NORMS = {F.layer_norm, torch.layer_norm, aten.layer_norm, aten.layer_norm.default}
 _NATIVE_LAYER_NORMS = {aten.native_layer_norm, aten.native_layer_norm.default}
-
-
-@dataclasses.dataclass
-class LayerNormBackwards:
-    """What the pass did to one graph."""
-
-    rewritten: int = 0
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> norms
-    modules: list = dataclasses.field(default_factory=list)   # the rewritten norms' module paths
 
 
 @dataclasses.dataclass
@@ -157,10 +147,10 @@ def _decline_reason(gm, norm: _Norm, inputs: dict) -> "str | None":
 
 
 def rewrite_layer_norm_backwards(gm: torch.fx.GraphModule, example_inputs=(), *,
-                                 exclude_modules=()) -> LayerNormBackwards:
+                                 exclude_modules=()) -> Rewrites:
     """Rewrite each matching LayerNorm of `gm` in place (module docstring); return what was
     rewritten and declined."""
-    result = LayerNormBackwards()
+    result = Rewrites()
     todo = matches_to_rewrite(gm, example_inputs, "layernorm_backward", _norm_of, _decline_reason, result.declined, exclude_modules)
 
     def rewrite_one(norm: _Norm) -> None:

@@ -61,14 +61,12 @@ backward's transposes too, so it walks the Dynamo graph, as the horizontal Mod d
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, arg, example_value, excluded, fake_mode, module_of, set_example_values,
+from ..dynamo_graph import (LINEARS, Rewrites, arg, example_value, excluded, fake_mode, module_of, set_example_values,
                             tensor_of)
 from ..rewrite import rewrite_graph_and_bodies
 from .mod import Mod, Stage, total
@@ -82,15 +80,6 @@ MIN_OUTPUT_WIDTH = 16
 _TRANSPOSES = {torch.transpose, torch.swapaxes, torch.swapdims}
 _MATMULS = {operator.matmul, torch.matmul}
 _PASS_THROUGH_METHODS = {"contiguous"}
-
-
-@dataclasses.dataclass
-class TransposedLinears:
-    """What the pass did to one graph."""
-
-    rewritten: int = 0
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> linears
-    modules: list = dataclasses.field(default_factory=list)   # the rewritten linears' module paths
 
 
 def _transposed_source(node) -> "torch.fx.Node | None":
@@ -148,10 +137,10 @@ def _decline_reason(x, weight, bias, weight_in_out: bool = False) -> "str | None
     return None
 
 
-def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> TransposedLinears:
+def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each linear of a transposed 3-D input of `gm` in place (module docstring);
     return what was rewritten and declined."""
-    result = TransposedLinears()
+    result = Rewrites()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = dict(zip(placeholders, example_inputs))
     todo = []
