@@ -16,6 +16,10 @@ LINEARS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.
 
 log = logging.getLogger("loka.passes")
 
+# Where a node came from: find_sites reads its module path, logs and Inductor's provenance its stack trace.
+PROVENANCE = ("nn_module_stack", "stack_trace")
+
+
 @dataclasses.dataclass
 class Rewrites:
     """What a Dynamo-graph Mod did to one graph and the bodies of its higher-order ops."""
@@ -34,6 +38,13 @@ class Rewrites:
                 mine.extend(theirs)
             else:
                 setattr(self, field.name, mine + theirs)
+
+
+def copy_provenance(source: torch.fx.Node, nodes) -> None:
+    """`nodes`, which replace `source`, carry its module path and stack trace."""
+    kept = {key: source.meta[key] for key in PROVENANCE if key in source.meta}
+    for node in nodes:
+        node.meta.update(kept)
 
 
 def arg(node: torch.fx.Node, index: int, name: str, default=None):

@@ -44,7 +44,8 @@ import operator
 
 import torch
 
-from ..dynamo_graph import Rewrites, example_value, fake_mode, matches_to_rewrite, module_of, set_example_values
+from ..dynamo_graph import (Rewrites, copy_provenance, example_value, fake_mode, matches_to_rewrite, module_of,
+                            set_example_values)
 from ..rewrite import rewrite_graph_and_bodies
 from .mod import Mod, Stage, total
 
@@ -113,9 +114,7 @@ def _rewrite(gm, found: _Matvec) -> None:
         linear = graph.call_function(torch._C._nn.linear, (rows, found.matrix))        # [..., M]
         out = graph.call_method("unsqueeze", (linear, -1))                            # [..., M, 1]
     new = [rows, linear, out]
-    kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-    for new_node in new:
-        new_node.meta.update(kept)
+    copy_provenance(node, new)
     set_example_values(gm, new, fake_mode([found.columns, node]))
     node.replace_all_uses_with(out)
     graph.erase_node(node)

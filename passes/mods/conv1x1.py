@@ -71,7 +71,8 @@ import logging
 import torch
 from torch._inductor import config as inductor_config
 
-from ..dynamo_graph import Rewrites, arg, fake_mode, matches_to_rewrite, module_of, set_example_values, tensor_of
+from ..dynamo_graph import (Rewrites, arg, copy_provenance, fake_mode, matches_to_rewrite, module_of,
+                            set_example_values, tensor_of)
 from ..rewrite import rewrite_graph_and_bodies
 from .mod import Mod, Stage, total
 
@@ -209,9 +210,7 @@ def _rewrite(gm, conv: _Conv) -> None:
         if conv.spatial > 1:
             out = graph.call_method("unflatten", (out, 2, tuple(sizes)))    # [B, C_out, H, W]
             new.append(out)
-    kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-    for new_node in new:
-        new_node.meta.update(kept)
+    copy_provenance(node, new)
     set_example_values(gm, new, fake_mode([x, node]))
     node.replace_all_uses_with(out)
     graph.erase_node(node)

@@ -68,8 +68,8 @@ import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, Rewrites, arg, excluded, fake_mode, fetch_attr, module_of, module_stack,
-                            set_example_values, tensor_of)
+from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, excluded, fake_mode, fetch_attr, module_of,
+                            module_stack, set_example_values, tensor_of)
 from ..rewrite import all_or_nothing
 from .mod import Evidence, Mod, Stage, total
 
@@ -384,7 +384,7 @@ def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
         new += [fused, parts, *outs]
     set_example_values(gm, new, fake_mode([members[0].x, *(lin.weight for lin in members)]))
     for lin, out in zip(members, outs):
-        out.meta.update({k: v for k, v in lin.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        copy_provenance(lin.node, [out])
         if "example_value" not in out.meta and "example_value" in lin.node.meta:
             out.meta["example_value"] = lin.node.meta["example_value"]
         lin.node.replace_all_uses_with(out)

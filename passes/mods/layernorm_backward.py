@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from loka_compile.kernels.layer_norm_backward import layer_norm
 
-from ..dynamo_graph import Rewrites, arg, example_value, matches_to_rewrite, module_of, tensor_of
+from ..dynamo_graph import Rewrites, arg, copy_provenance, example_value, matches_to_rewrite, module_of, tensor_of
 from ..rewrite import rewrite_graph_and_bodies
 from ..shapes import size_hint
 from .mod import Mod, Stage, total
@@ -170,8 +170,7 @@ def _rewrite(gm, norm: _Norm) -> None:
             module = gm.get_submodule(norm.call_module)
             weight = graph.get_attr(f"{norm.call_module}.weight")
             bias = graph.get_attr(f"{norm.call_module}.bias") if module.bias is not None else None
-            for attr in filter(None, (weight, bias)):
-                attr.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            copy_provenance(node, filter(None, (weight, bias)))
         new = graph.call_function(layer_norm, (norm.x, weight, bias, norm.eps))
     new.meta = dict(norm.output.meta)
     norm.output.replace_all_uses_with(new)

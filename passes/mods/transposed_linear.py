@@ -66,8 +66,8 @@ import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, Rewrites, arg, example_value, excluded, fake_mode, module_of, set_example_values,
-                            tensor_of)
+from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, example_value, excluded, fake_mode, module_of,
+                            set_example_values, tensor_of)
 from ..rewrite import rewrite_graph_and_bodies
 from .mod import Mod, Stage, total
 
@@ -226,9 +226,7 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str, weight_in_out: bool 
             new += [column, out.args[1], out]
         result = graph.call_method("transpose", (out, 1, 2))
         new.append(result)
-    kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
-    for new_node in new:
-        new_node.meta.update(kept)
+    copy_provenance(node, new)
     set_example_values(gm, new, fake_mode([x, node]))
     x_t = node.args[0] if node.args else node.kwargs.get("input")
     node.replace_all_uses_with(result)
