@@ -85,6 +85,11 @@ def tensor_of(gm, node, inputs: dict):
     return None, False
 
 
+def graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> dict:
+    """placeholder -> the example input it receives (`example_inputs` in placeholder order)."""
+    return dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+
+
 def fetch_attr(gm, target: str):
     obj = gm
     for name in target.split("."):
@@ -154,14 +159,14 @@ def replace_call(gm: torch.fx.GraphModule, node: torch.fx.Node, target, args, kw
 
 def matches_to_rewrite(gm: torch.fx.GraphModule, example_inputs, mod_name: str, match, decline_reason,
                        declined, exclude_modules=()) -> list:
-    """(module path, match) for each node of `gm` that `match(gm, node)` recognizes (a record
-    with `.module`), unless its module is excluded or `decline_reason(gm, match, inputs)` names
-    a reason; each decline is counted in `declined` and logged at debug level."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = dict(zip(placeholders, example_inputs))
+    """(module path, match) for each node of `gm` that `match(gm, node, inputs)` recognizes (a
+    record with `.module`), unless its module is excluded or `decline_reason(gm, match, inputs)`
+    names a reason; each decline is counted in `declined` and logged at debug level. `inputs`:
+    placeholder -> its example input (what tells a Parameter)."""
+    inputs = graph_inputs(gm, example_inputs)
     todo = []
     for node in list(gm.graph.nodes):
-        found = match(gm, node)
+        found = match(gm, node, inputs)
         if found is None:
             continue
         reason = "excluded_module" if excluded(found.module, exclude_modules) else decline_reason(gm, found, inputs)

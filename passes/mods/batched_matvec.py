@@ -63,7 +63,7 @@ class _Matvec:
     module: str
 
 
-def _matvec_of(gm, node) -> "_Matvec | None":
+def _matvec_of(gm, node, inputs: dict) -> "_Matvec | None":
     """The product `node` computes when it is a 2-D matrix times a batch of columns
     ([..., K, 1], rank 3 or more), else None."""
     is_matmul = (node.op == "call_function" and node.target in _MATMULS) \

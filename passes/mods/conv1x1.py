@@ -110,7 +110,7 @@ def _all_equal(value, expected: int, spatial: int) -> bool:
     return all(type(v) is int and v == expected for v in values)
 
 
-def _conv_of(gm, node) -> "_Conv | None":
+def _conv_of(gm, node, inputs: dict) -> "_Conv | None":
     if node.op == "call_function" and node.target in _CONVS:
         x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
         if not isinstance(x, torch.fx.Node):
@@ -176,7 +176,8 @@ def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modu
     """Rewrite each 1x1 convolution of `gm` that is a linear over channels in place (module
     docstring); return what was rewritten and declined."""
     result = Rewrites()
-    todo = matches_to_rewrite(gm, example_inputs, "conv1x1", _conv_of, _decline_reason, result.declined, exclude_modules)
+    todo = matches_to_rewrite(gm, example_inputs, "conv1x1", _conv_of, _decline_reason, result.declined,
+                              exclude_modules)
 
     def rewrite_one(conv: _Conv) -> None:
         _rewrite(gm, conv)

@@ -20,8 +20,8 @@ once; one bigger GEMM, where FP8 pays more (MaskNet's 8 MaskBlocks each apply
 Linear(1728 -> 3456) to the same embeddings: one 1728 -> 27648 GEMM).
 
 Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
-    single_linear        no other linear reads its input
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
+    single_linear        no other linear reads its input
     depends_on_sibling   its weight or bias is computed from another sibling's output
                          (the fused GEMM would depend on itself)
     weight_not_parameter its weight or bias is not an nn.Parameter graph input or a
@@ -68,8 +68,8 @@ import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, excluded, fake_mode, fetch_attr, module_of,
-                            module_stack, set_example_values, tensor_of)
+from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, fake_mode, fetch_attr, graph_inputs,
+                            matches_to_rewrite, module_of, module_stack, set_example_values, tensor_of)
 from ..rewrite import all_or_nothing
 from .mod import Evidence, Mod, Stage, total
 
@@ -107,19 +107,24 @@ def joined_module_path(paths) -> str:
     return ".".join([*parts[0][:head], "{" + ",".join(middles) + "}", *parts[0][len(parts[0]) - tail:]])
 
 
-def _linears(gm: torch.fx.GraphModule) -> list:
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in LINEARS:
-            x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
-            if isinstance(x, torch.fx.Node) and isinstance(w, torch.fx.Node) \
-                    and (b is None or isinstance(b, torch.fx.Node)):
-                found.append(_Linear(node, x, w, b, module_of(node)))
-        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-            x = arg(node, 0, "input")
-            if isinstance(x, torch.fx.Node):
-                found.append(_Linear(node, x, None, None, node.target, call_module=node.target))
-    return found
+def _linear_of(gm, node, inputs: dict) -> "_Linear | None":
+    """The linear `node` computes, else None."""
+    if node.op == "call_function" and node.target in LINEARS:
+        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        if isinstance(x, torch.fx.Node) and isinstance(w, torch.fx.Node) \
+                and (b is None or isinstance(b, torch.fx.Node)):
+            return _Linear(node, x, w, b, module_of(node))
+    elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
+        x = arg(node, 0, "input")
+        if isinstance(x, torch.fx.Node):
+            return _Linear(node, x, None, None, node.target, call_module=node.target)
+    return None
+
+
+def _decline_reason(gm, lin: _Linear, inputs: dict) -> None:
+    """Every reason but an excluded module depends on the linear's siblings (a repeat of a linear with a
+    computed weight still reads the first call's output), so the groups decide them."""
+    return None
 
 
 def _ancestors(nodes) -> set:
@@ -153,10 +158,10 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
     was fused and declined. `example_inputs`: the graph's inputs in placeholder order (what
     tells a Parameter)."""
     result = HorizontalFusion()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = dict(zip(placeholders, example_inputs))
+    inputs = graph_inputs(gm, example_inputs)
     by_input = collections.defaultdict(list)
-    for lin in _linears(gm):
+    for _, lin in matches_to_rewrite(gm, example_inputs, "horizontal", _linear_of, _decline_reason, result.declined,
+                                     exclude_modules):
         by_input[lin.x].append(lin)
 
     def decline(lins, reason):
@@ -170,15 +175,9 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
         if len(lins) < 2:
             decline(lins, "single_linear")
             continue
-        kept = []
-        for lin in lins:
-            if excluded(lin.module, exclude_modules):
-                decline([lin], "excluded_module")
-            else:
-                kept.append(lin)
-        outputs = {lin.node for lin in kept}
+        outputs = {lin.node for lin in lins}
         candidates = []
-        for lin in kept:
+        for lin in lins:
             if lin.call_module:
                 candidates.append(lin)
             elif _ancestors([lin.weight, lin.bias]) & (outputs - {lin.node}):

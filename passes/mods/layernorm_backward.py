@@ -83,7 +83,7 @@ class _Norm:
     reads_statistics: bool = False   # a native_layer_norm whose mean or rstd is read
 
 
-def _norm_of(gm, node) -> "_Norm | None":
+def _norm_of(gm, node, inputs: dict) -> "_Norm | None":
     if node.op == "call_function" and node.target in _LAYER_NORMS | _NATIVE_LAYER_NORMS:
         norm = _Norm(node, arg(node, 0, "input"), arg(node, 2, "weight"), arg(node, 3, "bias"),
                      arg(node, 1, "normalized_shape"), arg(node, 4, "eps", 1e-5), module_of(node), output=node)
@@ -151,7 +151,8 @@ def rewrite_layer_norm_backwards(gm: torch.fx.GraphModule, example_inputs=(), *,
     """Rewrite each matching LayerNorm of `gm` in place (module docstring); return what was
     rewritten and declined."""
     result = Rewrites()
-    todo = matches_to_rewrite(gm, example_inputs, "layernorm_backward", _norm_of, _decline_reason, result.declined, exclude_modules)
+    todo = matches_to_rewrite(gm, example_inputs, "layernorm_backward", _norm_of, _decline_reason, result.declined,
+                              exclude_modules)
 
     def rewrite_one(norm: _Norm) -> None:
         _rewrite(gm, norm)

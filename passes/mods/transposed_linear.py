@@ -61,13 +61,14 @@ backward's transposes too, so it walks the Dynamo graph, as the horizontal Mod d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, example_value, excluded, fake_mode, module_of,
-                            set_example_values, tensor_of)
+from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, example_value, fake_mode, matches_to_rewrite,
+                            module_of, set_example_values, tensor_of)
 from ..rewrite import rewrite_graph_and_bodies
 from .mod import Mod, Stage, total
 
@@ -115,10 +116,52 @@ def _hint(size):
     return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
-def _decline_reason(x, weight, bias, weight_in_out: bool = False) -> "str | None":
-    """Why the linear of x^T by `weight` ([out, in]; [in, out] with `weight_in_out`, as a
-    matmul reads it) is not rewritten, else None."""
-    value = example_value(x)
+@dataclasses.dataclass
+class _TransposedLinear:
+    node: torch.fx.Node
+    x: torch.fx.Node             # the 3-D input whose transpose the linear reads
+    weight: object               # fx.Node (None for a call_module node)
+    bias: object                 # fx.Node or None
+    module: str
+    call_module: str = ""        # target of an nn.Linear call_module node
+    weight_in_out: bool = False  # `x^T @ W`: W is [in, out], the linear's weight is W^T
+
+
+def _transposed_linear_of(gm, node, inputs: dict) -> "_TransposedLinear | None":
+    """The linear `node` computes when it reads a transposed 3-D input, else None."""
+    if node.op == "call_function" and node.target in LINEARS:
+        x_t, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        found = dict(weight=weight, bias=bias, module=module_of(node))
+    elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
+        x_t = arg(node, 0, "input")
+        found = dict(weight=None, bias=None, module=node.target, call_module=node.target)
+    elif _weight_matmul(gm, node, inputs):
+        x_t, weight = node.args
+        found = dict(weight=weight, bias=None, module=module_of(node), weight_in_out=True)
+    else:
+        return None
+    x = _transposed_source(x_t)
+    return None if x is None else _TransposedLinear(node, x, **found)
+
+
+def _tensor(gm, node, inputs: dict):
+    """The weight or bias tensor a node of the graph stands for (its example value if computed)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    tensor = tensor_of(gm, node, inputs)[0]
+    return example_value(node) if tensor is None else tensor
+
+
+def _decline_reason(gm, found: _TransposedLinear, inputs: dict) -> "str | None":
+    """Why the linear of x^T is not rewritten (module docstring), else None."""
+    if found.call_module:
+        linear = gm.get_submodule(found.call_module)
+        weight, bias = linear.weight, linear.bias
+    elif found.weight_in_out:
+        weight, bias = tensor_of(gm, found.weight, inputs)[0], None
+    else:
+        weight, bias = _tensor(gm, found.weight, inputs), _tensor(gm, found.bias, inputs)
+    value = example_value(found.x)
     if not isinstance(value, torch.Tensor) or value.dim() != 3:
         return "not_3d"
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -130,7 +173,7 @@ def _decline_reason(x, weight, bias, weight_in_out: bool = False) -> "str | None
         return "narrow_output"
     if value.stride(1) == 1 and value.shape[1] > 1:
         return "transposed_input"  # xt is contiguous already
-    out_features, in_features = (_hint(s) for s in (reversed(weight.shape) if weight_in_out else weight.shape))
+    out_features, in_features = (_hint(s) for s in (reversed(weight.shape) if found.weight_in_out else weight.shape))
     if weight.requires_grad and torch.is_grad_enabled() and None not in (out_features, in_features) \
             and out_features * in_features > int(d) * (in_features + out_features):
         return "wide_weight_gradient"
@@ -141,51 +184,13 @@ def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, e
     """Rewrite each linear of a transposed 3-D input of `gm` in place (module docstring);
     return what was rewritten and declined."""
     result = Rewrites()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = dict(zip(placeholders, example_inputs))
-    todo = []
-    for node in list(gm.graph.nodes):
-        matmul = False
-        if node.op == "call_function" and node.target in LINEARS:
-            x_t, w_node, b_node = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
-            call_module = ""
-        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-            x_t, w_node, b_node, call_module = arg(node, 0, "input"), None, None, node.target
-        elif _weight_matmul(gm, node, inputs):
-            (x_t, w_node), b_node, call_module, matmul = node.args, None, "", True
-        else:
-            continue
-        x = _transposed_source(x_t)
-        if x is None:
-            continue
-        module = node.target if call_module else module_of(node)
-        if excluded(module, exclude_modules):
-            reason = "excluded_module"
-        elif matmul:
-            reason = _decline_reason(x, tensor_of(gm, w_node, inputs)[0], None, weight_in_out=True)
-        else:
-            if call_module:
-                linear = gm.get_submodule(call_module)
-                weight, bias = linear.weight, linear.bias
-            else:
-                weight = tensor_of(gm, w_node, inputs)[0] if isinstance(w_node, torch.fx.Node) else None
-                if weight is None:
-                    weight = example_value(w_node)
-                bias = None
-                if b_node is not None:
-                    bias = tensor_of(gm, b_node, inputs)[0] if isinstance(b_node, torch.fx.Node) else None
-                    bias = example_value(b_node) if bias is None else bias
-            reason = _decline_reason(x, weight, bias)
-        if reason is not None:
-            result.declined[reason] += 1
-            log.debug("transposed_linear: %s (%s) declined: %s", node.name, module or "<root>", reason)
-            continue
-        todo.append((module, (node, x, w_node, b_node, call_module, module, matmul)))
+    todo = matches_to_rewrite(gm, example_inputs, "transposed_linear", _transposed_linear_of, _decline_reason,
+                              result.declined, exclude_modules)
 
-    def rewrite_one(item: tuple) -> None:
-        node, x, w_node, b_node, call_module, module, matmul = item
-        _rewrite(gm, node, x, w_node, b_node, call_module, weight_in_out=matmul)
-        log.debug("transposed_linear: %s (%s) now W @ x", node.name, module or "<root>")
+    def rewrite_one(found: _TransposedLinear) -> None:
+        _rewrite(gm, found.node, found.x, found.weight, found.bias, found.call_module,
+                 weight_in_out=found.weight_in_out)
+        log.debug("transposed_linear: %s (%s) now W @ x", found.node.name, found.module or "<root>")
 
     rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
                              lambda body: rewrite_transposed_linears(body, exclude_modules=exclude_modules))
