@@ -28,11 +28,11 @@ from loka_compile import graph_cache, probe
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.budget_window import OutputBudgetWindow
 from loka_compile.config import LokaConfig
-from loka_compile.fallback import _error_text, _forget_rewrite, _is_dynamo_control, _warn_fallback
+from loka_compile.fallback import _error_text, _forget_rewrite, _is_dynamo_control, _warn_fallback, fall_back_sites
 from loka_compile.inductor_compile import _inner_compile, weight_input_indices
 from loka_compile.inductor_passes import _inductor_patches, LokaPostGradPass, _verdict_signature
 from loka_compile.kernels import ops as loka_ops
-from loka_compile.passes import Amendment, Decision, GraphKind, Phase, Reason
+from loka_compile.passes import Amendment, GraphKind, Phase, Reason
 from loka_compile.ranks import decide_once
 from loka_compile.state import GraphRecord, LokaState
 
@@ -196,11 +196,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         out = plain(*args)
         _warn_fallback(record, why)
         for ctx in record.contexts.values():
-            for site in ctx.sites:
-                if site.id in ctx.decisions:
-                    ctx.amend(site, "fallback", why, fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
-                else:
-                    ctx.decisions[site.id] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
+            fall_back_sites(ctx, why)
         record.graph_modules.clear()
         record.store.release_samples(probe_site_keys(record))
         self.state.counters["first_run_fallbacks"] += 1

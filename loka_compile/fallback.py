@@ -44,8 +44,8 @@ def _warn_fallback(record: GraphRecord, why: str, whole_graph: bool = True) -> N
 
 def _forget_rewrite(record: GraphRecord, why: str, kind=None, phase: Optional[Phase] = None) -> None:
     """Rewritten graphs (of `kind`, of `phase`; None: all) that will not run: drop them
-    from the record, and give the sites their passes found but never decided a decision
-    that says why."""
+    from the record, and make every site their passes found run in high precision, saying why
+    (`fall_back_sites`)."""
     def matches(key):
         return (kind is None or key[1] is kind) and (phase is None or key[0] is phase)
 
@@ -53,5 +53,14 @@ def _forget_rewrite(record: GraphRecord, why: str, kind=None, phase: Optional[Ph
         record.graph_modules.pop(key)
     for key, ctx in record.contexts.items():
         if matches(key):
-            for site in ctx.sites:
-                ctx.decisions.setdefault(site.id, Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why))
+            fall_back_sites(ctx, why)
+
+
+def fall_back_sites(ctx, why: str) -> None:
+    """Every site of a pass context whose graph runs without loka: a decided site's decision
+    amended by "fallback" (the report lists the change), an undecided one given that decision."""
+    for site in ctx.sites:
+        if site.id in ctx.decisions:
+            ctx.amend(site, "fallback", why, fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
+        else:
+            ctx.decisions[site.id] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
