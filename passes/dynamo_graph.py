@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .find_sites import clean_module_path
+from .rewrite import all_or_nothing
 
 LINEARS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
 
@@ -88,6 +89,15 @@ def tensor_of(gm, node, inputs: dict):
 def graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> dict:
     """placeholder -> the example input it receives (`example_inputs` in placeholder order)."""
     return dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+
+
+def value_of(gm, node, inputs: dict):
+    """The tensor a node stands for: a get_attr's real one, a placeholder's example input, else
+    its example value; None for a non-node."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    tensor = tensor_of(gm, node, inputs)[0]
+    return example_value(node) if tensor is None else tensor
 
 
 def fetch_attr(gm, target: str):
@@ -176,3 +186,25 @@ def matches_to_rewrite(gm: torch.fx.GraphModule, example_inputs, mod_name: str, 
             continue
         todo.append((found.module, found))
     return todo
+
+
+def rewrite_matches(gm: torch.fx.GraphModule, example_inputs, mod_name: str, match, decline_reason, rewrite,
+                    exclude_modules=(), becomes: str = "rewritten") -> Rewrites:
+    """A Dynamo-graph Mod's driver: each higher-order op's body graph (an activation-checkpointed
+    region is one) rewritten the same way, then each match of `gm`'s own graph that
+    `matches_to_rewrite` keeps rewritten by `rewrite(gm, match)` (a record with `.node`), all or
+    nothing; each rewrite logged at debug level as "`becomes`"."""
+    result = Rewrites()
+    todo = matches_to_rewrite(gm, example_inputs, mod_name, match, decline_reason, result.declined, exclude_modules)
+    for _, body in gm.named_children():
+        if isinstance(body, torch.fx.GraphModule):
+            result.add(rewrite_matches(body, (), mod_name, match, decline_reason, rewrite, exclude_modules, becomes))
+    if not todo:
+        return result
+    with all_or_nothing(gm):
+        for module, found in todo:
+            rewrite(gm, found)
+            result.rewritten += 1
+            result.modules.append(module)
+            log.debug("%s: %s (%s) %s", mod_name, found.node.name, module or "<root>", becomes)
+    return result

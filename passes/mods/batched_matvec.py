@@ -39,17 +39,13 @@ treats as any linear.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 
 import torch
 
-from ..dynamo_graph import (Rewrites, copy_provenance, example_value, fake_mode, matches_to_rewrite, module_of,
+from ..dynamo_graph import (Rewrites, copy_provenance, example_value, fake_mode, module_of, rewrite_matches,
                             set_example_values)
-from ..rewrite import rewrite_graph_and_bodies
-from .mod import Mod, Stage, total
-
-log = logging.getLogger("loka.passes")
+from .mod import Mod, Stage, count_rewritten
 
 _MATMULS = {operator.matmul, torch.matmul}
 _MATMUL_METHODS = {"matmul", "__matmul__"}
@@ -94,17 +90,8 @@ def _decline_reason(gm, found: _Matvec, inputs: dict) -> "str | None":
 def rewrite_batched_matvecs(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each 2-D matrix times a batch of columns of `gm` in place (module docstring);
     return what was rewritten and declined."""
-    result = Rewrites()
-    todo = matches_to_rewrite(gm, example_inputs, "batched_matvec", _matvec_of, _decline_reason, result.declined,
-                              exclude_modules)
-
-    def rewrite_one(found: _Matvec) -> None:
-        _rewrite(gm, found)
-        log.debug("batched_matvec: %s (%s) now one GEMM", found.node.name, found.module or "<root>")
-
-    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
-                             lambda body: rewrite_batched_matvecs(body, exclude_modules=exclude_modules))
-    return result
+    return rewrite_matches(gm, example_inputs, "batched_matvec", _matvec_of, _decline_reason, _rewrite,
+                           exclude_modules, becomes="now one GEMM")
 
 
 def _rewrite(gm, found: _Matvec) -> None:
@@ -123,7 +110,7 @@ def _rewrite(gm, found: _Matvec) -> None:
 MOD = Mod("batched_matvec", Stage.DYNAMO_GRAPH, True,
           "`W @ x` of a 2-D W and columns x [B, K, 1] computed as one GEMM, not B matrix-vector products",
           counters=("batched_matvec",),
-          count=lambda evidence: {"batched_matvec": total(evidence.results_of(MOD), "rewritten")},
+          count=count_rewritten("batched_matvec"),
           if_failed="those products stay as written",
           run=lambda gm, example_inputs, config: rewrite_batched_matvecs(gm, example_inputs,
                                                                          exclude_modules=config.exclude_modules))

@@ -66,17 +66,13 @@ change the backward too, so it walks the Dynamo graph, as transposed_linear does
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 from torch._inductor import config as inductor_config
 
-from ..dynamo_graph import (Rewrites, arg, copy_provenance, fake_mode, matches_to_rewrite, module_of,
-                            set_example_values, tensor_of)
-from ..rewrite import rewrite_graph_and_bodies
-from .mod import Mod, Stage, total
-
-log = logging.getLogger("loka.passes")
+from ..dynamo_graph import (Rewrites, arg, copy_provenance, fake_mode, module_of, rewrite_matches, set_example_values,
+                            value_of)
+from .mod import Mod, Stage, count_rewritten
 
 aten = torch.ops.aten
 
@@ -95,10 +91,6 @@ class _Conv:
     spatial: int           # 1 (conv1d) or 2 (conv2d)
     module: str
     call_module: str = ""  # target of an nn.Conv1d / nn.Conv2d call_module node
-
-
-def _value(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
 
 
 def _all_equal(value, expected: int, spatial: int) -> bool:
@@ -139,15 +131,12 @@ def _weight(gm, conv: _Conv, inputs: dict):
     """The real or example weight tensor of a convolution, or None."""
     if conv.call_module:
         return gm.get_submodule(conv.call_module).weight
-    if not isinstance(conv.weight, torch.fx.Node):
-        return None
-    weight = tensor_of(gm, conv.weight, inputs)[0]
-    return _value(conv.weight) if weight is None else weight
+    return value_of(gm, conv.weight, inputs)
 
 
 def _decline_reason(gm, conv: _Conv, inputs: dict) -> "str | None":
     weight = _weight(gm, conv, inputs)
-    x = inputs.get(conv.x, _value(conv.x))
+    x = value_of(gm, conv.x, inputs)
     if not isinstance(weight, torch.Tensor) or weight.dim() != conv.spatial + 2 or not isinstance(x, torch.Tensor):
         return "unknown_shape"
     if x.dim() == conv.spatial + 1:
@@ -175,17 +164,8 @@ def _decline_reason(gm, conv: _Conv, inputs: dict) -> "str | None":
 def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each 1x1 convolution of `gm` that is a linear over channels in place (module
     docstring); return what was rewritten and declined."""
-    result = Rewrites()
-    todo = matches_to_rewrite(gm, example_inputs, "conv1x1", _conv_of, _decline_reason, result.declined,
-                              exclude_modules)
-
-    def rewrite_one(conv: _Conv) -> None:
-        _rewrite(gm, conv)
-        log.debug("conv1x1: %s (%s) now a linear", conv.node.name, conv.module or "<root>")
-
-    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
-                             lambda body: rewrite_conv1x1(body, exclude_modules=exclude_modules))
-    return result
+    return rewrite_matches(gm, example_inputs, "conv1x1", _conv_of, _decline_reason, _rewrite,
+                           exclude_modules, becomes="now a linear")
 
 
 def _rewrite(gm, conv: _Conv) -> None:
@@ -218,7 +198,7 @@ def _rewrite(gm, conv: _Conv) -> None:
 
 
 MOD = Mod("conv1x1", Stage.DYNAMO_GRAPH, True, "1x1 convolutions written as linears, so their GEMMs can go FP8",
-          counters=("conv1x1",), count=lambda evidence: {"conv1x1": total(evidence.results_of(MOD), "rewritten")},
+          counters=("conv1x1",), count=count_rewritten("conv1x1"),
           if_failed="those convolutions stay as written",
           run=lambda gm, example_inputs, config: rewrite_conv1x1(gm, example_inputs,
                                                                  exclude_modules=config.exclude_modules))

@@ -39,7 +39,6 @@ Bodies of higher-order ops are rewritten the same way, each graph all or nothing
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import operator
 
@@ -48,12 +47,9 @@ import torch.nn.functional as F
 
 from loka_compile.kernels.layer_norm_backward import layer_norm
 
-from ..dynamo_graph import Rewrites, arg, copy_provenance, example_value, matches_to_rewrite, module_of, tensor_of
-from ..rewrite import rewrite_graph_and_bodies
+from ..dynamo_graph import Rewrites, arg, copy_provenance, example_value, module_of, rewrite_matches, value_of
 from ..shapes import size_hint
-from .mod import Mod, Stage, total
-
-log = logging.getLogger("loka.passes")
+from .mod import Mod, Stage, count_rewritten
 
 aten = torch.ops.aten
 
@@ -104,17 +100,13 @@ def _parameter(gm, norm: _Norm, name: str, inputs: dict):
     """The weight's or bias's tensor (real or example), or None."""
     if norm.call_module:
         return getattr(gm.get_submodule(norm.call_module), name)
-    arg = norm.weight if name == "weight" else norm.bias
-    if not isinstance(arg, torch.fx.Node):
-        return None
-    tensor = tensor_of(gm, arg, inputs)[0]
-    return example_value(arg) if tensor is None else tensor
+    return value_of(gm, norm.weight if name == "weight" else norm.bias, inputs)
 
 
 def _decline_reason(gm, norm: _Norm, inputs: dict) -> "str | None":
     if norm.reads_statistics:
         return "statistics_used"
-    x = inputs.get(norm.x, example_value(norm.x))
+    x = value_of(gm, norm.x, inputs)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         return "unknown_shape"
     shape = [norm.shape] if isinstance(norm.shape, int) else list(norm.shape)
@@ -150,17 +142,8 @@ def rewrite_layer_norm_backwards(gm: torch.fx.GraphModule, example_inputs=(), *,
                                  exclude_modules=()) -> Rewrites:
     """Rewrite each matching LayerNorm of `gm` in place (module docstring); return what was
     rewritten and declined."""
-    result = Rewrites()
-    todo = matches_to_rewrite(gm, example_inputs, "layernorm_backward", _norm_of, _decline_reason, result.declined,
-                              exclude_modules)
-
-    def rewrite_one(norm: _Norm) -> None:
-        _rewrite(gm, norm)
-        log.debug("layernorm_backward: %s (%s) now with loka's backward", norm.node.name, norm.module or "<root>")
-
-    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
-                             lambda body: rewrite_layer_norm_backwards(body, exclude_modules=exclude_modules))
-    return result
+    return rewrite_matches(gm, example_inputs, "layernorm_backward", _norm_of, _decline_reason, _rewrite,
+                           exclude_modules, becomes="now with loka's backward")
 
 
 def _rewrite(gm, norm: _Norm) -> None:
@@ -183,7 +166,7 @@ def _rewrite(gm, norm: _Norm) -> None:
 MOD = Mod("layernorm_backward", Stage.DYNAMO_GRAPH, False,
           "LayerNorm over a short last dim keeps ATen's forward and gets loka's Triton backward",
           counters=("layernorm_backward",),
-          count=lambda evidence: {"layernorm_backward": total(evidence.results_of(MOD), "rewritten")},
+          count=count_rewritten("layernorm_backward"),
           if_failed="those LayerNorms keep Inductor's backward",
           run=lambda gm, example_inputs, config: rewrite_layer_norm_backwards(gm, example_inputs,
                                                                               exclude_modules=config.exclude_modules))

@@ -62,17 +62,13 @@ backward's transposes too, so it walks the Dynamo graph, as the horizontal Mod d
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, example_value, fake_mode, matches_to_rewrite,
-                            module_of, set_example_values, tensor_of)
-from ..rewrite import rewrite_graph_and_bodies
-from .mod import Mod, Stage, total
-
-log = logging.getLogger("loka.passes")
+from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, example_value, fake_mode, module_of,
+                            rewrite_matches, set_example_values, tensor_of, value_of)
+from .mod import Mod, Stage, count_rewritten
 
 # Timed only at d = 160 (Wukong, where it pays); below 16, one bf16 MMA tile's N, each
 # sample's GEMM would leave most of its tile idle.
@@ -144,14 +140,6 @@ def _transposed_linear_of(gm, node, inputs: dict) -> "_TransposedLinear | None":
     return None if x is None else _TransposedLinear(node, x, **found)
 
 
-def _tensor(gm, node, inputs: dict):
-    """The weight or bias tensor a node of the graph stands for (its example value if computed)."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    tensor = tensor_of(gm, node, inputs)[0]
-    return example_value(node) if tensor is None else tensor
-
-
 def _decline_reason(gm, found: _TransposedLinear, inputs: dict) -> "str | None":
     """Why the linear of x^T is not rewritten (module docstring), else None."""
     if found.call_module:
@@ -160,7 +148,7 @@ def _decline_reason(gm, found: _TransposedLinear, inputs: dict) -> "str | None":
     elif found.weight_in_out:
         weight, bias = tensor_of(gm, found.weight, inputs)[0], None
     else:
-        weight, bias = _tensor(gm, found.weight, inputs), _tensor(gm, found.bias, inputs)
+        weight, bias = value_of(gm, found.weight, inputs), value_of(gm, found.bias, inputs)
     value = example_value(found.x)
     if not isinstance(value, torch.Tensor) or value.dim() != 3:
         return "not_3d"
@@ -183,18 +171,8 @@ def _decline_reason(gm, found: _TransposedLinear, inputs: dict) -> "str | None":
 def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each linear of a transposed 3-D input of `gm` in place (module docstring);
     return what was rewritten and declined."""
-    result = Rewrites()
-    todo = matches_to_rewrite(gm, example_inputs, "transposed_linear", _transposed_linear_of, _decline_reason,
-                              result.declined, exclude_modules)
-
-    def rewrite_one(found: _TransposedLinear) -> None:
-        _rewrite(gm, found.node, found.x, found.weight, found.bias, found.call_module,
-                 weight_in_out=found.weight_in_out)
-        log.debug("transposed_linear: %s (%s) now W @ x", found.node.name, found.module or "<root>")
-
-    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
-                             lambda body: rewrite_transposed_linears(body, exclude_modules=exclude_modules))
-    return result
+    return rewrite_matches(gm, example_inputs, "transposed_linear", _transposed_linear_of, _decline_reason, _rewrite,
+                           exclude_modules, becomes="now W @ x")
 
 
 def _weight_matmul(gm, node, inputs: dict) -> bool:
@@ -207,8 +185,9 @@ def _weight_matmul(gm, node, inputs: dict) -> bool:
     return is_weight and isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
-def _rewrite(gm, node, x, w_node, b_node, call_module: str, weight_in_out: bool = False) -> None:
-    graph = gm.graph
+def _rewrite(gm, found: _TransposedLinear) -> None:
+    graph, node, x, w_node, b_node = gm.graph, found.node, found.x, found.weight, found.bias
+    call_module, weight_in_out = found.call_module, found.weight_in_out
     with graph.inserting_before(node):
         if call_module:
             w_node = graph.get_attr(f"{call_module}.weight")
@@ -245,7 +224,7 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str, weight_in_out: bool 
 MOD = Mod("transposed_linear", Stage.DYNAMO_GRAPH, True,
           "`linear(x.transpose(1, 2), W)` computed as W @ x, with no transposed copies",
           counters=("transposed_linear",),
-          count=lambda evidence: {"transposed_linear": total(evidence.results_of(MOD), "rewritten")},
+          count=count_rewritten("transposed_linear"),
           if_failed="those linears stay as written",
           run=lambda gm, example_inputs, config: rewrite_transposed_linears(gm, example_inputs,
                                                                             exclude_modules=config.exclude_modules))
