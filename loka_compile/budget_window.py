@@ -207,7 +207,7 @@ class OutputBudgetWindow:
             if sid in plan.unsafe:
                 continue
             target = plan.upgraded.get(sid, (None,))[0]
-            candidate = probe._target_name(target) if isinstance(target, str) else summary.get("chosen")
+            candidate = probe.upgrade_candidate_name(target) if isinstance(target, str) else summary.get("chosen")
             e = output_budget.candidate_error(summary, candidate) if candidate else None
             if e is None:  # no candidate statistics: the largest observed error
                 e = float(summary.get("max_rel_error", math.inf))

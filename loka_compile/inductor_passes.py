@@ -308,6 +308,6 @@ def inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass])
 def verdict_signature(plan: Plan, config: LokaConfig) -> tuple:
     """What of the plan's verdicts Dispatch acts on: the unsafe sites, and per upgraded
     site the finer scalings within the budget (it takes the first a provider runs)."""
-    passing = {sid: tuple(s for s, bound in dispatch._upgrade_steps(entry)[1:] if bound <= config.max_probe_error)
+    passing = {sid: tuple(s for s, bound in dispatch.upgrade_steps(entry)[1:] if bound <= config.max_probe_error)
                for sid, entry in plan.upgraded.items()}
     return frozenset(plan.unsafe), frozenset(passing.items())
