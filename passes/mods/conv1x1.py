@@ -48,7 +48,7 @@ Declines a convolution (the reason counted in `declined`, logged at DEBUG) when:
     grouped              groups other than 1 (or not a constant)
     cpu_training         x on CPU, its weight trains, and Inductor's C++ code is vectorized
                          (`cpp.simdlen` not 1): that code computes an embedding gradient of
-                         the linear form wrong (docs/mods/conv1x1.md; tests/test_conv1x1.py
+                         the linear form wrong (docs/mods/conv1x1.md; tests/unit/mods/test_conv1x1.py
                          keeps a strict xfail); CPU FP8 is emulated, so the Mod buys nothing
                          there but the test of its own path
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 # outputs 27-31 dB, gradients 19-29 dB.
 OUTPUT_SQNR_FLOOR_DB = 20.0
 GRAD_SQNR_FLOOR_DB = 14.0
-# The per-site rule alone: the output budget (max_output_error, tests/test_output_budget.py) would
+# The per-site rule alone: the output budget (max_output_error, tests/unit/test_output_budget.py) would
 # keep these small models' sites, each moving the output by ~0.04 against its default 0.003.
 PER_SITE = {"max_output_error": None}
 # TinyDLRM's first-step gradients: 10.3-36 dB (the tables' lowest: their gradient goes
