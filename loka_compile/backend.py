@@ -17,7 +17,7 @@ import torch
 from loka_compile import speed
 from loka_compile.compiled_graph import LokaCompiledGraph
 from loka_compile.config import LokaConfig
-from loka_compile.fallback import _is_dynamo_control
+from loka_compile.fallback import is_dynamo_control
 from loka_compile.passes import mods
 from loka_compile.passes.find_sites import clean_module_path
 from loka_compile.plan import load_plan, param_fingerprint, Plan
@@ -48,7 +48,7 @@ def _run_dynamo_graph_mod(mod: mods.Mod, gm: torch.fx.GraphModule, example_input
     try:
         result = mod.run(gm, example_inputs, record.config)
     except Exception as error:
-        if not record.config.fallback or _is_dynamo_control(error):
+        if not record.config.fallback or is_dynamo_control(error):
             raise
         log.warning("loka: the %s Mod failed on %s (%s: %s); %s", mod, record.name, type(error).__name__, error,
                     mod.if_failed)

@@ -28,11 +28,11 @@ from loka_compile import graph_cache, probe
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.budget_window import OutputBudgetWindow
 from loka_compile.config import LokaConfig
-from loka_compile.fallback import _error_text, _forget_rewrite, _is_dynamo_control, _warn_fallback
-from loka_compile.inductor_compile import _inner_compile, weight_input_indices
-from loka_compile.inductor_passes import _inductor_patches, LokaPostGradPass, _verdict_signature
+from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback, fall_back_sites
+from loka_compile.inductor_compile import inner_compile, weight_input_indices
+from loka_compile.inductor_passes import inductor_patches, LokaPostGradPass, verdict_signature
 from loka_compile.kernels import ops as loka_ops
-from loka_compile.passes import Amendment, Decision, GraphKind, Phase, Reason
+from loka_compile.passes import Amendment, GraphKind, Phase, Reason
 from loka_compile.ranks import decide_once
 from loka_compile.state import GraphRecord, LokaState
 
@@ -132,15 +132,15 @@ class LokaCompiledGraph(OutputBudgetWindow):
         custom_pass = LokaPostGradPass(record, phase, self.param_input_indices)
         try:
             with graph_cache.autograd_cache_off():
-                return compile_fx(gm, example_inputs, inner_compile=functools.partial(_inner_compile, record=record),
-                                  config_patches=_inductor_patches(record.config, custom_pass))
+                return compile_fx(gm, example_inputs, inner_compile=functools.partial(inner_compile, record=record),
+                                  config_patches=inductor_patches(record.config, custom_pass))
         except Exception as error:
-            if not record.config.fallback or _is_dynamo_control(error):
+            if not record.config.fallback or is_dynamo_control(error):
                 raise
-            why = f"compile failed: {_error_text(error)}"
-            _warn_fallback(record, why)
-            _forget_rewrite(record, why, phase=phase)
-            return compile_fx(gm, example_inputs, config_patches=_inductor_patches(record.config, None))
+            why = f"compile failed: {error_text(error)}"
+            warn_fallback(record, why)
+            forget_rewrite(record, why, phase=phase)
+            return compile_fx(gm, example_inputs, config_patches=inductor_patches(record.config, None))
 
     def __call__(self, *args):
         record = self.record
@@ -167,9 +167,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
         try:
             out = variant(*args)
         except Exception as error:
-            if not record.config.fallback or _is_dynamo_control(error) or not self._source.kept:
+            if not record.config.fallback or is_dynamo_control(error) or not self._source.kept:
                 raise
-            why = f"first run failed: {_error_text(error)}"
+            why = f"first run failed: {error_text(error)}"
         else:
             self._first_runs.add(id(variant))
             if record.phase is Phase.FP8 and not record.config.recheck_every and record.amax_guards is None:
@@ -192,15 +192,11 @@ class LokaCompiledGraph(OutputBudgetWindow):
         record = self.record
         source = self._source
         with source.tracing():
-            plain = compile_fx(source.gm, source.example_inputs, config_patches=_inductor_patches(record.config, None))
+            plain = compile_fx(source.gm, source.example_inputs, config_patches=inductor_patches(record.config, None))
         out = plain(*args)
-        _warn_fallback(record, why)
+        warn_fallback(record, why)
         for ctx in record.contexts.values():
-            for site in ctx.sites:
-                if site.id in ctx.decisions:
-                    ctx.amend(site, "fallback", why, fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
-                else:
-                    ctx.decisions[site.id] = Decision(fp8=False, reason=Reason.GRAPH_FALLBACK, detail=why)
+            fall_back_sites(ctx, why)
         record.graph_modules.clear()
         record.store.release_samples(probe_site_keys(record))
         self.state.counters["first_run_fallbacks"] += 1
@@ -246,7 +242,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
                 if measured is not None:
                     self._verify_output_budget(*measured)
         if record.config.recheck_every or record.amax_guards is not None:
-            self._builds[_verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants[Phase.FP8])
+            self._builds[verdict_signature(record.plan, record.config)] = _Fp8Build(self.variants[Phase.FP8])
         if record.config.recheck_every:
             self.state.rechecking.add(self)
         record.phase = Phase.FP8
@@ -342,7 +338,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
             plan.upgraded.pop(sid, None)
         plan.unsafe.update(unsafe)
         plan.upgraded.update(upgraded)
-        signature = _verdict_signature(plan, config)
+        signature = verdict_signature(plan, config)
         if signature == next(reversed(self._builds)):
             log.debug("%s: re-check at call %d: no verdict changed", record.name, step)
             return
@@ -395,7 +391,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         if not changes:
             return
         try:
-            rebuilt = self._switch_build(_verdict_signature(plan, config))
+            rebuilt = self._switch_build(verdict_signature(plan, config))
         except Exception as error:  # noqa: BLE001  (keep the running graph and the verdicts it was built with)
             plan.unsafe, plan.upgraded = saved
             log.warning("loka: %s: amax guard at call %d: rebuilding failed (%s: %s); the graph keeps its decisions",

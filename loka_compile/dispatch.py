@@ -150,7 +150,7 @@ def decide(site: Site, config: LokaConfig, phase: Phase, unsafe_sites: Optional[
     if site.role in recipe.high_precision_roles:
         return _fallback(Reason.RECIPE_HIGH_PRECISION, f"{recipe.name} keeps {site.role.value}")
     upgraded = _verdict(site, upgraded_sites, plan and plan.upgraded)
-    upgrade = _upgrade_steps(upgraded)
+    upgrade = upgrade_steps(upgraded)
 
     if not hardware and not config.emulate:
         return _fallback(Reason.NO_FP8_HARDWARE, f"{site.device} has no FP8 and emulate=False")
@@ -288,7 +288,7 @@ _UPGRADE_RECIPES.update({
     for scaling in probe.SCALING_CHAIN})
 
 
-def _upgrade_steps(entry) -> Optional[list]:
+def upgrade_steps(entry) -> Optional[list]:
     """An upgraded verdict as [[scaling, bound], ...] (the site's own first), from
     (target, steps) or (target, steps, why) (the amax guard's, `amax_guard.py`), or from
     (tensorwise bound, rowwise bound) as plans and the backend give it today; None when

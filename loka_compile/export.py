@@ -7,7 +7,7 @@
     y = runner(x)
 
 How: `torch.export` traces the model, and AOTInductor compiles the exported program with
-the Inductor config patches of `backend="loka"` (`inductor_passes._inductor_patches`), so the same
+the Inductor config patches of `backend="loka"` (`inductor_passes.inductor_patches`), so the same
 post-grad passes find the sites, Dispatch decides each (a loaded plan's decisions and
 static activation scales included) and `lower` writes each FP8 GEMM as casts plus the
 provider's GEMM. In AOTInductor's graph the weights are constants (`get_attr`), not
@@ -32,8 +32,8 @@ from torch._inductor.constant_folding import ConstantFolder, replace_node_with_c
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from loka_compile.config import LokaConfig
-from loka_compile.fallback import _error_text, _forget_rewrite, _warn_fallback
-from loka_compile.inductor_passes import LokaPostGradPass, _inductor_patches, in_higher_order_op_body
+from loka_compile.fallback import error_text, forget_rewrite, warn_fallback
+from loka_compile.inductor_passes import LokaPostGradPass, inductor_patches, in_higher_order_op_body
 from loka_compile.kernels import providers
 from loka_compile.kernels.quantize import Fp8Format
 from loka_compile.passes import Phase
@@ -127,9 +127,9 @@ def export_inference(model: torch.nn.Module, example_inputs, path, *, options=No
     except Exception as error:
         if not config.fallback:
             raise
-        why = f"export with loka failed: {_error_text(error)}"
-        _warn_fallback(record, why)
-        _forget_rewrite(record, why)
+        why = f"export with loka failed: {error_text(error)}"
+        warn_fallback(record, why)
+        forget_rewrite(record, why)
         written = torch._inductor.aoti_compile_and_package(
             program, package_path=path, inductor_configs=_patches(config, None))
     report = Report(state.records)
@@ -213,7 +213,7 @@ def _dim0_is_symbolic(program) -> bool:
 
 
 def _patches(config: LokaConfig, loka_pass) -> dict:
-    patches = _inductor_patches(config, loka_pass)
+    patches = inductor_patches(config, loka_pass)
     # Multi-kernel picks a reduction variant when the graph first runs; a package has no
     # such first run in Python, and AOTInductor with it is untested here.
     patches.pop("triton.multi_kernel", None)

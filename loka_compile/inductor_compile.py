@@ -16,7 +16,7 @@ from torch._inductor import fx_utils
 from torch._inductor.compile_fx import compile_fx_inner
 
 from loka_compile import graph_cache
-from loka_compile.fallback import _error_text, _forget_rewrite, _is_dynamo_control, _warn_fallback
+from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback
 from loka_compile.inductor_passes import LokaPostGradPass
 from loka_compile.passes import graph_kind, GraphKind
 from loka_compile.passes.mods.cached_weights import check_after_call, RefreshingGraph, WeightCache
@@ -109,7 +109,7 @@ def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecor
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, **kwargs):
+def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, **kwargs):
     """Inductor's compile of one ATen graph (forward, backward, inference), made whole or
     not at all: if it fails once loka's pass has rewritten the graph (in the pass or in
     Inductor after it, e.g. on sparse gradients), the untouched copy is compiled again
@@ -121,13 +121,13 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord
                 unittest.mock.patch.object(fx_utils, "get_storage", _storage_or_identity):
             compiled = _compile_cached(gm, example_inputs, record, graph_kind(pristine.graph), **kwargs)
     except Exception as error:
-        if not record.config.fallback or _is_dynamo_control(error):
+        if not record.config.fallback or is_dynamo_control(error):
             raise
         kind = graph_kind(pristine.graph)
-        why = f"{kind.value} graph: {_error_text(error)}"
+        why = f"{kind.value} graph: {error_text(error)}"
         record.fallen_back[kind] = why
-        _forget_rewrite(record, why, kind=kind)
-        _warn_fallback(record, why, whole_graph=False)
+        forget_rewrite(record, why, kind=kind)
+        warn_fallback(record, why, whole_graph=False)
         _, left = strip_weight_layouts(pristine.graph)  # the joint graph's rewrite: weights as written
         if left:
             log.warning("loka: %s: %d GEMM(s) of the %s graph run in high precision on the FP8 copy of a "

@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from loka_compile import dispatch, graph_cache, passes, speed
 from loka_compile.config import LokaConfig
-from loka_compile.fallback import _error_text
+from loka_compile.fallback import error_text
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.passes import Decision, graph_kind, mods, PassContext, Phase, Reason, run_passes
 from loka_compile.passes.find_sites import keep_gemm_provenance
@@ -64,7 +64,7 @@ class LokaPostGradPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         if in_higher_order_op_body():
             return  # a branch or loop body: its GEMMs stay as they are (`hop_sites` reports them)
-        # A failure here reaches `_inner_compile`, which compiles the untouched graph.
+        # A failure here reaches `inner_compile`, which compiles the untouched graph.
         record = self.record
         kind = graph_kind(graph)
         # Static activation scales (a calibrated plan) serve inference graphs only.
@@ -106,7 +106,7 @@ class LokaPostGradPass(CustomGraphPass):
         them (their measured values only reach the report, which a hit records afresh);
         a probe graph's name, which its site keys carry (`graph_cache` checks the rest)."""
         record, plan = self.record, self.record.plan
-        unsafe, passing = _verdict_signature(plan, record.config)
+        unsafe, passing = verdict_signature(plan, record.config)
         verdicts = sorted(unsafe), sorted(passing), plan.digest() if plan.source else ""
         name = record.name if self.phase is Phase.PROBE else ""
         guards = record.amax_guards if self.phase is Phase.FP8 else None  # their ops carry its prefix and limits
@@ -149,7 +149,7 @@ class LokaJointPass(CustomGraphPass):
                 raise
             record.mod_results[saved_fp8.MOD.name] = SavedFp8.of_joint_graph(graph)
             log.warning("loka: %s: the saved_fp8 Mod failed on the joint graph (%s); the backward casts its "
-                        "operands itself", record.name, _error_text(error))
+                        "operands itself", record.name, error_text(error))
             return
         log.info("%s: saved_fp8: %d operands, declined %s", record.name, len(saved.operands), dict(saved.declined))
 
@@ -178,7 +178,7 @@ class LokaJointPass(CustomGraphPass):
             if not record.config.fallback:
                 raise
             log.warning("loka: %s: the weight_both_layouts Mod failed on the joint graph (%s); each GEMM casts "
-                        "its weight itself", record.name, _error_text(error))
+                        "its weight itself", record.name, error_text(error))
             return
         record.mod_results[weight_both_layouts.MOD.name] = layouts
         log.info("%s: weight_both_layouts: %s", record.name, layouts.summary())
@@ -289,7 +289,7 @@ class LokaProvenancePass(CustomGraphPass):
         return hashlib.sha256(f"{_passes_digest()}|{user}".encode()).hexdigest()
 
 
-def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]) -> dict:
+def inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]) -> dict:
     """Inductor's config for a loka compile (`custom_pass` None: a plain compile, as a
     fallback)."""
     patches = dict(list_mode_options(config.mode))
@@ -305,9 +305,9 @@ def _inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]
     return patches
 
 
-def _verdict_signature(plan: Plan, config: LokaConfig) -> tuple:
+def verdict_signature(plan: Plan, config: LokaConfig) -> tuple:
     """What of the plan's verdicts Dispatch acts on: the unsafe sites, and per upgraded
     site the finer scalings within the budget (it takes the first a provider runs)."""
-    passing = {sid: tuple(s for s, bound in dispatch._upgrade_steps(entry)[1:] if bound <= config.max_probe_error)
+    passing = {sid: tuple(s for s, bound in dispatch.upgrade_steps(entry)[1:] if bound <= config.max_probe_error)
                for sid, entry in plan.upgraded.items()}
     return frozenset(plan.unsafe), frozenset(passing.items())

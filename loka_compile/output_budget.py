@@ -356,7 +356,7 @@ def finer_scalings(summary: dict, scaling: str, e: float, max_error: float, metr
     for finer, bound in probe.chain_steps(summary, metric)[1:]:
         if finer not in probe.SCALING_CHAIN or rank(finer) <= rank(scaling):
             continue  # a gradient format's step: forward sites have none
-        finer_e = candidate_error(summary, probe._target_name(finer))
+        finer_e = candidate_error(summary, probe.upgrade_candidate_name(finer))
         if finer_e is not None and finer_e < e and bound <= max_error and runs(finer):
             steps.append((finer, finer_e))
             e = finer_e

@@ -404,8 +404,8 @@ E5M2_GRADIENTS = " e5m2"
 CHAIN_ORDER = (*SCALING_CHAIN, *(s + E5M2_GRADIENTS for s in SCALING_CHAIN))
 
 
-def _target_name(scaling: str) -> str:
-    # The upgrade's candidate: e4m3 on both operands (the rowwise recipe's formats).
+def upgrade_candidate_name(scaling: str) -> str:
+    """The candidate an upgrade to `scaling` runs: e4m3 on both operands (the rowwise recipe's formats)."""
     return ops.candidate_name(scaling, "e4m3", "e4m3")
 
 
@@ -424,7 +424,7 @@ def chain_steps(summary: dict, metric: str = "row_rel_error") -> list:
     steps = [[own, float(candidates[chosen][field]["bound"])]]
     finer = SCALING_CHAIN[SCALING_CHAIN.index(own) + 1:] if own in SCALING_CHAIN else ()
     for scaling in finer:
-        cand = candidates.get(_target_name(scaling))
+        cand = candidates.get(upgrade_candidate_name(scaling))
         if cand is not None:
             steps.append([scaling, float(cand[field]["bound"])])
     for scaling in (own, *finer) if own in SCALING_CHAIN else ():

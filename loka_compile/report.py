@@ -119,14 +119,12 @@ def _site_records(record) -> list:
     for kind in sorted(contexts, key=_KIND_ORDER.get):
         ctx = contexts[kind]
         for site in ctx.sites:
-            decision = ctx.decisions.get(site.id)
-            fp8, reason = decision.fp8, decision.reason
+            decision = ctx.decisions.get(site.id)  # a fallback amended it (`fallback.fall_back_sites`)
+            fp8 = decision.fp8
             fell_back = record.fallback or record.fallen_back.get(kind)
-            if fell_back:
-                fp8, reason = False, Reason.GRAPH_FALLBACK
             rows.append(SiteRecord(
                 name=site.name, module=site.module, role=site.role.value, shape=site.shape, fp8=fp8,
-                provider=decision.provider if fp8 else "aten", reason=reason.value, graph=record.name,
+                provider=decision.provider if fp8 else "aten", reason=decision.reason.value, graph=record.name,
                 kind=kind.value, op=site.op, batch=site.batch, dtype=str(site.dtype).replace("torch.", ""),
                 scaling=decision.scaling if fp8 else "", formats=f"{decision.a_format} x {decision.b_format}" if fp8 else "",
                 producers=site.producers, consumers=site.consumers,
@@ -134,8 +132,8 @@ def _site_records(record) -> list:
                 key=site.key, probe=(summary := record.store.summary(site.key)),
                 history=tuple(record.plan.history.get(site.id, ())),
                 verdicts=_verdicts(summary, record.config), candidates=_candidates(decision, fp8),
-                bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=fell_back or decision.detail,
-                casts=dict(ctx.casts.get(site.id, {})) if fp8 or not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
+                bf16_us=decision.bf16_us, fp8_us=decision.fp8_us, detail=decision.detail,
+                casts=dict(ctx.casts.get(site.id, {})) if not fell_back else {}, fast_accum=fp8 and decision.fast_accum,
                 padding=(decision.pad_k, decision.pad_n) if fp8 else (0, 0), id=site.id,
                 m_bucket=decision.m_bucket, sensitivity=sensitivity.get(site.id),
                 amendments=record.amendments_of(site.id)))

@@ -3,16 +3,49 @@ call's arguments, module path, weights and example values are read and kept up t
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 
 import torch
 import torch.nn.functional as F
 
 from .find_sites import clean_module_path
+from .rewrite import all_or_nothing
 
 LINEARS = {torch._C._nn.linear, F.linear, torch.ops.aten.linear, torch.ops.aten.linear.default}
 
 log = logging.getLogger("loka.passes")
+
+# Where a node came from: find_sites reads its module path, logs and Inductor's provenance its stack trace.
+PROVENANCE = ("nn_module_stack", "stack_trace")
+
+
+@dataclasses.dataclass
+class Rewrites:
+    """What a Dynamo-graph Mod did to one graph and the bodies of its higher-order ops."""
+
+    rewritten: int = 0
+    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> matches
+    modules: list = dataclasses.field(default_factory=list)   # the rewritten matches' module paths
+
+    def add(self, other: "Rewrites") -> None:
+        """Count what `other` (a body graph's record) did as done here too."""
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if isinstance(mine, collections.Counter):
+                mine.update(theirs)
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, field.name, mine + theirs)
+
+
+def copy_provenance(source: torch.fx.Node, nodes) -> None:
+    """`nodes`, which replace `source`, carry its module path and stack trace."""
+    kept = {key: source.meta[key] for key in PROVENANCE if key in source.meta}
+    for node in nodes:
+        node.meta.update(kept)
 
 
 def arg(node: torch.fx.Node, index: int, name: str, default=None):
@@ -51,6 +84,20 @@ def tensor_of(gm, node, inputs: dict):
         value = inputs.get(node, node.meta.get("example_value", node.meta.get("val")))
         return value, isinstance(value, torch.nn.Parameter)
     return None, False
+
+
+def graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> dict:
+    """placeholder -> the example input it receives (`example_inputs` in placeholder order)."""
+    return dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+
+
+def value_of(gm, node, inputs: dict):
+    """The tensor a node stands for: a get_attr's real one, a placeholder's example input, else
+    its example value; None for a non-node."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    tensor = tensor_of(gm, node, inputs)[0]
+    return example_value(node) if tensor is None else tensor
 
 
 def fetch_attr(gm, target: str):
@@ -122,14 +169,14 @@ def replace_call(gm: torch.fx.GraphModule, node: torch.fx.Node, target, args, kw
 
 def matches_to_rewrite(gm: torch.fx.GraphModule, example_inputs, mod_name: str, match, decline_reason,
                        declined, exclude_modules=()) -> list:
-    """(module path, match) for each node of `gm` that `match(gm, node)` recognizes (a record
-    with `.module`), unless its module is excluded or `decline_reason(gm, match, inputs)` names
-    a reason; each decline is counted in `declined` and logged at debug level."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = dict(zip(placeholders, example_inputs))
+    """(module path, match) for each node of `gm` that `match(gm, node, inputs)` recognizes (a
+    record with `.module`), unless its module is excluded or `decline_reason(gm, match, inputs)`
+    names a reason; each decline is counted in `declined` and logged at debug level. `inputs`:
+    placeholder -> its example input (what tells a Parameter)."""
+    inputs = graph_inputs(gm, example_inputs)
     todo = []
     for node in list(gm.graph.nodes):
-        found = match(gm, node)
+        found = match(gm, node, inputs)
         if found is None:
             continue
         reason = "excluded_module" if excluded(found.module, exclude_modules) else decline_reason(gm, found, inputs)
@@ -139,3 +186,25 @@ def matches_to_rewrite(gm: torch.fx.GraphModule, example_inputs, mod_name: str, 
             continue
         todo.append((found.module, found))
     return todo
+
+
+def rewrite_matches(gm: torch.fx.GraphModule, example_inputs, mod_name: str, match, decline_reason, rewrite,
+                    exclude_modules=(), becomes: str = "rewritten") -> Rewrites:
+    """A Dynamo-graph Mod's driver: each higher-order op's body graph (an activation-checkpointed
+    region is one) rewritten the same way, then each match of `gm`'s own graph that
+    `matches_to_rewrite` keeps rewritten by `rewrite(gm, match)` (a record with `.node`), all or
+    nothing; each rewrite logged at debug level as "`becomes`"."""
+    result = Rewrites()
+    todo = matches_to_rewrite(gm, example_inputs, mod_name, match, decline_reason, result.declined, exclude_modules)
+    for _, body in gm.named_children():
+        if isinstance(body, torch.fx.GraphModule):
+            result.add(rewrite_matches(body, (), mod_name, match, decline_reason, rewrite, exclude_modules, becomes))
+    if not todo:
+        return result
+    with all_or_nothing(gm):
+        for module, found in todo:
+            rewrite(gm, found)
+            result.rewritten += 1
+            result.modules.append(module)
+            log.debug("%s: %s (%s) %s", mod_name, found.node.name, module or "<root>", becomes)
+    return result

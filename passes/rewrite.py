@@ -79,26 +79,6 @@ def users_within(node: torch.fx.Node, limit: int) -> list:
     return seen
 
 
-def rewrite_graph_and_bodies(gm: torch.fx.GraphModule, result, todo: list, rewrite_one, rewrite_body) -> None:
-    """A Dynamo-graph Mod's driver: each higher-order op's body graph (an activation-
-    checkpointed region is one) rewritten by `rewrite_body(body)`, what it did added to
-    `result` (`rewritten`, `declined`, `modules`), then `rewrite_one(item)` for each item of
-    `todo` in `gm`'s own graph, all or nothing; each item is (its module path, ...)."""
-    for _, body in gm.named_children():
-        if isinstance(body, torch.fx.GraphModule):
-            inner = rewrite_body(body)
-            result.rewritten += inner.rewritten
-            result.declined.update(inner.declined)
-            result.modules.extend(inner.modules)
-    if not todo:
-        return
-    with all_or_nothing(gm):
-        for module, item in todo:
-            rewrite_one(item)
-            result.rewritten += 1
-            result.modules.append(module)
-
-
 @contextlib.contextmanager
 def all_or_nothing(gm: torch.fx.GraphModule):
     """The rewrites of `gm`'s graph made inside either all land (the graph linted, the module

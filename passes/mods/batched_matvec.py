@@ -38,30 +38,17 @@ treats as any linear.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import logging
 import operator
 
 import torch
 
-from ..dynamo_graph import example_value, fake_mode, matches_to_rewrite, module_of, set_example_values
-from ..rewrite import rewrite_graph_and_bodies
-from .mod import Mod, Stage, total
-
-log = logging.getLogger("loka.passes")
+from ..dynamo_graph import (Rewrites, copy_provenance, example_value, fake_mode, module_of, rewrite_matches,
+                            set_example_values)
+from .mod import Mod, Stage, count_rewritten
 
 _MATMULS = {operator.matmul, torch.matmul}
 _MATMUL_METHODS = {"matmul", "__matmul__"}
-
-
-@dataclasses.dataclass
-class BatchedMatvecs:
-    """What the pass did to one graph."""
-
-    rewritten: int = 0
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> products
-    modules: list = dataclasses.field(default_factory=list)   # the rewritten products' module paths
 
 
 @dataclasses.dataclass
@@ -72,7 +59,7 @@ class _Matvec:
     module: str
 
 
-def _matvec_of(gm, node) -> "_Matvec | None":
+def _matvec_of(gm, node, inputs: dict) -> "_Matvec | None":
     """The product `node` computes when it is a 2-D matrix times a batch of columns
     ([..., K, 1], rank 3 or more), else None."""
     is_matmul = (node.op == "call_function" and node.target in _MATMULS) \
@@ -100,20 +87,11 @@ def _decline_reason(gm, found: _Matvec, inputs: dict) -> "str | None":
     return None
 
 
-def rewrite_batched_matvecs(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> BatchedMatvecs:
+def rewrite_batched_matvecs(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each 2-D matrix times a batch of columns of `gm` in place (module docstring);
     return what was rewritten and declined."""
-    result = BatchedMatvecs()
-    todo = matches_to_rewrite(gm, example_inputs, "batched_matvec", _matvec_of, _decline_reason, result.declined,
-                              exclude_modules)
-
-    def rewrite_one(found: _Matvec) -> None:
-        _rewrite(gm, found)
-        log.debug("batched_matvec: %s (%s) now one GEMM", found.node.name, found.module or "<root>")
-
-    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
-                             lambda body: rewrite_batched_matvecs(body, exclude_modules=exclude_modules))
-    return result
+    return rewrite_matches(gm, example_inputs, "batched_matvec", _matvec_of, _decline_reason, _rewrite,
+                           exclude_modules, becomes="now one GEMM")
 
 
 def _rewrite(gm, found: _Matvec) -> None:
@@ -123,9 +101,7 @@ def _rewrite(gm, found: _Matvec) -> None:
         linear = graph.call_function(torch._C._nn.linear, (rows, found.matrix))        # [..., M]
         out = graph.call_method("unsqueeze", (linear, -1))                            # [..., M, 1]
     new = [rows, linear, out]
-    kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-    for new_node in new:
-        new_node.meta.update(kept)
+    copy_provenance(node, new)
     set_example_values(gm, new, fake_mode([found.columns, node]))
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -134,7 +110,7 @@ def _rewrite(gm, found: _Matvec) -> None:
 MOD = Mod("batched_matvec", Stage.DYNAMO_GRAPH, True,
           "`W @ x` of a 2-D W and columns x [B, K, 1] computed as one GEMM, not B matrix-vector products",
           counters=("batched_matvec",),
-          count=lambda evidence: {"batched_matvec": total(evidence.results_of(MOD), "rewritten")},
+          count=count_rewritten("batched_matvec"),
           if_failed="those products stay as written",
           run=lambda gm, example_inputs, config: rewrite_batched_matvecs(gm, example_inputs,
                                                                          exclude_modules=config.exclude_modules))

@@ -48,7 +48,7 @@ Declines a convolution (the reason counted in `declined`, logged at DEBUG) when:
     grouped              groups other than 1 (or not a constant)
     cpu_training         x on CPU, its weight trains, and Inductor's C++ code is vectorized
                          (`cpp.simdlen` not 1): that code computes an embedding gradient of
-                         the linear form wrong (docs/mods/conv1x1.md; tests/test_conv1x1.py
+                         the linear form wrong (docs/mods/conv1x1.md; tests/unit/mods/test_conv1x1.py
                          keeps a strict xfail); CPU FP8 is emulated, so the Mod buys nothing
                          there but the test of its own path
 
@@ -65,18 +65,14 @@ change the backward too, so it walks the Dynamo graph, as transposed_linear does
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import logging
 
 import torch
 from torch._inductor import config as inductor_config
 
-from ..dynamo_graph import arg, fake_mode, matches_to_rewrite, module_of, set_example_values, tensor_of
-from ..rewrite import rewrite_graph_and_bodies
-from .mod import Mod, Stage, total
-
-log = logging.getLogger("loka.passes")
+from ..dynamo_graph import (Rewrites, arg, copy_provenance, fake_mode, module_of, rewrite_matches, set_example_values,
+                            value_of)
+from .mod import Mod, Stage, count_rewritten
 
 aten = torch.ops.aten
 
@@ -84,15 +80,6 @@ aten = torch.ops.aten
 _CONVS = {torch.conv1d: 1, aten.conv1d.default: 1, aten.conv1d.padding: 1,
           torch.conv2d: 2, aten.conv2d.default: 2, aten.conv2d.padding: 2}
 _CONV_MODULES = {torch.nn.Conv1d: 1, torch.nn.Conv2d: 2}  # exact types: a subclass may have its own forward
-
-
-@dataclasses.dataclass
-class Conv1x1Linears:
-    """What the pass did to one graph."""
-
-    rewritten: int = 0
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> convolutions
-    modules: list = dataclasses.field(default_factory=list)   # the rewritten convolutions' module paths
 
 
 @dataclasses.dataclass
@@ -106,10 +93,6 @@ class _Conv:
     call_module: str = ""  # target of an nn.Conv1d / nn.Conv2d call_module node
 
 
-def _value(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-
-
 def _all_equal(value, expected: int, spatial: int) -> bool:
     """Whether a conv argument (an int or a sequence of one per spatial dim) is `expected`
     in every dim: plain ints only, a symbolic value declines."""
@@ -119,7 +102,7 @@ def _all_equal(value, expected: int, spatial: int) -> bool:
     return all(type(v) is int and v == expected for v in values)
 
 
-def _conv_of(gm, node) -> "_Conv | None":
+def _conv_of(gm, node, inputs: dict) -> "_Conv | None":
     if node.op == "call_function" and node.target in _CONVS:
         x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
         if not isinstance(x, torch.fx.Node):
@@ -148,15 +131,12 @@ def _weight(gm, conv: _Conv, inputs: dict):
     """The real or example weight tensor of a convolution, or None."""
     if conv.call_module:
         return gm.get_submodule(conv.call_module).weight
-    if not isinstance(conv.weight, torch.fx.Node):
-        return None
-    weight = tensor_of(gm, conv.weight, inputs)[0]
-    return _value(conv.weight) if weight is None else weight
+    return value_of(gm, conv.weight, inputs)
 
 
 def _decline_reason(gm, conv: _Conv, inputs: dict) -> "str | None":
     weight = _weight(gm, conv, inputs)
-    x = inputs.get(conv.x, _value(conv.x))
+    x = value_of(gm, conv.x, inputs)
     if not isinstance(weight, torch.Tensor) or weight.dim() != conv.spatial + 2 or not isinstance(x, torch.Tensor):
         return "unknown_shape"
     if x.dim() == conv.spatial + 1:
@@ -181,19 +161,11 @@ def _decline_reason(gm, conv: _Conv, inputs: dict) -> "str | None":
     return None
 
 
-def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Conv1x1Linears:
+def rewrite_conv1x1(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each 1x1 convolution of `gm` that is a linear over channels in place (module
     docstring); return what was rewritten and declined."""
-    result = Conv1x1Linears()
-    todo = matches_to_rewrite(gm, example_inputs, "conv1x1", _conv_of, _decline_reason, result.declined, exclude_modules)
-
-    def rewrite_one(conv: _Conv) -> None:
-        _rewrite(gm, conv)
-        log.debug("conv1x1: %s (%s) now a linear", conv.node.name, conv.module or "<root>")
-
-    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
-                             lambda body: rewrite_conv1x1(body, exclude_modules=exclude_modules))
-    return result
+    return rewrite_matches(gm, example_inputs, "conv1x1", _conv_of, _decline_reason, _rewrite,
+                           exclude_modules, becomes="now a linear")
 
 
 def _rewrite(gm, conv: _Conv) -> None:
@@ -219,16 +191,14 @@ def _rewrite(gm, conv: _Conv) -> None:
         if conv.spatial > 1:
             out = graph.call_method("unflatten", (out, 2, tuple(sizes)))    # [B, C_out, H, W]
             new.append(out)
-    kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-    for new_node in new:
-        new_node.meta.update(kept)
+    copy_provenance(node, new)
     set_example_values(gm, new, fake_mode([x, node]))
     node.replace_all_uses_with(out)
     graph.erase_node(node)
 
 
 MOD = Mod("conv1x1", Stage.DYNAMO_GRAPH, True, "1x1 convolutions written as linears, so their GEMMs can go FP8",
-          counters=("conv1x1",), count=lambda evidence: {"conv1x1": total(evidence.results_of(MOD), "rewritten")},
+          counters=("conv1x1",), count=count_rewritten("conv1x1"),
           if_failed="those convolutions stay as written",
           run=lambda gm, example_inputs, config: rewrite_conv1x1(gm, example_inputs,
                                                                  exclude_modules=config.exclude_modules))

@@ -20,8 +20,8 @@ once; one bigger GEMM, where FP8 pays more (MaskNet's 8 MaskBlocks each apply
 Linear(1728 -> 3456) to the same embeddings: one 1728 -> 27648 GEMM).
 
 Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
-    single_linear        no other linear reads its input
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
+    single_linear        no other linear reads its input
     depends_on_sibling   its weight or bias is computed from another sibling's output
                          (the fused GEMM would depend on itself)
     weight_not_parameter its weight or bias is not an nn.Parameter graph input or a
@@ -68,21 +68,18 @@ import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, arg, excluded, fake_mode, fetch_attr, module_of, module_stack, set_example_values,
-                            tensor_of)
+from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, fake_mode, fetch_attr, graph_inputs,
+                            matches_to_rewrite, module_of, module_stack, set_example_values, tensor_of)
 from ..rewrite import all_or_nothing
 from .mod import Evidence, Mod, Stage, total
 
 log = logging.getLogger("loka.passes")
 
 @dataclasses.dataclass
-class HorizontalFusion:
-    """What the pass did to one graph."""
+class HorizontalFusion(Rewrites):
+    """What the pass did to one graph: `rewritten` fused GEMMs made, which replaced `linears` linears."""
 
-    groups: int = 0                   # fused GEMMs made
-    linears: int = 0                  # linears they replaced
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> linears
-    modules: list = dataclasses.field(default_factory=list)   # the fused linears' module paths
+    linears: int = 0
 
 
 @dataclasses.dataclass
@@ -110,19 +107,24 @@ def joined_module_path(paths) -> str:
     return ".".join([*parts[0][:head], "{" + ",".join(middles) + "}", *parts[0][len(parts[0]) - tail:]])
 
 
-def _linears(gm: torch.fx.GraphModule) -> list:
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in LINEARS:
-            x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
-            if isinstance(x, torch.fx.Node) and isinstance(w, torch.fx.Node) \
-                    and (b is None or isinstance(b, torch.fx.Node)):
-                found.append(_Linear(node, x, w, b, module_of(node)))
-        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-            x = arg(node, 0, "input")
-            if isinstance(x, torch.fx.Node):
-                found.append(_Linear(node, x, None, None, node.target, call_module=node.target))
-    return found
+def _linear_of(gm, node, inputs: dict) -> "_Linear | None":
+    """The linear `node` computes, else None."""
+    if node.op == "call_function" and node.target in LINEARS:
+        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        if isinstance(x, torch.fx.Node) and isinstance(w, torch.fx.Node) \
+                and (b is None or isinstance(b, torch.fx.Node)):
+            return _Linear(node, x, w, b, module_of(node))
+    elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
+        x = arg(node, 0, "input")
+        if isinstance(x, torch.fx.Node):
+            return _Linear(node, x, None, None, node.target, call_module=node.target)
+    return None
+
+
+def _decline_reason(gm, lin: _Linear, inputs: dict) -> None:
+    """Every reason but an excluded module depends on the linear's siblings (a repeat of a linear with a
+    computed weight still reads the first call's output), so the groups decide them."""
+    return None
 
 
 def _ancestors(nodes) -> set:
@@ -156,10 +158,10 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
     was fused and declined. `example_inputs`: the graph's inputs in placeholder order (what
     tells a Parameter)."""
     result = HorizontalFusion()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = dict(zip(placeholders, example_inputs))
+    inputs = graph_inputs(gm, example_inputs)
     by_input = collections.defaultdict(list)
-    for lin in _linears(gm):
+    for _, lin in matches_to_rewrite(gm, example_inputs, "horizontal", _linear_of, _decline_reason, result.declined,
+                                     exclude_modules):
         by_input[lin.x].append(lin)
 
     def decline(lins, reason):
@@ -173,15 +175,9 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
         if len(lins) < 2:
             decline(lins, "single_linear")
             continue
-        kept = []
-        for lin in lins:
-            if excluded(lin.module, exclude_modules):
-                decline([lin], "excluded_module")
-            else:
-                kept.append(lin)
-        outputs = {lin.node for lin in kept}
+        outputs = {lin.node for lin in lins}
         candidates = []
-        for lin in kept:
+        for lin in lins:
             if lin.call_module:
                 candidates.append(lin)
             elif _ancestors([lin.weight, lin.bias]) & (outputs - {lin.node}):
@@ -207,11 +203,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             groups.append(members)
 
     for body, body_inputs in _bodies(gm, inputs):  # higher-order ops' bodies: checkpointed regions, ...
-        inner = fuse_sibling_linears(body, body_inputs, exclude_modules=exclude_modules)
-        result.groups += inner.groups
-        result.linears += inner.linears
-        result.declined.update(inner.declined)
-        result.modules.extend(inner.modules)
+        result.add(fuse_sibling_linears(body, body_inputs, exclude_modules=exclude_modules))
     if not groups and not repeats:
         return result
     with all_or_nothing(gm):
@@ -220,7 +212,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             gm.graph.erase_node(repeat.node)
         for members in groups:
             _fuse(gm, members, inputs)
-            result.groups += 1
+            result.rewritten += 1
             result.linears += len(members)
             result.modules.append(joined_module_path([lin.module for lin in members]))
             log.debug("horizontal: fused %d linears into %s", len(members), result.modules[-1])
@@ -391,7 +383,7 @@ def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
         new += [fused, parts, *outs]
     set_example_values(gm, new, fake_mode([members[0].x, *(lin.weight for lin in members)]))
     for lin, out in zip(members, outs):
-        out.meta.update({k: v for k, v in lin.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        copy_provenance(lin.node, [out])
         if "example_value" not in out.meta and "example_value" in lin.node.meta:
             out.meta["example_value"] = lin.node.meta["example_value"]
         lin.node.replace_all_uses_with(out)
@@ -400,7 +392,7 @@ def _fuse(gm: torch.fx.GraphModule, members, inputs: dict) -> None:
 
 def _count(evidence: Evidence) -> dict:
     runs = evidence.results_of(MOD)
-    return {"horizontal": total(runs, "groups"), "horizontal_linears": total(runs, "linears")}
+    return {"horizontal": total(runs, "rewritten"), "horizontal_linears": total(runs, "linears")}
 
 
 MOD = Mod("horizontal", Stage.DYNAMO_GRAPH, True, "sibling linears that read one input fused into one GEMM",

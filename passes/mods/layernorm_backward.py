@@ -38,9 +38,7 @@ Bodies of higher-order ops are rewritten the same way, each graph all or nothing
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import logging
 import math
 import operator
 
@@ -49,12 +47,9 @@ import torch.nn.functional as F
 
 from loka_compile.kernels.layer_norm_backward import layer_norm
 
-from ..dynamo_graph import arg, example_value, matches_to_rewrite, module_of, tensor_of
-from ..rewrite import rewrite_graph_and_bodies
+from ..dynamo_graph import Rewrites, arg, copy_provenance, example_value, module_of, rewrite_matches, value_of
 from ..shapes import size_hint
-from .mod import Mod, Stage, total
-
-log = logging.getLogger("loka.passes")
+from .mod import Mod, Stage, count_rewritten
 
 aten = torch.ops.aten
 
@@ -71,15 +66,6 @@ _NATIVE_LAYER_NORMS = {aten.native_layer_norm, aten.native_layer_norm.default}
 
 
 @dataclasses.dataclass
-class LayerNormBackwards:
-    """What the pass did to one graph."""
-
-    rewritten: int = 0
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> norms
-    modules: list = dataclasses.field(default_factory=list)   # the rewritten norms' module paths
-
-
-@dataclasses.dataclass
 class _Norm:
     node: torch.fx.Node          # the norm; its output (or getitem 0 of native_layer_norm) is y
     x: object
@@ -93,7 +79,7 @@ class _Norm:
     reads_statistics: bool = False   # a native_layer_norm whose mean or rstd is read
 
 
-def _norm_of(gm, node) -> "_Norm | None":
+def _norm_of(gm, node, inputs: dict) -> "_Norm | None":
     if node.op == "call_function" and node.target in _LAYER_NORMS | _NATIVE_LAYER_NORMS:
         norm = _Norm(node, arg(node, 0, "input"), arg(node, 2, "weight"), arg(node, 3, "bias"),
                      arg(node, 1, "normalized_shape"), arg(node, 4, "eps", 1e-5), module_of(node), output=node)
@@ -114,17 +100,13 @@ def _parameter(gm, norm: _Norm, name: str, inputs: dict):
     """The weight's or bias's tensor (real or example), or None."""
     if norm.call_module:
         return getattr(gm.get_submodule(norm.call_module), name)
-    arg = norm.weight if name == "weight" else norm.bias
-    if not isinstance(arg, torch.fx.Node):
-        return None
-    tensor = tensor_of(gm, arg, inputs)[0]
-    return example_value(arg) if tensor is None else tensor
+    return value_of(gm, norm.weight if name == "weight" else norm.bias, inputs)
 
 
 def _decline_reason(gm, norm: _Norm, inputs: dict) -> "str | None":
     if norm.reads_statistics:
         return "statistics_used"
-    x = inputs.get(norm.x, example_value(norm.x))
+    x = value_of(gm, norm.x, inputs)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         return "unknown_shape"
     shape = [norm.shape] if isinstance(norm.shape, int) else list(norm.shape)
@@ -157,19 +139,11 @@ def _decline_reason(gm, norm: _Norm, inputs: dict) -> "str | None":
 
 
 def rewrite_layer_norm_backwards(gm: torch.fx.GraphModule, example_inputs=(), *,
-                                 exclude_modules=()) -> LayerNormBackwards:
+                                 exclude_modules=()) -> Rewrites:
     """Rewrite each matching LayerNorm of `gm` in place (module docstring); return what was
     rewritten and declined."""
-    result = LayerNormBackwards()
-    todo = matches_to_rewrite(gm, example_inputs, "layernorm_backward", _norm_of, _decline_reason, result.declined, exclude_modules)
-
-    def rewrite_one(norm: _Norm) -> None:
-        _rewrite(gm, norm)
-        log.debug("layernorm_backward: %s (%s) now with loka's backward", norm.node.name, norm.module or "<root>")
-
-    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
-                             lambda body: rewrite_layer_norm_backwards(body, exclude_modules=exclude_modules))
-    return result
+    return rewrite_matches(gm, example_inputs, "layernorm_backward", _norm_of, _decline_reason, _rewrite,
+                           exclude_modules, becomes="now with loka's backward")
 
 
 def _rewrite(gm, norm: _Norm) -> None:
@@ -180,8 +154,7 @@ def _rewrite(gm, norm: _Norm) -> None:
             module = gm.get_submodule(norm.call_module)
             weight = graph.get_attr(f"{norm.call_module}.weight")
             bias = graph.get_attr(f"{norm.call_module}.bias") if module.bias is not None else None
-            for attr in filter(None, (weight, bias)):
-                attr.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            copy_provenance(node, filter(None, (weight, bias)))
         new = graph.call_function(layer_norm, (norm.x, weight, bias, norm.eps))
     new.meta = dict(norm.output.meta)
     norm.output.replace_all_uses_with(new)
@@ -193,7 +166,7 @@ def _rewrite(gm, norm: _Norm) -> None:
 MOD = Mod("layernorm_backward", Stage.DYNAMO_GRAPH, False,
           "LayerNorm over a short last dim keeps ATen's forward and gets loka's Triton backward",
           counters=("layernorm_backward",),
-          count=lambda evidence: {"layernorm_backward": total(evidence.results_of(MOD), "rewritten")},
+          count=count_rewritten("layernorm_backward"),
           if_failed="those LayerNorms keep Inductor's backward",
           run=lambda gm, example_inputs, config: rewrite_layer_norm_backwards(gm, example_inputs,
                                                                               exclude_modules=config.exclude_modules))

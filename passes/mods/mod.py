@@ -86,6 +86,11 @@ def total(results, field: str) -> int:
     return sum(getattr(r, field) for r in results)
 
 
+def count_rewritten(mod_name: str) -> Callable[[Evidence], dict]:
+    """The `count` of a Dynamo-graph Mod whose one counter, named after it, sums its rewrites."""
+    return lambda evidence: {mod_name: total(evidence.results.get(mod_name, ()), "rewritten")}
+
+
 def total_of_counts(counter: str, mod_name: str) -> Callable[[Evidence], dict]:
     """A `count` for a Mod whose run returns how many rewrites it made: their sum, present only
     where it ran (the opt-in Mods)."""

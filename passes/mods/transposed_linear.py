@@ -61,19 +61,14 @@ backward's transposes too, so it walks the Dynamo graph, as the horizontal Mod d
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import logging
 import operator
 
 import torch
 
-from ..dynamo_graph import (LINEARS, arg, example_value, excluded, fake_mode, module_of, set_example_values,
-                            tensor_of)
-from ..rewrite import rewrite_graph_and_bodies
-from .mod import Mod, Stage, total
-
-log = logging.getLogger("loka.passes")
+from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, example_value, fake_mode, module_of,
+                            rewrite_matches, set_example_values, tensor_of, value_of)
+from .mod import Mod, Stage, count_rewritten
 
 # Timed only at d = 160 (Wukong, where it pays); below 16, one bf16 MMA tile's N, each
 # sample's GEMM would leave most of its tile idle.
@@ -82,15 +77,6 @@ MIN_OUTPUT_WIDTH = 16
 _TRANSPOSES = {torch.transpose, torch.swapaxes, torch.swapdims}
 _MATMULS = {operator.matmul, torch.matmul}
 _PASS_THROUGH_METHODS = {"contiguous"}
-
-
-@dataclasses.dataclass
-class TransposedLinears:
-    """What the pass did to one graph."""
-
-    rewritten: int = 0
-    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> linears
-    modules: list = dataclasses.field(default_factory=list)   # the rewritten linears' module paths
 
 
 def _transposed_source(node) -> "torch.fx.Node | None":
@@ -126,10 +112,44 @@ def _hint(size):
     return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
-def _decline_reason(x, weight, bias, weight_in_out: bool = False) -> "str | None":
-    """Why the linear of x^T by `weight` ([out, in]; [in, out] with `weight_in_out`, as a
-    matmul reads it) is not rewritten, else None."""
-    value = example_value(x)
+@dataclasses.dataclass
+class _TransposedLinear:
+    node: torch.fx.Node
+    x: torch.fx.Node             # the 3-D input whose transpose the linear reads
+    weight: object               # fx.Node (None for a call_module node)
+    bias: object                 # fx.Node or None
+    module: str
+    call_module: str = ""        # target of an nn.Linear call_module node
+    weight_in_out: bool = False  # `x^T @ W`: W is [in, out], the linear's weight is W^T
+
+
+def _transposed_linear_of(gm, node, inputs: dict) -> "_TransposedLinear | None":
+    """The linear `node` computes when it reads a transposed 3-D input, else None."""
+    if node.op == "call_function" and node.target in LINEARS:
+        x_t, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        found = dict(weight=weight, bias=bias, module=module_of(node))
+    elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
+        x_t = arg(node, 0, "input")
+        found = dict(weight=None, bias=None, module=node.target, call_module=node.target)
+    elif _weight_matmul(gm, node, inputs):
+        x_t, weight = node.args
+        found = dict(weight=weight, bias=None, module=module_of(node), weight_in_out=True)
+    else:
+        return None
+    x = _transposed_source(x_t)
+    return None if x is None else _TransposedLinear(node, x, **found)
+
+
+def _decline_reason(gm, found: _TransposedLinear, inputs: dict) -> "str | None":
+    """Why the linear of x^T is not rewritten (module docstring), else None."""
+    if found.call_module:
+        linear = gm.get_submodule(found.call_module)
+        weight, bias = linear.weight, linear.bias
+    elif found.weight_in_out:
+        weight, bias = tensor_of(gm, found.weight, inputs)[0], None
+    else:
+        weight, bias = value_of(gm, found.weight, inputs), value_of(gm, found.bias, inputs)
+    value = example_value(found.x)
     if not isinstance(value, torch.Tensor) or value.dim() != 3:
         return "not_3d"
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -141,66 +161,18 @@ def _decline_reason(x, weight, bias, weight_in_out: bool = False) -> "str | None
         return "narrow_output"
     if value.stride(1) == 1 and value.shape[1] > 1:
         return "transposed_input"  # xt is contiguous already
-    out_features, in_features = (_hint(s) for s in (reversed(weight.shape) if weight_in_out else weight.shape))
+    out_features, in_features = (_hint(s) for s in (reversed(weight.shape) if found.weight_in_out else weight.shape))
     if weight.requires_grad and torch.is_grad_enabled() and None not in (out_features, in_features) \
             and out_features * in_features > int(d) * (in_features + out_features):
         return "wide_weight_gradient"
     return None
 
 
-def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> TransposedLinears:
+def rewrite_transposed_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude_modules=()) -> Rewrites:
     """Rewrite each linear of a transposed 3-D input of `gm` in place (module docstring);
     return what was rewritten and declined."""
-    result = TransposedLinears()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = dict(zip(placeholders, example_inputs))
-    todo = []
-    for node in list(gm.graph.nodes):
-        matmul = False
-        if node.op == "call_function" and node.target in LINEARS:
-            x_t, w_node, b_node = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
-            call_module = ""
-        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-            x_t, w_node, b_node, call_module = arg(node, 0, "input"), None, None, node.target
-        elif _weight_matmul(gm, node, inputs):
-            (x_t, w_node), b_node, call_module, matmul = node.args, None, "", True
-        else:
-            continue
-        x = _transposed_source(x_t)
-        if x is None:
-            continue
-        module = node.target if call_module else module_of(node)
-        if excluded(module, exclude_modules):
-            reason = "excluded_module"
-        elif matmul:
-            reason = _decline_reason(x, tensor_of(gm, w_node, inputs)[0], None, weight_in_out=True)
-        else:
-            if call_module:
-                linear = gm.get_submodule(call_module)
-                weight, bias = linear.weight, linear.bias
-            else:
-                weight = tensor_of(gm, w_node, inputs)[0] if isinstance(w_node, torch.fx.Node) else None
-                if weight is None:
-                    weight = example_value(w_node)
-                bias = None
-                if b_node is not None:
-                    bias = tensor_of(gm, b_node, inputs)[0] if isinstance(b_node, torch.fx.Node) else None
-                    bias = example_value(b_node) if bias is None else bias
-            reason = _decline_reason(x, weight, bias)
-        if reason is not None:
-            result.declined[reason] += 1
-            log.debug("transposed_linear: %s (%s) declined: %s", node.name, module or "<root>", reason)
-            continue
-        todo.append((module, (node, x, w_node, b_node, call_module, module, matmul)))
-
-    def rewrite_one(item: tuple) -> None:
-        node, x, w_node, b_node, call_module, module, matmul = item
-        _rewrite(gm, node, x, w_node, b_node, call_module, weight_in_out=matmul)
-        log.debug("transposed_linear: %s (%s) now W @ x", node.name, module or "<root>")
-
-    rewrite_graph_and_bodies(gm, result, todo, rewrite_one,
-                             lambda body: rewrite_transposed_linears(body, exclude_modules=exclude_modules))
-    return result
+    return rewrite_matches(gm, example_inputs, "transposed_linear", _transposed_linear_of, _decline_reason, _rewrite,
+                           exclude_modules, becomes="now W @ x")
 
 
 def _weight_matmul(gm, node, inputs: dict) -> bool:
@@ -213,8 +185,9 @@ def _weight_matmul(gm, node, inputs: dict) -> bool:
     return is_weight and isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
-def _rewrite(gm, node, x, w_node, b_node, call_module: str, weight_in_out: bool = False) -> None:
-    graph = gm.graph
+def _rewrite(gm, found: _TransposedLinear) -> None:
+    graph, node, x, w_node, b_node = gm.graph, found.node, found.x, found.weight, found.bias
+    call_module, weight_in_out = found.call_module, found.weight_in_out
     with graph.inserting_before(node):
         if call_module:
             w_node = graph.get_attr(f"{call_module}.weight")
@@ -237,9 +210,7 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str, weight_in_out: bool 
             new += [column, out.args[1], out]
         result = graph.call_method("transpose", (out, 1, 2))
         new.append(result)
-    kept = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
-    for new_node in new:
-        new_node.meta.update(kept)
+    copy_provenance(node, new)
     set_example_values(gm, new, fake_mode([x, node]))
     x_t = node.args[0] if node.args else node.kwargs.get("input")
     node.replace_all_uses_with(result)
@@ -253,7 +224,7 @@ def _rewrite(gm, node, x, w_node, b_node, call_module: str, weight_in_out: bool 
 MOD = Mod("transposed_linear", Stage.DYNAMO_GRAPH, True,
           "`linear(x.transpose(1, 2), W)` computed as W @ x, with no transposed copies",
           counters=("transposed_linear",),
-          count=lambda evidence: {"transposed_linear": total(evidence.results_of(MOD), "rewritten")},
+          count=count_rewritten("transposed_linear"),
           if_failed="those linears stay as written",
           run=lambda gm, example_inputs, config: rewrite_transposed_linears(gm, example_inputs,
                                                                             exclude_modules=config.exclude_modules))

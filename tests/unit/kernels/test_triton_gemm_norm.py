@@ -1,7 +1,7 @@
 """Triton FP8 GEMM with a row norm in its epilogue (`kernels/triton_gemm_norm.py`) against
 its fp64 reference.
 
-Floors as for the plain GEMM (tests/kernels/test_triton_gemm.py): a bf16 output (and the
+Floors as for the plain GEMM (tests/unit/kernels/test_triton_gemm.py): a bf16 output (and the
 pre-norm sum written in bf16) >= 40 dB against the fp64 reference, whose bf16 rounding
 alone sits near 48 dB here; an FP8 output agrees with the reference cast code for code
 except where the fp32 epilogue lands across a rounding boundary (under 1% of elements,
@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from loka_compile.kernels import triton_gemm_norm as tgn  # noqa: E402
 from loka_compile.kernels.quantize import Fp8Format, Scaling  # noqa: E402
-from tests.kernels.test_triton_gemm import _INTERPRETED, make_operands, run_opcheck  # noqa: E402
+from tests.unit.kernels.test_triton_gemm import _INTERPRETED, make_operands, run_opcheck  # noqa: E402
 from tests.numerics import sqnr_db  # noqa: E402
 
 interpreter = pytest.mark.skipif(not _INTERPRETED, reason="CPU kernel tests need triton under TRITON_INTERPRET=1")

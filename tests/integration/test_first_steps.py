@@ -79,8 +79,8 @@ def test_phase_table_sums_cumulative_time_per_function():
     profiler.enable()
     outer()
     profiler.disable()
-    phases = (("outer", "tests/test_first_steps.py", "outer"), ("inner", "tests/test_first_steps.py", "inner"),
-              ("absent", "tests/test_first_steps.py", "never_called"))
+    here = "tests/integration/test_first_steps.py"
+    phases = (("outer", here, "outer"), ("inner", here, "inner"), ("absent", here, "never_called"))
     got = {p["phase"]: p for p in phase_times(pstats.Stats(profiler), phases)}
     assert got["outer"]["calls"] == 1 and got["inner"]["calls"] == 2
     assert got["outer"]["seconds"] >= got["inner"]["seconds"] > 0

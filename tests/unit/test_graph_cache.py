@@ -208,8 +208,8 @@ def test_a_hit_whose_graph_loka_now_makes_otherwise_is_compiled_again(caches, mo
 def test_cuda_graph_modes_compile_without_the_fx_graph_cache(mode):
     """A hit in a CUDA-graph mode raised inside Inductor on the H100 (inductor_passes.py says how);
     loka's compiles in those modes, and their fallbacks, leave the cache off."""
-    from loka_compile.inductor_passes import _inductor_patches
+    from loka_compile.inductor_passes import inductor_patches
     config = loka_compile.LokaConfig(mode=mode)
     for custom_pass in (object(), None):
-        patches = _inductor_patches(config, custom_pass)
+        patches = inductor_patches(config, custom_pass)
         assert patches.get("fx_graph_cache", True) is (mode == "default")

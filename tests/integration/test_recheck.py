@@ -17,15 +17,15 @@ from numerics import row_rel_error, sqnr_db
 from test_probe_verdicts import N, PlantedLinear, _planted
 
 # Floors: outputs within the Probe's budget (row relative error 0.1, what each FP8 site is
-# held to); gradients as tests/test_end_to_end.py holds them (SQNR 10 dB).
+# held to); gradients as tests/integration/test_end_to_end.py holds them (SQNR 10 dB).
 BUDGET = 0.1
 GRAD_SQNR_FLOOR_DB = 10.0
 
 # probe_steps 2, recheck_every 3: calls 1-2 probe, re-checks at calls 5, 8, 11, judged at the call after.
 # The output budget off: it would keep the one site (sensitivity 1 x error 0.04 > 0.003); re-checks
-# judge the per-site bound (tests/test_output_budget.py covers the two together).
+# judge the per-site bound (tests/unit/test_output_budget.py covers the two together).
 # The amax guard off: it would send the site rowwise at the first outlier call, before the
-# re-check (tests/test_nonfinite_outliers.py covers it, and the two together).
+# re-check (tests/integration/test_nonfinite_outliers.py covers it, and the two together).
 OPTIONS = {"recipe": "tensorwise", "probe_steps": 2, "max_probe_error": BUDGET, "recheck_every": 3,
            "max_output_error": None, "amax_guard": False}
 OUTLIER_CALLS = range(6, 10)  # the planted outlier feature appears after the window, then goes away

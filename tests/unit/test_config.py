@@ -146,30 +146,30 @@ def test_public_names():
 
 
 def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_cuda_graph_graphs_only():
-    from loka_compile.inductor_passes import _inductor_patches
+    from loka_compile.inductor_passes import inductor_patches
 
     marker = object()  # stands for loka's custom pass
     graphed = LokaConfig(mode="reduce-overhead")
-    patches = _inductor_patches(graphed, marker)
+    patches = inductor_patches(graphed, marker)
     # with CUDA graphs, unpartitioned: multi-kernel in a partition raised TypeError on the H100
     assert patches["triton.multi_kernel"] == 1 and patches["graph_partition"] is False
     assert "benchmarked_reductions" not in graphed.inactive_mods
     off = LokaConfig(mode="reduce-overhead", disabled_mods=["benchmarked_reductions"])
-    assert not {"triton.multi_kernel", "graph_partition"} & set(_inductor_patches(off, marker))
-    assert "triton.multi_kernel" not in _inductor_patches(graphed, None)  # a fallback compile is Inductor's own
+    assert not {"triton.multi_kernel", "graph_partition"} & set(inductor_patches(off, marker))
+    assert "triton.multi_kernel" not in inductor_patches(graphed, None)  # a fallback compile is Inductor's own
     # without CUDA graphs its per-call kernel choice is host work in every step: not run
     for mode in ("default", "max-autotune-no-cudagraphs"):
         config = LokaConfig(mode=mode)
-        assert "triton.multi_kernel" not in _inductor_patches(config, marker)
+        assert "triton.multi_kernel" not in inductor_patches(config, marker)
         assert config.inactive_mods == {"benchmarked_reductions", "layernorm_backward"} and config.disabled_mods == ()
 
 
 def test_aligned_gemms_mod_forces_inductor_shape_padding_for_loka_graphs():
-    from loka_compile.inductor_passes import _inductor_patches
+    from loka_compile.inductor_passes import inductor_patches
 
     marker = object()  # stands for loka's custom pass
     for mode in ("default", "reduce-overhead"):
-        assert _inductor_patches(LokaConfig(mode=mode), marker)["force_shape_pad"] is True
+        assert inductor_patches(LokaConfig(mode=mode), marker)["force_shape_pad"] is True
         off = LokaConfig(mode=mode, disabled_mods=["aligned_gemms"])
-        assert "force_shape_pad" not in _inductor_patches(off, marker)
-        assert "force_shape_pad" not in _inductor_patches(LokaConfig(mode=mode), None)  # a fallback is Inductor's own
+        assert "force_shape_pad" not in inductor_patches(off, marker)
+        assert "force_shape_pad" not in inductor_patches(LokaConfig(mode=mode), None)  # a fallback is Inductor's own

@@ -71,7 +71,7 @@ def test_three_siblings_become_one_linear(bias):
 
     result = fuse_sibling_linears(gm, example_inputs)
 
-    assert (result.groups, result.linears, dict(result.declined)) == (1, 3, {})
+    assert (result.rewritten, result.linears, dict(result.declined)) == (1, 3, {})
     (fused,) = linear_nodes(gm)
     weight, fused_bias = fused.args[1], fused.args[2]
     assert weight.target is torch.cat and len(weight.args[0]) == 3
@@ -95,7 +95,7 @@ def test_masknet_blocks_fuse_their_first_mask_linear():
     result = fuse_sibling_linears(gm, example_inputs)
 
     # mask.0 of the 4 blocks read emb; mask.2, hidden and head each read their own input.
-    assert (result.groups, result.linears) == (1, 4)
+    assert (result.rewritten, result.linears) == (1, 4)
     assert result.modules == ["blocks.{0,1,2,3}.mask.0"]
     assert result.declined == {"single_linear": 9}
     assert len(linear_nodes(gm)) == 13 - 4 + 1
@@ -134,7 +134,7 @@ def test_outputs_modified_in_place_keep_forward_and_gradients():
     out.square().mean().backward()
     expected = reference(x)
     expected.square().mean().backward()
-    assert [(r.groups, r.linears) for r in results] == [(1, 2)]
+    assert [(r.rewritten, r.linears) for r in results] == [(1, 2)]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
@@ -160,7 +160,7 @@ def test_siblings_inside_a_checkpointed_region_fuse(fresh_compile_state):
 
     result = fuse_sibling_linears(gm, example_inputs)
 
-    assert (result.groups, result.linears) == (1, 4)
+    assert (result.rewritten, result.linears) == (1, 4)
     assert result.modules == ["blocks.{0,1,2,3}.mask.0"]
     with torch.no_grad():
         torch.testing.assert_close(gm(*example_inputs)[0], model(emb), rtol=1e-5, atol=1e-6)
@@ -184,7 +184,7 @@ def test_declines_a_single_linear():
     gm, example_inputs = dynamo_graph(model, x)
     code = gm.code
     result = fuse_sibling_linears(gm, example_inputs)
-    assert (result.groups, dict(result.declined)) == (0, {"single_linear": 2})
+    assert (result.rewritten, dict(result.declined)) == (0, {"single_linear": 2})
     assert gm.code == code
 
 
@@ -204,21 +204,21 @@ def test_declines_different_k_and_dtype():
     gm, inputs = hand_built([p(16, 32), p(16, 48)])
     code = gm.code
     result = fuse_sibling_linears(gm, inputs)
-    assert (result.groups, dict(result.declined)) == (0, {"k_or_dtype_differs": 2})
+    assert (result.rewritten, dict(result.declined)) == (0, {"k_or_dtype_differs": 2})
     assert gm.code == code
     gm, inputs = hand_built([p(16, 32), p(16, 32, dtype=torch.bfloat16), p(16, 32)])
     result = fuse_sibling_linears(gm, inputs)
-    assert (result.groups, result.linears, dict(result.declined)) == (1, 2, {"k_or_dtype_differs": 1})
+    assert (result.rewritten, result.linears, dict(result.declined)) == (1, 2, {"k_or_dtype_differs": 1})
 
 
 def test_declines_weights_that_are_not_parameters_and_small_batches():
     w = [nn.Parameter(torch.randn(16, 32)) for _ in range(3)]
     gm, inputs = hand_built([w[0], w[1].detach(), w[2]])    # a plain tensor input
     result = fuse_sibling_linears(gm, inputs)
-    assert (result.groups, result.linears, dict(result.declined)) == (1, 2, {"weight_not_parameter": 1})
+    assert (result.rewritten, result.linears, dict(result.declined)) == (1, 2, {"weight_not_parameter": 1})
     gm, inputs = hand_built(w, rows=8)          # (3 - 1) * 8 rows < N_total = 48
     result = fuse_sibling_linears(gm, inputs)
-    assert (result.groups, dict(result.declined)) == (0, {"not_worth_it": 3})
+    assert (result.rewritten, dict(result.declined)) == (0, {"not_worth_it": 3})
 
 
 class RepeatedCalls(nn.Module):
@@ -240,7 +240,7 @@ def test_repeated_calls_of_one_linear_are_computed_once():
     assert len(linear_nodes(gm)) == 5
     result = fuse_sibling_linears(gm, example_inputs)
     # the two repeats read the first call; the first call and its sibling fuse; y's call stays
-    assert (result.groups, result.linears, dict(result.declined)) == (1, 2, {"repeated_call": 2, "single_linear": 1})
+    assert (result.rewritten, result.linears, dict(result.declined)) == (1, 2, {"repeated_call": 2, "single_linear": 1})
     assert len(linear_nodes(gm)) == 2
     (fused,) = [n for n in linear_nodes(gm) if n.args[1].op == "call_function"]
     assert list(fused.meta["nn_module_stack"].values())[-1][0] == "{field,other}"
@@ -262,7 +262,7 @@ def test_only_repeats_leave_the_linear_unfused_and_named():
 
     gm, example_inputs = dynamo_graph(TwiceApplied(), torch.randn(64, 32))
     result = fuse_sibling_linears(gm, example_inputs)
-    assert (result.groups, dict(result.declined)) == (0, {"repeated_call": 1, "single_linear": 1})
+    assert (result.rewritten, dict(result.declined)) == (0, {"repeated_call": 1, "single_linear": 1})
     (only,) = linear_nodes(gm)
     assert list(only.meta["nn_module_stack"].values())[-1][0].endswith("inner")
 
@@ -297,7 +297,7 @@ def test_a_repeat_whose_output_may_be_written_is_not_merged(model):
     model, x = model(), torch.randn(64, 32)
     gm, example_inputs = dynamo_graph(model, x)
     result = fuse_sibling_linears(gm, example_inputs)
-    assert (result.groups, dict(result.declined)) == (0, {"repeated_call": 1, "single_linear": 1})
+    assert (result.rewritten, dict(result.declined)) == (0, {"repeated_call": 1, "single_linear": 1})
     assert len(linear_nodes(gm)) == 2
     with torch.no_grad():
         expected = model(x)
@@ -322,7 +322,7 @@ def test_declines_a_sibling_whose_weight_depends_on_another():
     model, x = Dependent(), torch.randn(64, 32)
     gm, example_inputs = dynamo_graph(model, x)
     result = fuse_sibling_linears(gm, example_inputs)
-    assert (result.groups, result.linears, dict(result.declined)) == (1, 2, {"depends_on_sibling": 1})
+    assert (result.rewritten, result.linears, dict(result.declined)) == (1, 2, {"depends_on_sibling": 1})
     assert result.modules == ["{a,c}"]
     fused = [n for n in linear_nodes(gm) if n.args[1].target is torch.cat]
     assert len(fused) == 1 and len(linear_nodes(gm)) == 2
@@ -335,7 +335,7 @@ def test_declines_excluded_modules():
     model, x = Siblings(), torch.randn(64, 32)
     gm, example_inputs = dynamo_graph(model, x)
     result = fuse_sibling_linears(gm, example_inputs, exclude_modules=("b",))
-    assert (result.groups, result.linears, dict(result.declined)) == (1, 2, {"excluded_module": 1})
+    assert (result.rewritten, result.linears, dict(result.declined)) == (1, 2, {"excluded_module": 1})
     assert result.modules == ["{a,c}"]
 
 
@@ -469,7 +469,7 @@ def test_inference_graphs_cache_the_concatenated_weight(fresh_compile_state):
             assert sqnr_db(expected, got) > OUTPUT_SQNR_FLOOR_DB
         (record,) = loka_compile.state_of(compiled).records
         fusion = record.mod_results["horizontal"]
-        assert fusion.groups == 1 and fusion.linears == 3
+        assert fusion.rewritten == 1 and fusion.linears == 3
         report = loka_compile.report(compiled)
         (site,) = report.sites
         assert site.fp8 and site.casts["b"] == CACHED_WEIGHT

@@ -25,7 +25,7 @@ MATMULS = (torch.matmul, operator.matmul)
 # (1e-7 relative measured); floor with margin.
 REL_ERROR = 1e-5
 # Emulated rowwise e4m3 against fp32 eager: 30-40 dB measured on these models; the floor
-# of the public-model suite (tests/test_public_models.py).
+# of the public-model suite (tests/integration/test_public_models.py).
 PREDICTION_SQNR_DB = 20.0
 GRAD_SQNR_DB = 10.0
 

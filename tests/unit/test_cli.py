@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory):
     """The saved plan of a Tower compiled with `torch.compile(backend="loka")` and trained
-    through its probe window (as tests/test_plan.py makes one), made once for the module."""
+    through its probe window (as tests/unit/test_plan.py makes one), made once for the module."""
     torch._dynamo.reset()
     loka_compile.reset()
     compiled = torch.compile(Tower(), backend="loka", options=TENSORWISE_PROBE)

@@ -11,7 +11,7 @@ import loka_compile
 from loka_compile.passes import mods
 from loka_compile.passes.mods.mod import Evidence, Mod, Stage
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tests/unit/mods/ -> the checkout
 MOD_FILES = sorted(p.stem for p in (ROOT / "passes" / "mods").glob("*.py") if p.stem not in ("__init__", "mod"))
 
 

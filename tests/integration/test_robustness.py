@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 # outputs 27-31 dB, gradients 19-29 dB.
 OUTPUT_SQNR_FLOOR_DB = 20.0
 GRAD_SQNR_FLOOR_DB = 14.0
-# The per-site rule alone: the output budget (max_output_error, tests/test_output_budget.py) would
+# The per-site rule alone: the output budget (max_output_error, tests/unit/test_output_budget.py) would
 # keep these small models' sites, each moving the output by ~0.04 against its default 0.003.
 PER_SITE = {"max_output_error": None}
 # TinyDLRM's first-step gradients: 10.3-36 dB (the tables' lowest: their gradient goes
@@ -349,6 +349,7 @@ def test_a_pass_failing_after_lower_leaves_no_rewrite(monkeypatch, caplog):
     assert len(report.sites) == 5 and all(s.reason == "graph_fallback" and not s.fp8 for s in report.sites)
     assert all("synthetic failure" in s.detail for s in report.sites)
     assert not report.graph_modules
+    _assert_fallback_amended(report, report.sites)
     assert sum("could not handle" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -366,6 +367,44 @@ def test_a_failing_backward_falls_back_alone(monkeypatch):
     assert len(by_kind["forward"]) == 2 and all(s.reason == "fp8" for s in by_kind["forward"])
     assert len(by_kind["backward"]) == 3 and all(s.reason == "graph_fallback" for s in by_kind["backward"])
     assert set(report.graph_modules) == {f"{report.graphs[0].name}/forward"}
+    assert not [a for s in by_kind["forward"] for a in s.amendments]
+    _assert_fallback_amended(report, by_kind["backward"])
+
+
+def test_a_failing_fp8_compile_falls_back_with_its_decisions_amended(monkeypatch):
+    """Inductor's compile of the FP8 variant fails as a whole (not inside one ATen graph): the
+    graph compiles without loka, and each site's FP8 decision is changed in the open."""
+    from loka_compile import compiled_graph
+
+    real = compiled_graph.compile_fx
+
+    def compile_fx(gm, example_inputs, **kwargs):
+        if kwargs["config_patches"].get("post_grad_custom_post_pass") is not None:
+            real(gm, example_inputs, **kwargs)  # loka's passes decide and rewrite, then the compile fails
+            raise RuntimeError("synthetic compile failure")
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compiled_graph, "compile_fx", compile_fx)
+    model = _mlp()
+    x = torch.randn(32, 64)
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "recipe": "rowwise"})
+    with torch.no_grad():
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    report = loka_compile.report(compiled)
+    assert len(report.sites) == 2 and all(s.reason == "graph_fallback" for s in report.sites)
+    _assert_fallback_amended(report, report.sites)
+
+
+def _assert_fallback_amended(report, sites):
+    """Each of `sites` ran in FP8 until a fallback, which amended its decision (fp8 True -> False,
+    reason fp8 -> graph_fallback), and the report's summary lists the amendments."""
+    for site in sites:
+        changes = [dict((name, (before, after)) for name, before, after in a.changes)
+                   for a in site.amendments if a.by == "fallback"]
+        assert len(changes) == 1, (site.id, site.amendments)
+        assert changes[0]["fp8"] == (True, False) and changes[0]["reason"] == ("fp8", "graph_fallback"), changes
+    assert f"fallback {len(sites)}" in report.summary()
 
 
 def _first_run_fails(monkeypatch):

@@ -47,7 +47,7 @@ def outlier_batch(batch=32):
     return x
 
 
-# The per-site rule alone: the output budget (max_output_error, tests/test_output_budget.py) would
+# The per-site rule alone: the output budget (max_output_error, tests/unit/test_output_budget.py) would
 # keep these small models' sites, each moving the output by ~0.04 against its default 0.003.
 PER_SITE = {"max_output_error": None}
 

@@ -94,7 +94,7 @@ def exported(tmp_path_factory):
     model = Ranker().eval()
     folder = tmp_path_factory.mktemp("export")
     # The per-site bound alone: every site of this small ranker carries the output, which the
-    # default output budget would keep in high precision (tests/test_calibrate.py).
+    # default output budget would keep in high precision (tests/unit/test_calibrate.py).
     plan = loka_compile.calibrate(model, [ranker_batch(64, generator, bag=2)], options={"max_output_error": None})
     plan_path = str(plan.save(folder / "plan.json").source)
     package = loka_compile.export_inference(model, ranker_batch(24, generator), folder / "ranker.pt2",

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # tests/integration/ -> the checkout
 # Where each installed package's files come from (pyproject.toml's package-dir).
 LAYOUT = {"loka_compile": "loka_compile", "loka_compile/passes": "passes", "loka_compile/kernels": "kernels"}
 LINT = ("import sys\n"

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 OUTPUT_SQNR_FLOOR_DB = 20.0
 GRAD_SQNR_FLOOR_DB = 10.0
-# The per-site rule alone: the output budget (max_output_error, tests/test_output_budget.py) would
+# The per-site rule alone: the output budget (max_output_error, tests/unit/test_output_budget.py) would
 # keep these small models' sites, each moving the output by ~0.04 against its default 0.003.
 PER_SITE = {"max_output_error": None}
 

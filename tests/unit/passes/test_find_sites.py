@@ -174,7 +174,7 @@ def test_gradient_addition_keeps_its_module_with_the_provenance_pre_pass():
     """LoRA's `base(x) + (x @ A) @ B * s` with a frozen base: Inductor adds the base's
     dgrad to the adapter path's into one addmm that keeps no module; find_sites cannot
     tell it from the backward graph alone, but `keep_gemm_provenance`, run before
-    Inductor's post-grad patterns, keeps it (tests/test_model_patterns.py's strict xfail
+    Inductor's post-grad patterns, keeps it (tests/integration/test_model_patterns.py's strict xfail
     shows the backend does not install it yet)."""
     from torch._inductor import config as inductor_config
 

@@ -16,7 +16,7 @@ from loka_compile.report import Report, SiteRecord
 from numerics import row_rel_error
 
 M, K, N = 64, 256, 32
-# The per-site rule alone: the output budget (max_output_error, tests/test_output_budget.py) would
+# The per-site rule alone: the output budget (max_output_error, tests/unit/test_output_budget.py) would
 # keep these small models' sites, each moving the output by ~0.04 against its default 0.003.
 PER_SITE = {"max_output_error": None}
 

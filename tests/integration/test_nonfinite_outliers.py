@@ -171,7 +171,7 @@ def test_an_outlier_in_training_sends_forward_and_gradient_sites_rowwise(caplog)
 
 
 def test_the_guard_and_re_checks_compose(caplog):
-    """With re-checks on (tests/test_recheck.py's planted outlier feature, in every row of
+    """With re-checks on (tests/integration/test_recheck.py's planted outlier feature, in every row of
     calls 6-9), the guard sends the site rowwise at call 7; the re-check of call 8 finds
     rowwise over the budget too and moves it to blockwise; the one of call 11, on clean
     data again, promotes it back to tensorwise."""
