@@ -108,3 +108,14 @@ def understate_sensitivities(monkeypatch):
         monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_measure_sensitivities", understated)
 
     return plant
+
+
+@pytest.fixture
+def mlp_graphs():
+    """Forward and backward ATen graphs of linear -> relu -> linear on fresh random values."""
+    from graphs import aot_graphs, linear_relu_linear
+
+    x = torch.randn(32, 64)
+    w1, b1, w2 = (torch.randn(128, 64, requires_grad=True), torch.randn(128, requires_grad=True),
+                  torch.randn(48, 128, requires_grad=True))
+    return aot_graphs(linear_relu_linear, x, w1, b1, w2)

@@ -163,3 +163,38 @@ def with_and_without(model, path, x, mod: str, options=None) -> tuple:
         loka_compile.reset()
         unfused, unfused_code = run_and_get_code(compile_with(model, path, disabled=(mod,), options=options), x)
     return exact, fused, report, unfused, (fused_code, unfused_code)
+
+
+def aot_graphs(fn, *args):
+    """Forward and backward ATen graphs of fn, as AOTAutograd hands them to a compiler."""
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    out = aot_function(fn, fw_compiler=keep, bw_compiler=keep)(*args)
+    out.sum().backward()
+    return graphs
+
+
+def linear_relu_linear(x, w1, b1, w2):
+    return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)), w2)
+
+
+def make_ctx(graph, phase=Phase.FP8, params=frozenset(), config=None, unsafe=None):
+    config = config or LokaConfig(recipe="rowwise")
+    decide = functools.partial(dispatch.decide, config=config, phase=phase, unsafe_sites=unsafe or {})
+    return PassContext(graph="t", kind=graph_kind(graph), phase=phase, param_input_indices=params, decide=decide,
+                       inactive_mods=config.inactive_mods)
+
+
+def targets(graph):
+    """The call targets of an FX graph, in order."""
+    return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+def fp8_casts(graph):
+    """The casts to an FP8 dtype in an ATen graph."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.prims.convert_element_type.default
+            and n.args[1] in (torch.float8_e4m3fn, torch.float8_e5m2)]

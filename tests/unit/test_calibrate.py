@@ -11,6 +11,7 @@ import loka_compile
 from loka_compile import perfdb, speed
 from loka_compile.passes import GraphKind, Reason
 from numerics import rel_error
+from graphs import targets
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -55,10 +56,6 @@ def calibrated(tmp_path_factory):
 def inference_graph(compiled):
     (record,) = [r for r in loka_compile.state_of(compiled).records if ("fp8", GraphKind.INFERENCE) in r.graph_modules]
     return record.graph_modules[("fp8", GraphKind.INFERENCE)].graph
-
-
-def targets(graph):
-    return [n.target for n in graph.nodes if n.op == "call_function"]
 
 
 def test_calibrate_stores_one_static_scale_per_site_and_round_trips(calibrated):

@@ -14,7 +14,7 @@ from loka_compile.kernels.block_norm import block_norm, block_size
 from loka_compile.modules import BlockNorm
 from loka_compile.passes import mods as arch_mods
 from numerics import rel_error
-from graphs import dynamo_graph
+from graphs import dynamo_graph, targets
 
 ALL_MODS = ("blocknorm", "no_bias", "hardswish")
 
@@ -136,10 +136,6 @@ def test_module_swap_options():
         BlockNorm((4, 16))
 
 
-def targets(gm):
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
-
-
 def linear_bias_args(gm):
     return [len(n.args) == 3 and n.args[2] is not None
             for n in gm.graph.nodes if n.op == "call_function" and n.target is F.linear]
@@ -148,15 +144,15 @@ def linear_bias_args(gm):
 def test_graph_pass_on_dynamo_graph():
     model, x = Tower(), torch.randn(8, 32)
     gm, example_inputs = dynamo_graph(model, x)
-    assert targets(gm).count(F.layer_norm) == 2 and targets(gm).count(F.silu) == 2
+    assert targets(gm.graph).count(F.layer_norm) == 2 and targets(gm.graph).count(F.silu) == 2
     assert linear_bias_args(gm) == [True, True, True]
 
     counts = arch_mods.apply_arch_mods(gm, ALL_MODS)
 
     assert counts == {"blocknorm": 1, "no_bias": 1, "hardswish": 2}
-    assert targets(gm).count(block_norm) == 1
-    assert targets(gm).count(F.layer_norm) == 1          # the norm over (4, 16) declined
-    assert F.silu not in targets(gm) and targets(gm).count(F.hardswish) == 2
+    assert targets(gm.graph).count(block_norm) == 1
+    assert targets(gm.graph).count(F.layer_norm) == 1          # the norm over (4, 16) declined
+    assert F.silu not in targets(gm.graph) and targets(gm.graph).count(F.hardswish) == 2
     assert linear_bias_args(gm) == [False, True, True]   # fc2 (returned) and head are heads
     with torch.no_grad():
         torch.testing.assert_close(gm(*example_inputs), tower_with_mods(model, x))
@@ -181,7 +177,7 @@ def test_graph_pass_declines():
     code = gm.code
     assert arch_mods.apply_arch_mods(gm, ()) == {}
     assert arch_mods.apply_arch_mods(gm, ["hardswish"]) == {"hardswish": 2}
-    assert F.layer_norm in targets(gm) and linear_bias_args(gm) == [True, True, True]
+    assert F.layer_norm in targets(gm.graph) and linear_bias_args(gm) == [True, True, True]
     assert gm.code != code
     with pytest.raises(ValueError, match="valid arch_mods"):
         arch_mods.apply_arch_mods(gm, ["swish"])

@@ -9,6 +9,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import loka_compile
+from loka_compile.passes import GraphKind, Role
+from loka_compile.passes.find_sites import clean_module_path, find_sites
+from graphs import aot_graphs, make_ctx
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -186,3 +189,51 @@ def test_gradient_addition_keeps_its_module_with_the_provenance_pre_pass():
     assert sorted(s.module for s in sites if s.role == "dgrad") == ["fc1", "fc2", "fc2", "fc2.base", "head"]
     base = [s for s in sites if s.module == "fc2.base" and s.role == "dgrad"]
     assert [s.forward_site for s in base] == ["fc2.base:fwd"], base
+
+
+class TestFindSites:
+    def test_roles_shapes_and_links(self, mlp_graphs):
+        fwd, bwd = mlp_graphs
+        fctx = make_ctx(fwd.graph)
+        assert fctx.kind is GraphKind.FORWARD
+        assert find_sites(fwd.graph, fctx) == 2
+        assert [(s.op, s.role, s.shape) for s in fctx.sites] == [
+            ("addmm", Role.FWD, (32, 64, 128)), ("mm", Role.FWD, (32, 128, 48))]
+        # forward inputs are (x, w1, b1, w2): 1, 2 and 3 are parameters
+        bctx = make_ctx(bwd.graph, params=frozenset({1, 2, 3}))
+        assert bctx.kind is GraphKind.BACKWARD
+        find_sites(bwd.graph, bctx)
+        roles = sorted((s.role.value, s.shape) for s in bctx.sites)
+        assert roles == [("dgrad", (32, 48, 128)), ("wgrad", (48, 32, 128)), ("wgrad", (128, 32, 64))]
+        for site in bctx.sites:
+            assert site.a_is_grad and not site.b_is_grad  # the incoming gradient is always A here
+        assert {s.seq_nr for s in bctx.sites} <= {s.seq_nr for s in fctx.sites}
+
+    def test_operand_layouts(self, mlp_graphs):
+        fwd, bwd = mlp_graphs
+        fctx = make_ctx(fwd.graph)
+        find_sites(fwd.graph, fctx)
+        # x @ W^T: W arrives as a transposed view
+        assert [(s.a_major, s.b_major) for s in fctx.sites] == [("row", "column"), ("row", "column")]
+        bctx = make_ctx(bwd.graph, params=frozenset({1, 2, 3}))
+        find_sites(bwd.graph, bctx)
+        layouts = {(s.role.value, s.shape): (s.a_major, s.b_major) for s in bctx.sites}
+        assert layouts[("wgrad", (128, 32, 64))][0] == "column"  # dY^T @ x
+        assert layouts[("dgrad", (32, 48, 128))] == ("row", "row")  # dY @ W
+
+    def test_no_parameters_means_no_wgrad(self, mlp_graphs):
+        _, bwd = mlp_graphs
+        ctx = make_ctx(bwd.graph, params=frozenset())
+        find_sites(bwd.graph, ctx)
+        assert {s.role for s in ctx.sites} == {Role.DGRAD}
+
+    def test_graph_without_gemms(self):
+        fwd, _ = aot_graphs(lambda x: torch.relu(x) * 2, torch.randn(8, 8, requires_grad=True))
+        ctx = make_ctx(fwd.graph)
+        assert find_sites(fwd.graph, ctx) == 0 and ctx.sites == []
+
+    def test_module_paths(self):
+        assert clean_module_path("L['self'].layers[0].fc") == "layers.0.fc"
+        assert clean_module_path("L['self']._modules['head']") == "head"
+        assert clean_module_path("getattr(G.m, '0')") == "m.0"
+        assert clean_module_path("L['self']") == ""
