@@ -6,6 +6,9 @@ recording, Triton's compiles and autotuning).
     python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka --preset tiny
     python -m benchmarks.public.first_steps --model public_style.Wukong --config loka_ro \
         --preset production --out $OUT/first_steps            # GPU
+    python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka --save-plan plan.json
+    python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka \
+        --loka-options '{"plan": "plan.json"}'               # the first steps with that plan
 
 Run each config in a fresh process (one call per config), with a fresh TORCHINDUCTOR_CACHE_DIR
 and LOKA_CACHE_DIR for a cold start; the phases of one run overlap (a variant's compile holds
@@ -101,6 +104,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="auto")
     p.add_argument("--loka-options", type=json.loads, default=None)
+    p.add_argument("--save-plan", default=None, help="a loka config: write its plan here after the steps "
+                   "(pass it back with --loka-options '{\"plan\": PATH}' for the planned first steps)")
     p.add_argument("--out", default=None, help="directory for <name>.json and .md (default: print only)")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
@@ -139,6 +144,9 @@ def main(argv=None) -> dict:
     per_step = run_steps(call, batches, args.steps, cuda)
     profiler.disable()
     cpu_s = cpu_seconds() - cpu_start
+    if args.save_plan:
+        import loka_compile
+        loka_compile.save_plan(fn, args.save_plan)
     result = {"model": args.model, "config": cfg.name, "mode": args.mode, "preset": args.preset, "batch": batch,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "first_steps_s": round(sum(per_step), 3), "per_step_s": [round(t, 3) for t in per_step],
