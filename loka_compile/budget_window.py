@@ -26,7 +26,7 @@ log = logging.getLogger("loka")
 
 class OutputBudgetWindow:
     """The output budget (`LokaConfig.max_output_error`) at a probe window's close, for
-    LokaCompiledGraph: its `record`, `variants`, `_source` and `_budget_waits`."""
+    LokaCompiledGraph: its `record`, `variants`, `_traced_probe`, `_source` and `_budget_waits`."""
 
 
     def _budget_sites(self) -> dict:
@@ -257,6 +257,12 @@ class OutputBudgetWindow:
         select = lambda outputs: [outputs[i] for i in indices]  # noqa: E731
         try:
             budget.predicted_after = self._predicted_as_compiled()
+            if self.variants[Phase.PROBE] is self._traced_probe and self._probe_draws_random_numbers():
+                budget.why_unmeasured = "the graph draws random numbers (dropout), the FP8 variant in Inductor's " \
+                    "code and the probe variant, run as traced, in eager kernels: their draws differ"
+                log.info("loka: %s: output discrepancy of the FP8 variant not measured: %s", record.name,
+                         budget.why_unmeasured)
+                return
             budget.measured = output_budget.discrepancy(select(runs.run(self.variants[Phase.FP8])), select(reference),
                                                         finite)
         except Exception as error:  # noqa: BLE001
@@ -268,6 +274,10 @@ class OutputBudgetWindow:
                 "loka: %s: output discrepancy of the FP8 variant from high precision: measured %.3g, predicted %.3g "
                 "(budget %s%s)", record.name, budget.measured, budget.predicted_after, budget.describe_budget(),
                 f", exceeded over {VERIFY_SLACK:g}x: the sensitivities did not predict it" if over else "")
+
+    def _probe_draws_random_numbers(self) -> bool:
+        return any(output_budget.draws_random_numbers(module) for (phase, kind), module
+                   in self.record.graph_modules.items() if phase is Phase.PROBE and kind is not GraphKind.BACKWARD)
 
     def _weigh_at_measured_scale(self) -> Optional[tuple]:
         """With `refit_output_budget`, when the FP8 variant measured over VERIFY_SLACK times

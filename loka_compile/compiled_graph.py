@@ -124,16 +124,25 @@ class LokaCompiledGraph(OutputBudgetWindow):
         # unless re-checks rebuild it. It holds the first call's inputs (for an LRM's dense
         # graph, a batch of embeddings), so nothing else may keep them past that.
         self._source = _GraphSource(gm, example_inputs, tracing_context, input_contexts)
+        self._traced_probe = None  # the probe variant while it runs as traced (`_compile`)
         self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
         self._first_runs = set()  # ids of variants that have run once
 
-    def _compile(self, gm, example_inputs, phase: Phase):
+    def _compile(self, gm, example_inputs, phase: Phase, codegen: Optional[bool] = None):
+        """A variant of the graph; `codegen` None: Inductor generates the FP8 variant's code, and
+        the probe variant's only with `LokaConfig.compile_probe` (else it runs as traced)."""
         record = self.record
+        if codegen is None:
+            codegen = phase is not Phase.PROBE or record.config.compile_probe
         custom_pass = LokaPostGradPass(record, phase, self.param_input_indices)
+        compile_inner = functools.partial(inner_compile, record=record, codegen=codegen)
         try:
             with graph_cache.autograd_cache_off():
-                return compile_fx(gm, example_inputs, inner_compile=functools.partial(inner_compile, record=record),
-                                  config_patches=inductor_patches(record.config, custom_pass))
+                compiled = compile_fx(gm, example_inputs, inner_compile=compile_inner,
+                                      config_patches=inductor_patches(record.config, custom_pass))
+                if not codegen:
+                    self._traced_probe = compiled
+                return compiled
         except Exception as error:
             if not record.config.fallback or is_dynamo_control(error):
                 raise
@@ -182,7 +191,25 @@ class LokaCompiledGraph(OutputBudgetWindow):
         # graphs live in the graph pool, and the plain compile's first run refuses a pool
         # with untracked live tensors.
         gc.collect()
+        if variant is self._traced_probe:
+            return self._compile_probe_at_first_run(why, args)
         return self._fall_back_at_first_run(why, args)
+
+    def _compile_probe_at_first_run(self, why: str, args):
+        """The probe variant, run as traced, failed at its first run (an op with no kernel of
+        its own outside Inductor's code, memory Inductor's fused kernels do not need): it is
+        compiled with Inductor, as the FP8 variant will be, and the call runs it. Its failure
+        then goes the way of any variant's first run (`_fall_back_at_first_run`)."""
+        record = self.record
+        log.warning("loka: %s: the probe variant failed at its first run as traced (%s); compiled with Inductor",
+                    record.name, why)
+        record.store.forget(self._observed_sites())  # what the failed call observed before failing
+        with self._source.tracing():
+            self.variants[Phase.PROBE] = self._compile(self._source.gm, self._source.example_inputs, Phase.PROBE,
+                                                       codegen=True)
+        self._traced_probe = None
+        self.calls -= 1  # the call runs again, from the top
+        return self(*args)
 
     def _fall_back_at_first_run(self, why: str, args):
         """The running variant failed at its first run: the graph is compiled again without
@@ -256,6 +283,8 @@ class LokaCompiledGraph(OutputBudgetWindow):
         no amax guard), every graph of it compiled (training: forward and backward), no
         re-checks. Its contexts become the FP8 phase's; else None."""
         record = self.record
+        if self.variants[Phase.PROBE] is self._traced_probe:
+            return None  # not compiled: the FP8 variant is the graph's one Inductor compile
         probed = record.contexts_of(Phase.PROBE)
         complete = GraphKind.INFERENCE in probed or {GraphKind.FORWARD, GraphKind.BACKWARD} <= set(probed)
         if not complete or self._observed_sites() or record.amax_guards is not None \

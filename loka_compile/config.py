@@ -89,12 +89,20 @@ class LokaConfig:
         Probe's bound a sample standard deviation, so a confidence bound
         (`probe.upper_bound`; from one observation the bound is that observation); more
         tighten it (mean + 4.46 s at 2, + 1.69 s at 3, s their standard deviation).
-        Cost: each graph compiles twice, the probe variant at its first call and the FP8
-        variant when the window closes, at call probe_steps + 1, the first that runs FP8;
-        the window's calls run observers (on CPU one observation costs about 10x its
-        GEMM), and its close the output budget's sensitivity runs. 0: no probe window (FP8
+        Cost: the window's calls run the probe variant uncompiled (`compile_probe`) with
+        observers (on CPU one observation costs about 10x its GEMM), its close the output
+        budget's sensitivity runs, and the FP8 variant compiles then, at call
+        probe_steps + 1, the first that runs FP8: one Inductor compile per graph, as
+        without loka, later. 0: no probe window (FP8
         from the first call, no per-site error measured, the output budget off): how to
         opt out. A graph compiled with a `plan` has no window.
+    compile_probe: compile the probe variant with Inductor too (each graph then compiles
+        twice: the probe variant at its first call, the FP8 variant when the window closes).
+        Off (default): the probe variant is the graph after Inductor's post-grad passes and
+        loka's, run as it is (each ATen op a kernel call): its sites are the ones an
+        Inductor compile would lower, and only the FP8 variant pays Inductor's code
+        generation. Its calls (the window's, and re-checks') run at about eager speed and
+        memory; one that fails at its first run is compiled with Inductor then.
     max_probe_error: a site whose FP8 error bound (in `probe_metric`) exceeds this after
         the probe window goes to a finer scaling whose bound is within it, else stays in
         high precision (`probe_unsafe`). None: the metric's default (PROBE_METRICS).
@@ -203,6 +211,7 @@ class LokaConfig:
     binary_outputs: tuple = ()
     refit_output_budget: bool = False
     amax_guard: bool = True
+    compile_probe: bool = False
 
     def __post_init__(self):
         from loka_compile.kernels import providers as provider_registry
@@ -212,7 +221,7 @@ class LokaConfig:
         _check_choice("probe_metric", self.probe_metric, list(PROBE_METRICS))
         if self.max_probe_error is None:
             self._set("max_probe_error", PROBE_METRICS[self.probe_metric])
-        for name in ("emulate", "fallback", "speed_check", "refit_output_budget", "amax_guard"):
+        for name in ("emulate", "fallback", "speed_check", "refit_output_budget", "amax_guard", "compile_probe"):
             _check_bool(name, getattr(self, name))
         for name in ("min_gemm_dim", "probe_steps", "recheck_every"):
             self._set(name, _check_non_negative_int(name, getattr(self, name)))

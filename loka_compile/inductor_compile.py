@@ -1,6 +1,7 @@
 """Inductor's compile of one ATen graph under loka: through the FX graph cache where it is on
-(`graph_cache`), made whole or not at all (a failure compiles the untouched graph without loka);
-and which inputs of a Dynamo graph are weights."""
+(`graph_cache`), or, for a probe variant, only up to Inductor's post-grad passes (`_as_traced`);
+made whole or not at all (a failure compiles the untouched graph without loka); and which inputs
+of a Dynamo graph are weights."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import unittest.mock
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import fx_utils
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.compile_fx import compile_fx_inner
 
 from loka_compile import graph_cache
@@ -109,17 +111,32 @@ def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecor
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, **kwargs):
+def _as_traced(gm: torch.fx.GraphModule, example_inputs, is_inference: bool = False, **_inductor_options):
+    """The graph after Inductor's post-grad passes (loka's among them), run as it is: each ATen
+    op a kernel call, no Inductor code generation. A probe variant's job is statistics over a
+    few calls, so it skips the compile only the FP8 variant needs; its graph, and so its sites,
+    are the ones an Inductor compile would lower. Inductor's options (CUDA graphs among them)
+    do not apply."""
+    traced = graph_cache.post_grad_passes(gm, example_inputs, is_inference)
+    traced.recompile()
+    return make_boxed_func(traced.forward)
+
+
+def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, codegen: bool = True, **kwargs):
     """Inductor's compile of one ATen graph (forward, backward, inference), made whole or
     not at all: if it fails once loka's pass has rewritten the graph (in the pass or in
     Inductor after it, e.g. on sparse gradients), the untouched copy is compiled again
     without loka, and only that graph's sites are reported as fallen back. Inductor calls
-    this for the lazily compiled backward too, so the fallback covers every graph."""
+    this for the lazily compiled backward too, so the fallback covers every graph.
+    `codegen` False: the graph only goes through the post-grad passes (`_as_traced`)."""
     pristine = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node meta is shared, not copied
     try:
         with _constants_reach_custom_ops(example_inputs), \
                 unittest.mock.patch.object(fx_utils, "get_storage", _storage_or_identity):
-            compiled = _compile_cached(gm, example_inputs, record, graph_kind(pristine.graph), **kwargs)
+            if codegen:
+                compiled = _compile_cached(gm, example_inputs, record, graph_kind(pristine.graph), **kwargs)
+            else:
+                compiled = _as_traced(gm, example_inputs, **kwargs)
     except Exception as error:
         if not record.config.fallback or is_dynamo_control(error):
             raise

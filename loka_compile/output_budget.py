@@ -108,6 +108,7 @@ class OutputBudget:
     predicted: float            # D over those the budget leaves in FP8
     predicted_after: Optional[float] = None  # D over the sites the FP8 variant runs in FP8, as compiled
     measured: Optional[float] = None         # relerr(FP8 variant, probe variant) on the closing call
+    why_unmeasured: str = ""                 # why `measured` is None, where it was not attempted
     seconds: float = 0.0        # the sensitivity runs' wall time
     runs: int = 0               # forward runs of the probe variant they took
     floor: Optional[NoiseFloor] = None       # the graph's noise floor
@@ -411,6 +412,14 @@ def last_gemm_sites(gm: torch.fx.GraphModule, sites: dict, ids) -> tuple:
 def floor_prediction(sensitivity: dict, bf16_error: dict) -> float:
     """F_pred = sqrt(sum (s_i b_i)^2) over the sites with both."""
     return predicted(sensitivity[sid] * b for sid, b in bf16_error.items() if sid in sensitivity)
+
+
+def draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
+    """Whether an ATen graph (or a body it calls) draws random numbers: dropout's mask, a
+    rand; Inductor's own random ops take their seeds from one such op."""
+    return any(isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+               for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+               for node in module.graph.nodes if node.op == "call_function")
 
 
 def measured_scale(budget: OutputBudget) -> float:

@@ -276,7 +276,8 @@ class Report:
                 measured_floor = f"measured {b.floor.measured:.3g}" if b.floor.measured is not None else \
                     f"not measured: {b.floor.why_unmeasured}"
                 floor = f"noise floor {b.floor.value:.3g} (predicted {b.floor.predicted:.3g}, {measured_floor}); "
-            measured = f", measured {b.measured:.3g}" if b.measured is not None else ""
+            measured = f", measured {b.measured:.3g}" if b.measured is not None else \
+                (f", not measured ({b.why_unmeasured})" if b.why_unmeasured else "")
             judged = {"all": "", "none": " (not judged: every output is a binary head)"}.get(
                 b.judged_outputs, f" over the outputs {b.judged_outputs}")
             finite = f", on the {b.finite_fraction:.1%} finite output elements" if b.finite_fraction < 1 else ""

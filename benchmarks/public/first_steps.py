@@ -6,6 +6,9 @@ recording, Triton's compiles and autotuning).
     python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka --preset tiny
     python -m benchmarks.public.first_steps --model public_style.Wukong --config loka_ro \
         --preset production --out $OUT/first_steps            # GPU
+    python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka --save-plan plan.json
+    python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka \
+        --loka-options '{"plan": "plan.json"}'               # the first steps with that plan
 
 Run each config in a fresh process (one call per config), with a fresh TORCHINDUCTOR_CACHE_DIR
 and LOKA_CACHE_DIR for a cold start; the phases of one run overlap (a variant's compile holds
@@ -20,6 +23,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import resource
 import time
 from pathlib import Path
 
@@ -38,6 +42,7 @@ PHASES = (
     ("loka: probe variant (backend call)", "loka_compile/backend.py", "loka_backend"),
     ("loka: close the probe window", "loka_compile/compiled_graph.py", "_close_probe_window"),
     ("loka: FP8 variant compile", "loka_compile/compiled_graph.py", "_compile_fp8"),
+    ("loka: probe variant's graphs traced (no Inductor codegen)", "loka_compile/inductor_compile.py", "_as_traced"),
     ("loka: passes (all graphs)", "passes/__init__.py", "run_passes"),
     ("loka: speed check (site timings)", "loka_compile/speed.py", "site_timing"),
     ("loka: epilogue timings", "loka_compile/speed.py", "epilogue_timing"),
@@ -62,6 +67,14 @@ def phase_times(stats: pstats.Stats, phases=PHASES) -> list[dict]:
                 calls += nc
         out.append({"phase": label, "seconds": round(seconds, 3), "calls": calls})
     return out
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (Inductor's C++
+    compiles): on a shared machine less noisy than wall time, where every config runs on the
+    same threads (one compile worker)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def run_steps(call, batches, steps: int, cuda: bool) -> list[float]:
@@ -91,6 +104,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="auto")
     p.add_argument("--loka-options", type=json.loads, default=None)
+    p.add_argument("--save-plan", default=None, help="a loka config: write its plan here after the steps "
+                   "(pass it back with --loka-options '{\"plan\": PATH}' for the planned first steps)")
     p.add_argument("--out", default=None, help="directory for <name>.json and .md (default: print only)")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
@@ -124,16 +139,22 @@ def main(argv=None) -> dict:
         return loss
 
     profiler = cProfile.Profile()
+    cpu_start = cpu_seconds()
     profiler.enable()
     per_step = run_steps(call, batches, args.steps, cuda)
     profiler.disable()
+    cpu_s = cpu_seconds() - cpu_start
+    if args.save_plan:
+        import loka_compile
+        loka_compile.save_plan(fn, args.save_plan)
     result = {"model": args.model, "config": cfg.name, "mode": args.mode, "preset": args.preset, "batch": batch,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "first_steps_s": round(sum(per_step), 3), "per_step_s": [round(t, 3) for t in per_step],
+              "first_steps_cpu_s": round(cpu_s, 3), "loka_options": args.loka_options,
               "phases": phase_times(pstats.Stats(profiler))}
     lines = [f"# First {args.steps} steps: {args.model} {args.mode}, {cfg.name} ({result['device']}, preset "
-             f"{args.preset}, batch {batch}): {result['first_steps_s']:.2f} s under cProfile, per step "
-             f"{result['per_step_s']}", "", "| phase | seconds | calls |", "|---|---|---|"]
+             f"{args.preset}, batch {batch}): {result['first_steps_s']:.2f} s under cProfile ({cpu_s:.2f} CPU s), "
+             f"per step {result['per_step_s']}", "", "| phase | seconds | calls |", "|---|---|---|"]
     lines += [f"| {ph['phase']} | {ph['seconds']:.2f} | {ph['calls']} |" for ph in result["phases"] if ph["calls"]]
     text = "\n".join(lines) + "\n"
     print(text, flush=True)

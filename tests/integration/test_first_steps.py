@@ -1,18 +1,22 @@
-"""What a loka compile costs in its first steps: a graph none of whose sites is a candidate
-for FP8 is compiled once (its probe variant runs on after the window), one with candidates
-twice (probe, then FP8), and benchmarks.public.first_steps' phase table reads cProfile."""
+"""What a loka compile costs in its first steps: each graph pays one Inductor compile per ATen
+graph (forward and backward), the FP8 variant's, while its probe variant runs as traced; with
+`compile_probe` the probe variant is compiled too, and a graph none of whose sites is a candidate
+keeps it (one compile). benchmarks.public.first_steps' phase table reads cProfile."""
 
+import collections
 import copy
 import cProfile
+import logging
 import pstats
 
 import pytest
 import torch
 import torch.nn as nn
+from torch._inductor import config as inductor_config
 
 import loka_compile
-from loka_compile import compiled_graph
-from loka_compile.passes import Reason
+from loka_compile import inductor_compile
+from loka_compile.passes import Phase, Reason
 from numerics import rel_error
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
@@ -21,36 +25,46 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 REL_ERROR = 1e-5
 
 
-def _mlp(width: int) -> nn.Module:
+def _mlp(width: int, dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, 1))
 
 
-def _train_counting_compiles(monkeypatch, model, x, steps=4):
-    compiles = []
-    real = compiled_graph.LokaCompiledGraph._compile
+@pytest.fixture
+def inductor_compiles(monkeypatch):
+    """Inductor compiles of ATen graphs by kind ("forward" or "backward"), counted where loka
+    calls Inductor; the FX graph cache off, so that none is a cache entry dropped and compiled again."""
+    compiles = collections.Counter()
+    real = inductor_compile.compile_fx_inner
 
-    def counting(self, gm, example_inputs, phase):
-        compiles.append(phase)
-        return real(self, gm, example_inputs, phase)
+    def counting(gm, example_inputs, **kwargs):
+        compiles["backward" if kwargs.get("is_backward") else "forward"] += 1
+        return real(gm, example_inputs, **kwargs)
 
-    monkeypatch.setattr(compiled_graph.LokaCompiledGraph, "_compile", counting)
+    monkeypatch.setattr(inductor_compile, "compile_fx_inner", counting)
+    with inductor_config.patch(fx_graph_cache=False):
+        yield compiles
+
+
+def _train(model, x, steps=4, **options):
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="loka", options={"probe_steps": 2})
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 2, **options})
     for _ in range(steps):
         out = compiled(x)
         out.square().mean().backward()
         ref = eager(x)
         ref.square().mean().backward()
     grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters())]
-    return compiles, out, ref, grads, loka_compile.report(compiled)
+    return compiled, out, ref, grads
 
 
-def test_a_graph_without_candidates_compiles_once(monkeypatch):
-    """Every GEMM below min_gemm_dim (16): nothing to probe, so the probe variant is final."""
-    model = _mlp(8)
-    compiles, out, ref, grads, report = _train_counting_compiles(monkeypatch, model, torch.randn(32, 8))
-    assert compiles == ["probe"]
+@pytest.mark.parametrize("compile_probe", [False, True])
+def test_a_graph_without_candidates_compiles_once(inductor_compiles, compile_probe):
+    """Every GEMM below min_gemm_dim (16): nothing to probe. Its one compile is the FP8
+    variant's, after the window; with compile_probe the probe variant's, which runs on."""
+    compiled, out, ref, grads = _train(_mlp(8), torch.randn(32, 8), compile_probe=compile_probe)
+    assert inductor_compiles == {"forward": 1, "backward": 1}
+    report = loka_compile.report(compiled)
     assert report.sites and all(s.reason == Reason.TOO_SMALL.value for s in report.sites), report.table()
     assert {s.role for s in report.sites} >= {"fwd", "dgrad", "wgrad"}
     assert torch.isfinite(out).all() and rel_error(ref.detach(), out.detach()) < REL_ERROR
@@ -58,12 +72,82 @@ def test_a_graph_without_candidates_compiles_once(monkeypatch):
         assert torch.isfinite(got).all() and rel_error(want, got) < REL_ERROR
 
 
-def test_a_graph_with_candidates_compiles_its_fp8_variant(monkeypatch):
-    model = _mlp(32)
-    compiles, out, ref, _, report = _train_counting_compiles(monkeypatch, model, torch.randn(64, 32))
-    assert compiles == ["probe", "fp8"]
+@pytest.mark.parametrize("compile_probe, per_graph", [(False, 1), (True, 2)])
+def test_a_training_graph_with_a_window_compiles_once_per_aten_graph(inductor_compiles, compile_probe, per_graph):
+    """The probe variant runs as traced: the forward and the backward graph are compiled by
+    Inductor once each, as the FP8 variant. compile_probe: twice (probe, then FP8)."""
+    compiled, out, ref, grads = _train(_mlp(32), torch.randn(64, 32), compile_probe=compile_probe, recipe="rowwise")
+    assert inductor_compiles == {"forward": per_graph, "backward": per_graph}
+    report = loka_compile.report(compiled)
     assert any(s.fp8 for s in report.sites), report.table()
-    assert torch.isfinite(out).all()
+    assert {s.kind for s in report.sites if s.fp8} == {"forward", "backward"}
+    assert torch.isfinite(out).all() and rel_error(ref.detach(), out.detach()) < 0.1  # rowwise e4m3 in the GEMMs
+    for got, want in grads:
+        assert torch.isfinite(got).all() and rel_error(want, got) < 0.2
+
+
+def test_the_traced_probe_finds_and_judges_what_the_compiled_one_does():
+    """The probe variant run as traced sees the graph Inductor would lower: the same sites,
+    the same verdicts, the same decisions as with compile_probe."""
+    x = torch.randn(64, 32)
+    tables = []
+    for compile_probe in (False, True):
+        torch._dynamo.reset()
+        compiled, out, _, _ = _train(_mlp(32), x, compile_probe=compile_probe)
+        report = loka_compile.report(compiled)
+        tables.append(sorted((s.id, s.kind, s.role, s.fp8, s.reason, s.scaling) for s in report.sites))
+        assert torch.isfinite(out).all()
+    assert tables[0] == tables[1] and any(fp8 for *_, fp8, _, _ in tables[0])
+
+
+def test_a_traced_probe_that_fails_at_its_first_run_is_compiled(inductor_compiles, monkeypatch, caplog):
+    """A probe variant whose traced graph fails at its first run is compiled with Inductor, and
+    the window goes on: the call runs, its sites are observed once, the FP8 variant follows."""
+    real = inductor_compile._as_traced
+
+    def fails_first(gm, example_inputs, **kwargs):
+        traced = real(gm, example_inputs, **kwargs)
+        if kwargs.get("is_backward"):
+            return traced
+
+        def run(args):
+            raise RuntimeError("no kernel for this op outside Inductor")
+        run._boxed_call = True
+        return run
+
+    monkeypatch.setattr(inductor_compile, "_as_traced", fails_first)
+    with caplog.at_level(logging.WARNING, logger="loka"):
+        compiled, out, ref, grads = _train(_mlp(32), torch.randn(64, 32))
+    assert sum("failed at its first run as traced" in r.getMessage() for r in caplog.records) == 1
+    assert inductor_compiles == {"forward": 2, "backward": 2}  # the probe variant's compile, then the FP8 variant's
+    state = loka_compile.state_of(compiled)
+    assert state.counters["first_run_fallbacks"] == 0
+    graph = state.records[0]
+    assert graph.phase is Phase.FP8 and graph.fallback is None
+    observed = [state.store.observed(s.key) for ctx in graph.contexts_of(Phase.PROBE).values() for s in ctx.sites
+                if ctx.decisions[s.id].reason is Reason.PROBING]
+    assert observed and set(observed) == {2}  # the window's two calls, the failed one not among them
+    report = loka_compile.report(compiled)
+    assert any(s.fp8 for s in report.sites) and not any(s.reason == "graph_fallback" for s in report.sites)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g, _ in grads)
+
+
+def test_output_budget_not_measured_where_the_traced_probe_draws_its_own_random_numbers():
+    """Dropout draws in Inductor's code in the FP8 variant and in eager kernels in the traced
+    probe: their outputs are not comparable, so the FP8 variant's discrepancy is not measured,
+    and the report says why; without dropout it is measured, near its prediction."""
+    x = torch.randn(64, 32)
+    budgets = {}
+    for dropout in (0.0, 0.25):
+        torch._dynamo.reset()
+        compiled, out, _, _ = _train(_mlp(32, dropout), x, steps=3, recipe="rowwise")
+        budgets[dropout] = loka_compile.state_of(compiled).records[0].output_budget
+        assert torch.isfinite(out).all()
+    plain, dropped = budgets[0.0], budgets[0.25]
+    assert plain.measured is not None and not plain.why_unmeasured
+    assert plain.measured <= 1.5 * plain.predicted_after + plain.floor.value
+    assert dropped.measured is None and "random numbers" in dropped.why_unmeasured
+    assert dropped.predicted_after is not None and dropped.predicted_after > 0
 
 
 def test_phase_table_sums_cumulative_time_per_function():

@@ -61,6 +61,7 @@ BAD_OPTIONS = [
     ({"speed_check": None}, "speed_check must be a bool"),
     ({"refit_output_budget": 1}, "refit_output_budget must be a bool"),
     ({"amax_guard": "yes"}, "amax_guard must be a bool"),
+    ({"compile_probe": None}, "compile_probe must be a bool"),
     ({"min_fp8_speedup": float("inf")}, "min_fp8_speedup must be a positive finite number"),
     ({"min_fp8_speedup": True}, "min_fp8_speedup must be a positive finite number"),
     ({"fallback": "no"}, "fallback must be a bool"),

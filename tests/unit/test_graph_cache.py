@@ -95,15 +95,16 @@ def test_a_second_process_hits_the_cache_and_reports_alike(caches, device):
     # On a GPU the speed check would keep these tiny sites bf16; the test is about the cache.
     options = OPTIONS if device == "cpu" else {**OPTIONS, "speed_check": False}
     first, second = _fresh_process(options, device), _fresh_process(options, device)
-    assert first["hits"] == 0 and first["misses"] == 4, first["cache_counters"]  # probe and FP8, fwd and bwd
-    assert second["hits"] == 4 and second["misses"] == 0, (first["cache_counters"], second["cache_counters"],
+    # the FP8 variant's forward and backward (the probe variant runs as traced, not compiled)
+    assert first["hits"] == 0 and first["misses"] == 2, first["cache_counters"]
+    assert second["hits"] == 2 and second["misses"] == 0, (first["cache_counters"], second["cache_counters"],
                                                            second["log"])
     assert len(first["sites"]) == 5 and any(site[4] for site in first["sites"])
     for field in ("sites", "mods", "graphs"):
         assert second[field] == first[field], field
     torch.testing.assert_close(second["out"], first["out"], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(second["grads"], first["grads"], rtol=1e-6, atol=1e-7)
-    assert len(list((caches / "loka" / graph_cache.DIR_NAME).iterdir())) == 4
+    assert len(list((caches / "loka" / graph_cache.DIR_NAME).iterdir())) == 2
 
 
 def _counts():
