@@ -53,8 +53,8 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from loka_compile import probe, ranks
-from loka_compile.config import PROBE_METRICS, _check_bool, _check_choice, _check_non_negative_int, \
-    _check_positive_number
+from loka_compile.config import PROBE_METRICS, check_bool, check_choice, check_non_negative_int, \
+    check_positive_number
 from loka_compile.kernels import metrics, triton_quant
 from loka_compile.kernels.quantize import Fp8Format, dequantize
 
@@ -105,15 +105,15 @@ class CommOptions:
                 not (0 <= self.max_error < math.inf):
             raise ValueError(f"max_error must be a finite number >= 0 (0: keep high precision), got {self.max_error!r}")
         object.__setattr__(self, "max_error", float(self.max_error))
-        window = _check_non_negative_int("window_steps", self.window_steps)
+        window = check_non_negative_int("window_steps", self.window_steps)
         if window < 2:
             raise ValueError(f"window_steps must be at least 2 (a confidence bound needs two calls), got {window}")
         object.__setattr__(self, "window_steps", window)
         if self.block not in BLOCK_SIZES or isinstance(self.block, bool):
             raise ValueError(f"block must be one of the valid blocks {list(BLOCK_SIZES)}, got {self.block!r}")
-        _check_choice("gather", self.gather, list(GATHER_FORMATS))
-        _check_bool("speed_check", self.speed_check)
-        object.__setattr__(self, "min_speedup", _check_positive_number("min_speedup", self.min_speedup))
+        check_choice("gather", self.gather, list(GATHER_FORMATS))
+        check_bool("speed_check", self.speed_check)
+        object.__setattr__(self, "min_speedup", check_positive_number("min_speedup", self.min_speedup))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,24 +216,24 @@ class LokaConfig:
     def __post_init__(self):
         from loka_compile.kernels import providers as provider_registry
 
-        _check_choice("recipe", self.recipe, sorted(RECIPES))
-        _check_choice("mode", self.mode, list(MODES))
-        _check_choice("probe_metric", self.probe_metric, list(PROBE_METRICS))
+        check_choice("recipe", self.recipe, sorted(RECIPES))
+        check_choice("mode", self.mode, list(MODES))
+        check_choice("probe_metric", self.probe_metric, list(PROBE_METRICS))
         if self.max_probe_error is None:
             self._set("max_probe_error", PROBE_METRICS[self.probe_metric])
         for name in ("emulate", "fallback", "speed_check", "refit_output_budget", "amax_guard", "compile_probe"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         for name in ("min_gemm_dim", "probe_steps", "recheck_every"):
-            self._set(name, _check_non_negative_int(name, getattr(self, name)))
+            self._set(name, check_non_negative_int(name, getattr(self, name)))
         if self.recheck_every and not self.probe_steps:
             raise ValueError(f"recheck_every={self.recheck_every} needs probe_steps > 0: a re-check runs the "
                              "probe variant the window compiled")
         for name in ("max_probe_error", "min_fp8_speedup"):
-            self._set(name, _check_positive_number(name, getattr(self, name)))
+            self._set(name, check_positive_number(name, getattr(self, name)))
         if self.max_output_error != RELATIVE_BUDGET:
             self._set("max_output_error", _check_off_or_positive("max_output_error", self.max_output_error,
                                                                        f", {RELATIVE_BUDGET!r}"))
-        self._set("noise_floor_multiple", _check_positive_number("noise_floor_multiple", self.noise_floor_multiple))
+        self._set("noise_floor_multiple", check_positive_number("noise_floor_multiple", self.noise_floor_multiple))
         self._set("max_ne_increase", _check_off_or_positive("max_ne_increase", self.max_ne_increase))
         self._set("binary_outputs", _check_names("binary_outputs", self.binary_outputs))
         self._set("providers", _check_names("providers", self.providers, provider_registry.names()))
@@ -315,23 +315,23 @@ LokaConfig.__init__ = _checked_init(LokaConfig.__init__)
 # Validators: each raises ValueError naming the option and its valid values, and returns
 # the value normalized (plain int/float, tuple of names) so the config's repr is stable.
 
-def _check_choice(name: str, value, valid: list) -> None:
+def check_choice(name: str, value, valid: list) -> None:
     if not isinstance(value, str) or value not in valid:
         raise ValueError(f"{name} must be one of the valid {name}s {valid}, got {value!r}")
 
 
-def _check_bool(name: str, value) -> None:
+def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
 
 
-def _check_non_negative_int(name: str, value) -> int:
+def check_non_negative_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     return int(value)
 
 
-def _check_positive_number(name: str, value) -> float:
+def check_positive_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
