@@ -21,7 +21,7 @@ from loka_compile import graph_cache
 from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback
 from loka_compile.inductor_passes import LokaPostGradPass
 from loka_compile.passes import graph_kind, GraphKind
-from loka_compile.passes.mods.cached_weights import check_after_call, RefreshingGraph, WeightCache
+from loka_compile.passes.mods.cached_weights import check_after_call, RefreshingGraph, WeightCache, writes_inputs
 from loka_compile.passes.mods.weight_both_layouts import strip as strip_weight_layouts
 from loka_compile.state import GraphRecord
 
@@ -141,21 +141,70 @@ def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord,
         if not record.config.fallback or is_dynamo_control(error):
             raise
         kind = graph_kind(pristine.graph)
-        why = f"{kind.value} graph: {error_text(error)}"
-        record.fallen_back[kind] = why
-        forget_rewrite(record, why, kind=kind)
-        warn_fallback(record, why, whole_graph=False)
-        _, left = strip_weight_layouts(pristine.graph)  # the joint graph's rewrite: weights as written
-        if left:
-            log.warning("loka: %s: %d GEMM(s) of the %s graph run in high precision on the FP8 copy of a "
-                        "computed weight the forward saved", record.name, left, kind.value)
-        pristine.recompile()
+        _fall_back_graph(record, pristine, f"{kind.value} graph: {error_text(error)}", kind)
         with inductor_config.patch(post_grad_custom_post_pass=None):
             return compile_fx_inner(pristine, example_inputs, **kwargs)
-    ctx = next((record.contexts[key] for key, module in record.graph_modules.items() if module is gm), None)
+    key = next((key for key, module in record.graph_modules.items() if module is gm), None)
+    ctx = record.contexts.get(key) if key is not None else None
     if ctx is not None and ctx.cached_weights:
         return RefreshingGraph(compiled, WeightCache(ctx.cached_weights), check_after_call(gm.graph, example_inputs))
+    if record.config.fallback and graph_kind(pristine.graph) is GraphKind.BACKWARD and not writes_inputs(pristine.graph):
+        return BackwardFirstRun(compiled, pristine, record, key[0] if key is not None else None)
     return compiled
+
+
+def _fall_back_graph(record: GraphRecord, pristine: torch.fx.GraphModule, why: str, kind: GraphKind,
+                     phase=None) -> None:
+    """A graph of `kind` runs without loka's post-grad pass from now on: its sites report
+    `why`, and `pristine` (the graph as AOTAutograd gave it) loses the joint graph's weight
+    layouts, which only loka's lowering reads."""
+    record.fallen_back[kind] = why
+    forget_rewrite(record, why, kind=kind, phase=phase)
+    warn_fallback(record, why, whole_graph=False)
+    _, left = strip_weight_layouts(pristine.graph)  # the joint graph's rewrite: weights as written
+    if left:
+        log.warning("loka: %s: %d GEMM(s) of the %s graph run in high precision on the FP8 copy of a "
+                    "computed weight the forward saved", record.name, left, kind.value)
+    pristine.recompile()
+
+
+class BackwardFirstRun:
+    """A backward graph's callable whose first run, if it fails, falls back: the graph as
+    AOTAutograd gave it runs instead, as traced (ATen ops, no loka pass, no Inductor code),
+    for that call and every later one, and its sites report why. A forward's first run has
+    its own fallback (`LokaCompiledGraph`); a backward runs inside autograd, where only the
+    graph's callable can step in. Graphs that write their inputs are not wrapped: a failed
+    run may have written them already."""
+
+    def __init__(self, compiled, pristine: torch.fx.GraphModule, record: GraphRecord, phase):
+        self._boxed_call = True  # on the instance: the wrappers Inductor puts around it copy its __dict__
+        self.compiled = compiled
+        self._pristine = pristine
+        self._record = record
+        self._phase = phase
+        self._ran = False
+
+    def __call__(self, inputs):
+        if self._ran:
+            return self.compiled(inputs)
+        kept = list(inputs)  # a boxed callable clears `inputs`; the retry needs them (held to the call's end)
+        try:
+            out = self.compiled(inputs)
+        except Exception as error:  # noqa: BLE001  (any failure of loka's graph; the plain graph's is raised)
+            if is_dynamo_control(error):
+                raise
+            why = f"backward graph failed at its first run: {error_text(error)}"
+            _fall_back_graph(self._record, self._pristine, why, GraphKind.BACKWARD, self._phase)
+            self.compiled = make_boxed_func(self._pristine.forward)
+            out = self.compiled(kept)
+        self._ran = True
+        self._pristine = None
+        return out
+
+    def __getattr__(self, name):
+        if name == "compiled":
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
 
 
 # Dynamo-graph ops that take a weight as their second argument, and ops a weight passes
