@@ -51,8 +51,10 @@ Per row:
 
 Each row runs inside try/except: a failure (crash, missing library, budget) becomes a row
 with `error` (and `traceback`), never an abort. Results: `<out>/<stem>.json` (rows merged
-with those already there, rewritten after every row) and `<stem>.md`, a markdown table of
-every row in the JSON.
+with those already there, rewritten after every row), `<stem>.md`, a markdown table of
+every row in the JSON, and `<stem>.png` (with matplotlib, the bench extra): each config's
+speedup over Inductor bf16 against its model's FP8 ceiling at 1.6x (profiled rows, `--profile`),
+and every row's speedup.
 """
 
 from __future__ import annotations
@@ -486,6 +488,70 @@ def write_outputs(path: Path, env: dict, rows: list[dict]) -> None:
     merged = json.loads(path.read_text())["rows"]
     fill_relative(merged)
     path.with_suffix(".md").write_text(format_markdown(env, merged))
+    try:
+        plot_speedups(merged, path.with_suffix(".png"))
+    except ImportError as error:  # matplotlib is the bench extra's; the JSON and table stand without it
+        log(f"plot skipped: {error}")
+
+
+def ceilings(rows: list[dict]) -> dict:
+    """(model, preset, batch, mode) -> the FP8 ceiling at 1.6x of a profiled row of that group
+    (Inductor bf16's where it was profiled: the ceiling describes the model, not a config)."""
+    found = {}
+    for r in sorted(rows, key=lambda r: r.get("config") not in SPEEDUP_REFS.get(r.get("compile_mode") or "default", ())):
+        group = (r["model"], r["preset"], r["batch"], r["mode"])
+        if r.get("ceiling_1p6x") and group not in found:
+            found[group] = r["ceiling_1p6x"]
+    return found
+
+
+def plot_speedups(rows: list[dict], path: Path) -> None:
+    """Two panels: each config's speedup over Inductor bf16 against its model's FP8 ceiling at
+    1.6x (models with a profiled row; the diagonal is the ceiling reached), and every row's
+    speedup per model and mode. Raises ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.get("speedup_vs_inductor_bf16") and r.get("speedup_ref") != r["config"]]
+    ceiling = ceilings(rows)
+    configs = list(dict.fromkeys(r["config"] for r in timed))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5))
+    for config in configs:
+        mine = [r for r in timed if r["config"] == config
+                and (r["model"], r["preset"], r["batch"], r["mode"]) in ceiling]
+        left.scatter([ceiling[(r["model"], r["preset"], r["batch"], r["mode"])] for r in mine],
+                     [r["speedup_vs_inductor_bf16"] for r in mine], label=config)
+        for r in mine:
+            left.annotate(f"{r['model'].split('.')[-1]} {r['mode']}",
+                          (ceiling[(r["model"], r["preset"], r["batch"], r["mode"])], r["speedup_vs_inductor_bf16"]),
+                          fontsize=7, xytext=(3, 3), textcoords="offset points")
+    plotted = [r["speedup_vs_inductor_bf16"] for r in timed if (r["model"], r["preset"], r["batch"], r["mode"]) in ceiling]
+    top = 1.05 * max([1.5, *ceiling.values(), *plotted])
+    left.plot([1, top], [1, top], color="gray", linewidth=0.8, linestyle="--")
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xlabel("FP8 ceiling at 1.6x (GEMM share of a profiled step)")
+    left.set_ylabel("speedup over Inductor bf16")
+    left.set_title(f"against the ceiling ({len(ceiling)} profiled model/mode pairs)")
+    groups = list(dict.fromkeys(f"{r['model'].split('.')[-1]} {r['mode']}" for r in timed))
+    width = 0.8 / max(1, len(configs))
+    for i, config in enumerate(configs):
+        speed = {f"{r['model'].split('.')[-1]} {r['mode']}": r["speedup_vs_inductor_bf16"]
+                 for r in timed if r["config"] == config}
+        right.bar([g + i * width for g in range(len(groups))], [speed.get(g, 0.0) for g in groups], width,
+                  label=config)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_yscale("log")  # a 14x row and 0.96x rows on one axis
+    right.set_xticks([g + width * (len(configs) - 1) / 2 for g in range(len(groups))])
+    right.set_xticklabels(groups, rotation=45, ha="right", fontsize=8)
+    right.set_ylabel("speedup over Inductor bf16 (log scale)")
+    right.set_title("every timed row")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------ main

@@ -264,3 +264,42 @@ def test_conv1x1_benchmark_runs_each_kind_of_variant_on_cpu(tmp_path, one_thread
     assert rows["inductor_conv"]["cin_fp8_sites"] is None
     # loka's CIN GEMMs are sites of every role (the Mod made linears of the convolutions)
     assert all(v.split("/")[1] == "2" for v in rows["loka"]["cin_fp8_sites"].values()), rows["loka"]
+
+
+def _public_rows():
+    """Four rows of the public suite's runner: one profiled model (A, training) and one not (B)."""
+    base = {"preset": "production", "batch": 8192, "compile_mode": "reduce-overhead"}
+    return [
+        {**base, "model": "lib.A", "mode": "train", "config": "inductor_bf16_ro", "step_ms": 10.0, "ceiling_1p6x": 1.3},
+        {**base, "model": "lib.A", "mode": "train", "config": "loka_ro", "step_ms": 8.0, "ceiling_1p6x": 1.1},
+        {**base, "model": "lib.B", "mode": "infer", "config": "inductor_bf16_ro", "step_ms": 4.0},
+        {**base, "model": "lib.B", "mode": "infer", "config": "loka_ro", "step_ms": 5.0},
+    ]
+
+
+def test_public_suite_ceiling_is_the_profiled_inductor_rows():
+    from benchmarks.public import run
+    assert run.ceilings(_public_rows()) == {("lib.A", "production", 8192, "train"): 1.3}
+    assert run.ceilings(_public_rows()[1:]) == {("lib.A", "production", 8192, "train"): 1.1}  # another row's
+
+
+def test_public_suite_plots_speedup_against_the_ceiling(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs the bench extra")
+    from benchmarks.public import run
+    rows = _public_rows()
+    run.fill_relative(rows)
+    assert [r.get("speedup_vs_inductor_bf16") for r in rows] == [1.0, 1.25, 1.0, 0.8]
+    run.plot_speedups(rows, tmp_path / "suite.png")
+    assert (tmp_path / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_public_suite_results_stand_without_matplotlib(tmp_path, monkeypatch, capsys):
+    import sys
+    from benchmarks.public import run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails, as without the bench extra
+    path = tmp_path / "suite.json"
+    run.write_outputs(path, {"preset": "production"}, _public_rows())
+    assert len(json.loads(path.read_text())["rows"]) == 4
+    assert "lib.A" in path.with_suffix(".md").read_text()
+    assert not path.with_suffix(".png").exists()
+    assert "plot skipped" in capsys.readouterr().out
