@@ -283,6 +283,8 @@ def plot(summary: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models = list(dict.fromkeys(e["model"] for e in summary))
+    if not models:  # a call that ran no row yet: nothing to plot
+        return
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for e in summary:
