@@ -168,9 +168,9 @@ class LokaConfig:
         weigh the sites left in FP8 again with every s * e scaled by measured / predicted D,
         make those that no longer fit safe with a finer scaling where the Probe measured one
         (as at the window's close), keep the rest in high precision, and compile the FP8
-        variant once more. Off by default: on the H100 the serving graphs of Wukong, MaskNet and DLRM
-        measured 2.6-3.5x their prediction (D 0.0047-0.0071), so on, most graphs would give
-        up FP8 sites, at a speed cost not yet measured; off, the miss is logged as a warning.
+        variant once more. Off by default: measured serving graphs exceed their prediction
+        (docs/benchmarks.md, "Output budget"), so on, most would give up FP8 sites at a speed
+        cost not yet measured; off, the miss is logged as a warning.
     amax_guard: after the probe window, each tensorwise site checks at every call the amax
         its casts compute: one over `scaled_gemm.amax_jump` (2^14.8 for e4m3) times the
         largest the window saw, or an inf or NaN in a cached e4m3 weight (e4m3 has no inf),
