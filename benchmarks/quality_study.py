@@ -13,6 +13,9 @@ batches for --steps steps, then held-out NE is measured on --eval-batches batche
 
 - `bf16`: Inductor bf16 (benchmarks.train's inductor_bf16, or _ro with --mode
   reduce-overhead): the reference, and, over the seeds, the seed-to-seed spread of NE;
+- `bf16_again` (--replicate): the same bf16 run once more, same seed, same batches. Its paired
+  dNE is how far a rerun moves NE on its own (nondeterministic reductions, compounded over the
+  steps): the noise any paired difference of this model must clear;
 - `loka_k<k>_ne<n>`: loka with the relative output budget at noise_floor_multiple k and
   max_ne_increase n, one row per pair of --multiples and --ne-increases;
 - `loka_mere`: LoKA's per-site rule alone (probe_metric "mere", bound 0.2; no output budget);
@@ -22,7 +25,8 @@ batches for --steps steps, then held-out NE is measured on --eval-batches batche
 Per row: held-out NE, step time (median of --timed steps after the probe window; CUDA events
 on GPU, wall clock on CPU), and the FP8 share of forward and backward GEMM FLOPs
 (`loka_compile.report`, sites of concrete shape). Per model and config (`summary`): mean NE
-over seeds, dNE = mean NE / bf16's mean NE - 1, the paired dNE (per seed, then averaged),
+over seeds, dNE = mean NE / bf16's mean NE - 1, the paired dNE (per seed, then averaged) and
+its standard error over the seeds, the rerun noise (the mean |paired dNE| of `bf16_again`),
 bf16's seed spread ((max - min) / min of its NE over seeds), `within` when dNE is at most the
 larger of that spread and 0.1% (NE_TOLERANCE: the project's goal), the speedup of the median
 step time against bf16's, and the FP8 shares.
@@ -71,13 +75,14 @@ from benchmarks.train import NE_TOLERANCE, Config
 
 _T0 = time.perf_counter()
 BASELINE = "bf16"
+REPLICATE = "bf16_again"
 
 
 RULES = ("loka_mere", "loka_per_site", "loka_all_fp8")
 
 
 def study_configs(multiples: list, ne_increases: list, mode: str, rules: tuple = RULES,
-                  speed_check: bool = True) -> dict:
+                  speed_check: bool = True, replicate: bool = False) -> dict:
     """The study's rows, name -> benchmarks.train Config (loka rows carry their options);
     `rules`: which of RULES (the rows without the output budget) to add; `speed_check=False`
     lets the quality rule alone decide every loka row's sites (small batches, where FP8 rarely pays)."""
@@ -86,6 +91,8 @@ def study_configs(multiples: list, ne_increases: list, mode: str, rules: tuple =
         raise ValueError(f"unknown rule rows {unknown}; valid: {', '.join(RULES)}")
     inductor = "inductor_bf16_ro" if mode == "reduce-overhead" else "inductor_bf16"
     configs = {BASELINE: dataclasses.replace(train.CONFIGS[inductor], name=BASELINE)}
+    if replicate:
+        configs[REPLICATE] = dataclasses.replace(train.CONFIGS[inductor], name=REPLICATE)
     for k, ne in zip(multiples, ne_increases):
         name = f"loka_k{k:g}_ne{ne:g}"
         configs[name] = Config(name, "loka", mode, options=(("noise_floor_multiple", k), ("max_ne_increase", ne)))
@@ -231,6 +238,10 @@ def public_row(name: str, cfg_name: str, seed: int, args, device, deadline) -> d
 # ------------------------------------------------------------------ summary
 
 
+def is_bf16(config: str) -> bool:
+    return config in (BASELINE, REPLICATE)
+
+
 def summarize(rows: list) -> list:
     """Per (model, config): NE over seeds against the bf16 rows', speed and FP8 shares."""
     out = []
@@ -240,15 +251,20 @@ def summarize(rows: list) -> list:
         base_ne = [r["ne"] for r in base.values()]
         spread = (max(base_ne) - min(base_ne)) / min(base_ne) if len(base_ne) >= 2 else None
         base_ms = [r["step_ms"] for r in base.values() if r.get("step_ms")]
+        again = [abs(r["ne"] / base[r["seed"]]["ne"] - 1) for r in mine
+                 if r["config"] == REPLICATE and r["seed"] in base]
+        rerun_noise = statistics.fmean(again) if again else None
         for config in dict.fromkeys(r["config"] for r in rows if r["model"] == model):
             runs = [r for r in mine if r["config"] == config]
-            entry = {"model": model, "config": config, "seeds": len(runs), "bf16_spread": spread}
+            entry = {"model": model, "config": config, "seeds": len(runs), "bf16_spread": spread,
+                     "rerun_noise": rerun_noise}
             if runs and base_ne:
                 ne = statistics.fmean(r["ne"] for r in runs)
                 entry["ne"] = ne
                 entry["dne"] = ne / statistics.fmean(base_ne) - 1
                 paired = [r["ne"] / base[r["seed"]]["ne"] - 1 for r in runs if r["seed"] in base]
                 entry["dne_paired"] = statistics.fmean(paired) if paired else None
+                entry["dne_paired_se"] = statistics.stdev(paired) / math.sqrt(len(paired)) if len(paired) >= 2 else None
                 entry["within"] = entry["dne"] <= max(spread or 0.0, NE_TOLERANCE)
             ms = [r["step_ms"] for r in runs if r.get("step_ms")]
             if ms:
@@ -266,11 +282,13 @@ def _cell(value, spec: str) -> str:
 
 
 def markdown(summary: list) -> str:
-    lines = ["| model | config | seeds | NE | dNE | dNE paired | bf16 spread | within | speedup | FP8 fwd | FP8 bwd |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | config | seeds | NE | dNE | dNE paired | +- s.e. | rerun noise | bf16 spread | within | speedup "
+             "| FP8 fwd | FP8 bwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary:
         lines.append(f"| {e['model']} | {e['config']} | {e['seeds']} | {_cell(e.get('ne'), '.5f')} | "
                      f"{_cell(e.get('dne'), '+.3%')} | {_cell(e.get('dne_paired'), '+.3%')} | "
+                     f"{_cell(e.get('dne_paired_se'), '.3%')} | {_cell(e.get('rerun_noise'), '.3%')} | "
                      f"{_cell(e.get('bf16_spread'), '.3%')} | {_cell(e.get('within'), '')} | "
                      f"{_cell(e.get('speedup'), '.3f')} | {_cell(e.get('fp8_share_fwd'), '.0%')} | "
                      f"{_cell(e.get('fp8_share_bwd'), '.0%')} |")
@@ -319,7 +337,7 @@ GUESS_ROW_SECONDS = {"tiny": {"bf16": 20.0, "loka": 20.0}, "production": {"bf16"
 
 def guess_seconds(config: str, preset: str) -> float:
     size = GUESS_ROW_SECONDS["tiny" if preset == "tiny" else "production"]
-    return size["bf16" if config == BASELINE else "loka"]
+    return size["bf16" if is_bf16(config) else "loka"]
 
 
 def setting(args) -> dict:
@@ -329,7 +347,7 @@ def setting(args) -> dict:
 def of_setting(row: dict, here: dict) -> bool:
     """Whether a row counts in a run of setting `here`. A bf16 row counts whatever the speed
     check (it has none), so runs with it on and off share their bf16 rows."""
-    return all(row.get(k) == v for k, v in here.items() if not (k == "speed_check" and row["config"] == BASELINE))
+    return all(row.get(k) == v for k, v in here.items() if not (k == "speed_check" and is_bf16(row["config"])))
 
 
 def row_key(row: dict) -> tuple:
@@ -368,7 +386,7 @@ def row_seconds(model: str, config: str, done: list, preset: str = "tiny") -> tu
     run's setting) of its model and config, else of its model and kind (bf16 or loka), else
     of its model, else `guess_seconds`."""
     walls = [r for r in done if r.get("wall_s") and finished(r)]
-    kind = lambda c: c == BASELINE  # noqa: E731
+    kind = is_bf16
     for level, rows in (("model and config", [r for r in walls if (r["model"], r["config"]) == (model, config)]),
                         ("model and kind", [r for r in walls if r["model"] == model
                                             and kind(r["config"]) == kind(config)]),
@@ -437,6 +455,8 @@ def parse_args(argv=None):
     p.add_argument("--ne-increases", default="0.0003,0.001,0.003", help="max_ne_increase per budget level")
     p.add_argument("--rules", default=",".join(RULES),
                    help=f"comma list of the rows without the output budget among {', '.join(RULES)} ('' for none)")
+    p.add_argument("--replicate", action="store_true",
+                   help=f"add {REPLICATE}: bf16 again at the same seed, the rerun noise of paired dNE")
     p.add_argument("--configs", default=None,
                    help="comma list of the rows to run among bf16, the budget levels' and --rules' (default: all)")
     p.add_argument("--shard", default=None,
@@ -481,7 +501,8 @@ def main(argv=None) -> Path:
     else:
         device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
-    configs = study_configs(args.multiples, args.ne_increases, args.mode, args.rules, args.speed_check == "on")
+    configs = study_configs(args.multiples, args.ne_increases, args.mode, args.rules, args.speed_check == "on",
+                            args.replicate)
     if args.configs is not None:
         unknown = sorted(set(_names(args.configs)) - set(configs))
         if unknown:

@@ -33,6 +33,25 @@ def test_summary_judges_dne_against_the_bf16_seed_spread():
     assert "| m | loka_k16_ne0.001 | 2 |" in table and "60%" in table
 
 
+def test_summary_gives_the_paired_standard_error_and_the_rerun_noise():
+    base = {0: 0.80, 1: 0.81, 2: 0.79}
+    rows = [{"model": "m", "config": "bf16", "seed": s, "ne": ne} for s, ne in base.items()]
+    rows += [{"model": "m", "config": study.REPLICATE, "seed": s, "ne": base[s] * f}
+             for s, f in ((0, 1.004), (1, 0.998), (2, 1.003))]
+    rows += [{"model": "m", "config": "loka", "seed": s, "ne": base[s] * f} for s, f in ((0, 1.01), (1, 0.99), (2, 1.0))]
+    by = {e["config"]: e for e in study.summarize(rows)}
+    assert by["loka"]["dne_paired"] == pytest.approx(0.0, abs=1e-12)
+    assert by["loka"]["dne_paired_se"] == pytest.approx(0.01 / 3 ** 0.5)
+    assert by["loka"]["rerun_noise"] == pytest.approx((0.004 + 0.002 + 0.003) / 3)
+    assert by[study.REPLICATE]["dne_paired"] == pytest.approx((0.004 - 0.002 + 0.003) / 3)
+    one_seed = study.summarize([r for r in rows if r["seed"] == 0])
+    assert all(e["dne_paired_se"] is None for e in one_seed if "dne" in e)
+    assert "| m | loka | 3 |" in study.markdown(study.summarize(rows))
+    configs = study.study_configs([16], [0.001], "default", (), replicate=True)
+    assert list(configs) == ["bf16", study.REPLICATE, "loka_k16_ne0.001"]
+    assert configs[study.REPLICATE].kind == configs["bf16"].kind and study.is_bf16(study.REPLICATE)
+
+
 def test_study_configs_name_each_budget_level():
     configs = study.study_configs([4, 16], [0.0003, 0.001], "default")
     assert list(configs) == ["bf16", "loka_k4_ne0.0003", "loka_k16_ne0.001", "loka_mere", "loka_per_site",
