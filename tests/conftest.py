@@ -9,16 +9,17 @@ import torch
 os.environ["LOKA_CACHE_DIR"] = tempfile.mkdtemp(prefix="loka-test-cache-")
 atexit.register(shutil.rmtree, os.environ["LOKA_CACHE_DIR"], ignore_errors=True)
 
-# Triton kernels run on CPU only under the interpreter, and triton.jit reads this when a
-# kernel is defined: set it before any test module imports loka's kernels.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 
 
 def _has_fp8_cuda() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+# Triton kernels run without an FP8 GPU only under the interpreter, and triton.jit reads this
+# when a kernel is defined: set it before any test module imports loka's kernels.
+if not _has_fp8_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

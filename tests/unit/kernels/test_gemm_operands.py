@@ -2,18 +2,11 @@
 and scales exactly, in the K-major layouts (A row-major, B column-major) FP8 tensor cores
 read, whatever layout the operands arrive in (forward, grad-input, grad-weight)."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from loka_compile.kernels import gemm_operands  # noqa: E402
-from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands  # noqa: E402
-from loka_compile.kernels.triton_quant import interpreting  # noqa: E402
+from loka_compile.kernels import gemm_operands
+from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALINGS = [Scaling.ROWWISE, Scaling.TENSORWISE, Scaling.BLOCKWISE]
@@ -48,11 +41,6 @@ def _check(m, k, n, scaling, role, a_fmt=Fp8Format.E4M3, b_fmt=Fp8Format.E4M3):
     assert b_q.stride(0) == 1 or k == 1, f"B not K-major: strides {b_q.stride()}"
 
 
-needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),
-                                  reason="Triton runs on CPU only under TRITON_INTERPRET=1")
-
-
-@needs_triton
 @pytest.mark.parametrize("role", sorted(LAYOUTS))
 @pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: s.value)
 @pytest.mark.parametrize("m, k, n", [(13, 96, 48), (67, 272, 144), (64, 128, 256)])
@@ -62,7 +50,6 @@ def test_fused_cast_matches_reference_in_k_major_layout(m, k, n, scaling, role):
     _check(m, k, n, scaling, role)
 
 
-@needs_triton
 def test_gradient_formats():
     if DEVICE == "cuda":
         pytest.skip("covered by the cuda test")

@@ -11,34 +11,18 @@ On CPU the kernels run under the Triton interpreter at SMALL_SHAPES; the same ch
 CUDA_SHAPES run under `-m cuda`.
 """
 
-import os
-
+import pytest
 import torch
 
-_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-if not _FP8_GPU:
-    # Must precede the first import of triton (triton.language reads it at import).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from loka_compile.kernels import providers  # noqa: E402
-from loka_compile.kernels import triton_gemm as tg  # noqa: E402
-from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands  # noqa: E402
-from tests.numerics import sqnr_db  # noqa: E402
-from tests.shapes import CUDA_SHAPES, MISALIGNED_KN, SMALL_SHAPES  # noqa: E402
+from loka_compile.kernels import providers
+from loka_compile.kernels import triton_gemm as tg
+from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_operands
+from tests.numerics import sqnr_db
+from tests.shapes import CUDA_SHAPES, MISALIGNED_KN, SMALL_SHAPES
 
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
 
-_INTERPRETED = tg.interpreting() and isinstance(tg._fp8_gemm_ptr_kernel, InterpretedFunction)
-interpreter = pytest.mark.skipif(
-    not _INTERPRETED,
-    reason="CPU kernel tests need triton imported under TRITON_INTERPRET=1 (this process has a GPU, or "
-           "imported triton before this module set it)")
+interpreter = pytest.mark.interpreter
 
 # Fixed tile config for GPU tests: one compile per variant instead of a tuning sweep.
 GPU_CONFIG = tg.GemmConfig(128, 128, 128, num_warps=8, num_stages=4, ctas_per_sm=1)

@@ -16,33 +16,21 @@ On CPU the kernels run under the Triton interpreter at small shapes.
 """
 
 import copy
-import os
 
+import pytest
 import torch
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-    # Must precede the first import of triton (triton.language reads it at import).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from loka_compile.kernels import providers  # noqa: E402
-from loka_compile.kernels import triton_gemm as tg  # noqa: E402
-from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_blockwise  # noqa: E402
-from loka_compile.kernels.scaled_gemm import GemmSpec, quantize_operand_aten, scaled_gemm  # noqa: E402
-from tests.numerics import sqnr_db  # noqa: E402
+from loka_compile.kernels import providers
+from loka_compile.kernels import triton_gemm as tg
+from loka_compile.kernels.quantize import Fp8Format, Scaling, quantize_blockwise
+from loka_compile.kernels.scaled_gemm import GemmSpec, quantize_operand_aten, scaled_gemm
+from tests.numerics import sqnr_db
 
 E4M3 = Fp8Format.E4M3
 FP32_FLOOR_DB = 60.0
 BF16_FLOOR_DB = 40.0
 
-interpreter = pytest.mark.skipif(
-    not (tg.interpreting() and isinstance(tg._fp8_gemm_ptr_kernel, InterpretedFunction)),
-    reason="CPU kernel tests need triton imported under TRITON_INTERPRET=1")
+interpreter = pytest.mark.interpreter
 
 # (B, M, K, N): the brief's shape (two 32-wide K steps), and one where no dim is a
 # multiple of the interpreter's 32-wide tiles (masked K step, edge tiles in M and N).

@@ -9,24 +9,15 @@ one code apart under the interpreter; 3% with fast accumulation), and keeps e4m3
 (>= 25 dB). A wrong statistic, scale or unwritten tile lands far below.
 """
 
-import os
-
+import pytest
 import torch
 
-_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-if not _FP8_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from loka_compile.kernels import triton_gemm_norm as tgn
+from loka_compile.kernels.quantize import Fp8Format, Scaling
+from tests.numerics import sqnr_db
+from tests.unit.kernels.test_triton_gemm import make_operands, run_opcheck
 
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
-
-from loka_compile.kernels import triton_gemm_norm as tgn  # noqa: E402
-from loka_compile.kernels.quantize import Fp8Format, Scaling  # noqa: E402
-from tests.unit.kernels.test_triton_gemm import _INTERPRETED, make_operands, run_opcheck  # noqa: E402
-from tests.numerics import sqnr_db  # noqa: E402
-
-interpreter = pytest.mark.skipif(not _INTERPRETED, reason="CPU kernel tests need triton under TRITON_INTERPRET=1")
+interpreter = pytest.mark.interpreter
 E4M3 = Fp8Format.E4M3
 
 

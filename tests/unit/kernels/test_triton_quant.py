@@ -2,24 +2,12 @@
 bit (fp8 bytes and fp32 scales). CPU: Triton interpreter at small and misaligned shapes;
 `-m cuda`: the compiled kernels at real shapes."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must precede the first import of any Triton kernel (triton.jit reads it then).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import triton.runtime.interpreter  # noqa: E402
-
-from loka_compile.kernels import triton_quant as tq  # noqa: E402
-from loka_compile.kernels.quantize import Fp8Format, quantize_along, quantize_blockwise, quantize_tensorwise  # noqa: E402
-from tests.shapes import SMALL_SHAPES  # noqa: E402
-
-if not torch.cuda.is_available() and not isinstance(tq._quantize_rows_kernel, triton.runtime.interpreter.InterpretedFunction):
-    pytest.skip("loka's Triton kernels were imported before TRITON_INTERPRET=1 was set; "
-                "run with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+from loka_compile.kernels import triton_quant as tq
+from loka_compile.kernels.quantize import Fp8Format, quantize_along, quantize_blockwise, quantize_tensorwise
+from tests.shapes import SMALL_SHAPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = ["e4m3", "e5m2"]
