@@ -27,7 +27,7 @@ from torch._inductor.compile_fx import compile_fx
 from loka_compile import graph_cache, graph_speed, probe
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.budget_window import OutputBudgetWindow
-from loka_compile.config import LokaConfig, uses_cuda_graphs
+from loka_compile.config import LokaConfig
 from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback, fall_back_sites
 from loka_compile.inductor_compile import inner_compile, weight_input_indices
 from loka_compile.inductor_passes import GRAPH_SPEED, inductor_patches, LokaPostGradPass, verdict_signature
@@ -355,7 +355,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         without Inductor's CUDA graphs in a CUDA-graph mode, where the timing captures its own),
         keep the faster (`_keep_high_precision`). Rank 0 times for every rank (`decide_once`)."""
         record = self.record
-        captured = uses_cuda_graphs(record.config.mode) and device.type == "cuda"
+        captured = graph_speed.captures(record.config.mode, device)
         inputs, leaves = graph_speed.step_inputs(args)
         running = _Fp8Build(self.variants[Phase.FP8])
         fp8 = graph_speed.Step(self._compile_for_check(cudagraphs=False) if captured else running.compiled,

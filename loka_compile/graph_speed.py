@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from loka_compile.config import uses_cuda_graphs
 from loka_compile.kernels import providers
 
 log = logging.getLogger("loka")
@@ -97,6 +98,12 @@ def skip_reason(setting: str, gain: Optional[float], sites: int, device: torch.d
     if gain is not None and gain >= THIN_GAIN_MARGIN:
         return f"predicted gain {gain:.1%} >= the thin margin {THIN_GAIN_MARGIN:.0%}"
     return None
+
+
+def captures(mode: str, device: torch.device) -> bool:
+    """Whether the check times each variant's step as a CUDA graph of its own: on CUDA in a
+    mode with Inductor's CUDA graphs, which the timed variants are compiled without."""
+    return uses_cuda_graphs(mode) and device.type == "cuda"
 
 
 def mutation_skip(fw_metadata, args) -> Optional[str]:
