@@ -124,12 +124,14 @@ def mutation_skip(fw_metadata, args) -> Optional[str]:
 
 def step_inputs(args) -> tuple:
     """(inputs, the leaves whose gradients a training step computes): parameters as they are
-    (no variant writes them: `mutation_skip`), every other tensor a detached clone, a leaf
-    that takes a gradient where the original did."""
+    (no variant writes them: `mutation_skip`), every other tensor a detached copy with the
+    original's strides (compiled code checks them), a leaf that takes a gradient where the
+    original did."""
     inputs, leaves = [], []
     for arg in args:
         if isinstance(arg, torch.Tensor) and not isinstance(arg, torch.nn.Parameter):
-            arg = arg.detach().clone().requires_grad_(arg.requires_grad and arg.is_floating_point())
+            copy = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
+            arg = copy.copy_(arg.detach()).requires_grad_(arg.requires_grad and arg.is_floating_point())
         inputs.append(arg)
         if isinstance(arg, torch.Tensor) and arg.requires_grad:
             leaves.append(arg)

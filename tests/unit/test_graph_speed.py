@@ -61,10 +61,12 @@ def test_step_inputs_clone_all_but_parameters():
     weight = torch.nn.Parameter(torch.randn(8, 4))
     activation = torch.randn(3, 4, requires_grad=True) * 2  # not a leaf
     buffer, index = torch.randn(8), torch.randint(0, 8, (3,))
-    inputs, leaves = graph_speed.step_inputs([weight, activation, buffer, index, 5])
+    column = torch.randn(3, 13)[:, 2]  # a strided view, as a dense feature sliced from its table
+    inputs, leaves = graph_speed.step_inputs([weight, activation, buffer, index, 5, column])
     assert inputs[0] is weight and inputs[4] == 5
-    for clone, original in zip(inputs[1:4], (activation, buffer, index)):
+    for clone, original in zip(inputs[1:4] + inputs[5:], (activation, buffer, index, column)):
         assert clone is not original and clone.data_ptr() != original.data_ptr() and torch.equal(clone, original)
+        assert clone.stride() == original.stride()
     assert inputs[1].is_leaf and inputs[1].requires_grad and not inputs[2].requires_grad
     assert leaves == [weight, inputs[1]]
 
