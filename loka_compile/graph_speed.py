@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 
 from loka_compile.config import uses_cuda_graphs
 from loka_compile.kernels import providers
+from loka_compile.speed import capture_stream
 
 log = logging.getLogger("loka")
 
@@ -187,7 +188,7 @@ def _timed_run(step: Callable, device: torch.device, captured: bool) -> Callable
     run = step
     if captured:
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(device)
+        stream = capture_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             step()  # warm up on the capture stream
