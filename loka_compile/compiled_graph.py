@@ -169,9 +169,15 @@ class LokaCompiledGraph(OutputBudgetWindow):
         every = record.config.recheck_every
         if every and record.phase is Phase.FP8 and self._builds and (self.calls - record.config.probe_steps) % every == 0:
             return self._recheck_call(args)
-        if self._graph_speed_pending and record.phase is Phase.FP8:
+        # Not while Dynamo compiles: DDP's graph splitting runs each compiled piece once then,
+        # inside the compile (its backward would compile inside it too).
+        if self._graph_speed_pending and record.phase is Phase.FP8 and torch._guards.TracingContext.try_get() is None:
             self._graph_speed_pending = False
             self._check_graph_speed(args)
+            if id(self.variants[Phase.FP8]) in self._first_runs and not record.config.recheck_every \
+                    and record.amax_guards is None:
+                self._source.drop()  # ran before the check (inside Dynamo's compile); nothing compiles it again
+                record.store.release_samples(probe_site_keys(record))
         variant = self.variants[record.phase]
         if id(variant) in self._first_runs:
             out = variant(*args)
@@ -186,7 +192,8 @@ class LokaCompiledGraph(OutputBudgetWindow):
             why = f"first run failed: {error_text(error)}"
         else:
             self._first_runs.add(id(variant))
-            if record.phase is Phase.FP8 and not record.config.recheck_every and record.amax_guards is None:
+            if record.phase is Phase.FP8 and not record.config.recheck_every and record.amax_guards is None \
+                    and not self._graph_speed_pending:
                 self._source.drop()  # nothing compiles this graph again
                 record.store.release_samples(probe_site_keys(record))  # nor observes it
             if record.phase is Phase.FP8 and record.amax_guards is not None:
@@ -384,8 +391,15 @@ class LokaCompiledGraph(OutputBudgetWindow):
                  result.describe_times(), result.kept)
         if result.kept == "fp8":
             running.restore(record)
-        else:
+            return result
+        try:
             self._keep_high_precision(result, None if captured else high)
+        except Exception:  # compiling it with the mode's CUDA graphs failed: the FP8 variant runs on
+            for key in [key for key in record.contexts if key[0] is Phase.FP8]:
+                record.contexts.pop(key)
+                record.graph_modules.pop(key, None)
+            running.restore(record)
+            raise
         return result
 
     def _compile_for_check(self, high_precision: str = "", cudagraphs: bool = True):

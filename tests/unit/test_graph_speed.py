@@ -1,5 +1,5 @@
 """loka_compile/graph_speed.py: which graphs the graph speed check times, the steps it times,
-and its verdict (the compiled-graph side is in tests/integration/test_graph_speed.py)."""
+and its verdict (the compiled-graph side is in tests/integration/test_whole_graph_speed.py)."""
 
 import types
 
