@@ -330,7 +330,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
                    if kind is not GraphKind.BACKWARD for site in ctx.sites if site.id in ctx.decisions]
         gain, sites = graph_speed.predicted_gain([decision for _, decision in decided])
         device = next((site.device for site, decision in decided if decision.fp8), torch.device("cpu"))
-        why = graph_speed.skip_reason(config.graph_speed_check, gain, sites, device)
+        why = graph_speed.skip_reason(config.graph_speed_check, gain, sites, device, config.speed_check)
         if why is None and (record.fallback or record.fallen_back):
             why = "the graph runs without loka's passes"
         if why is None and not self._source.kept:

@@ -119,7 +119,7 @@ class LokaConfig:
         Inductor fuses the casts into the graph, which can cost a graph whose gain is thin
         all of it. "thin" (default): graphs whose FP8 sites the site timings predict less
         than `graph_speed.THIN_GAIN_MARGIN` faster, on FP8 hardware (emulated FP8 is not
-        timed: a CPU timing says nothing of a GPU). "always": every graph with an FP8
+        timed: a CPU timing says nothing of a GPU), with `speed_check` on. "always": every graph with an FP8
         site, on any device. "off". Costs a timed graph one more Inductor compile (two in
         a CUDA-graph mode, three where high precision wins there) and a few steps of each
         variant on clones of its inputs.

@@ -85,15 +85,19 @@ def predicted_gain(decisions) -> tuple:
     return sum(d.bf16_us for d in fp8) / sum(d.fp8_us for d in fp8) - 1.0, len(fp8)
 
 
-def skip_reason(setting: str, gain: Optional[float], sites: int, device: torch.device) -> Optional[str]:
-    """Why the graph is not timed, or None: "off"; no FP8 site; "thin" where the graph's FP8 is
-    emulated (`providers.has_fp8_hardware`) or the predicted gain clears THIN_GAIN_MARGIN."""
+def skip_reason(setting: str, gain: Optional[float], sites: int, device: torch.device,
+                speed_check: bool = True) -> Optional[str]:
+    """Why the graph is not timed, or None: "off"; no FP8 site; "thin" where the sites' speed
+    check is off (FP8 wherever eligible was asked for), where the graph's FP8 is emulated
+    (`providers.has_fp8_hardware`), or where the predicted gain clears THIN_GAIN_MARGIN."""
     if setting == "off":
         return "graph_speed_check is off"
     if not sites:
         return "no FP8 site in the graph"
     if setting == "always":
         return None
+    if not speed_check:
+        return "speed_check is off: FP8 wherever eligible, untimed"
     if not providers.has_fp8_hardware(device):
         return f"FP8 is emulated on {device.type}: a timing here says nothing of an FP8 GPU"
     if gain is not None and gain >= THIN_GAIN_MARGIN:

@@ -30,6 +30,8 @@ def test_thin_times_only_graphs_below_the_margin_on_fp8_hardware(monkeypatch):
     monkeypatch.setattr(graph_speed.providers, "has_fp8_hardware", lambda device: device.type == "cuda")
     assert graph_speed.skip_reason("thin", thin, 3, cuda) is None
     assert graph_speed.skip_reason("thin", None, 3, cuda) is None  # an untimed site: the prediction is unknown
+    assert "speed_check is off" in graph_speed.skip_reason("thin", None, 3, cuda, speed_check=False)
+    assert graph_speed.skip_reason("always", None, 3, cuda, speed_check=False) is None
     assert "thin margin" in graph_speed.skip_reason("thin", wide, 3, cuda)
     assert graph_speed.skip_reason("always", wide, 3, cpu) is None
     assert graph_speed.skip_reason("always", None, 0, cuda) == "no FP8 site in the graph"
