@@ -51,6 +51,8 @@ Configurations (`--configs`; `all` = every named one):
 - loka_all_fp8, loka_all_fp8_ro: loka with {"speed_check": False, "probe_steps": 0}, every
   eligible site FP8
   whether or not it pays (what the Mods must make fast);
+- loka_ro_graph_speed_off, loka_ro_graph_speed_always: loka_ro with the graph speed check
+  (`graph_speed_check`) off, and timing every graph with an FP8 site;
 - per-Mod ablation, `<loka config>_no_<mod>` (e.g. loka_ro_no_pad): the loka config with
   the loka option `disabled_mods=(mod,)`, for each Mod of `loka_compile.passes.MODS`.
   `--ablate-mods` adds them after loka_ro (or loka) when present, or after the configs it
@@ -158,6 +160,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config("loka_ro", "loka", "reduce-overhead"),
     Config("loka_all_fp8", "loka", "default", options=_ALL_FP8),
     Config("loka_all_fp8_ro", "loka", "reduce-overhead", options=_ALL_FP8),
+    # The graph speed check (`graph_speed_check`) off, and on for every graph (its margin's data).
+    Config("loka_ro_graph_speed_off", "loka", "reduce-overhead", options=(("graph_speed_check", "off"),)),
+    Config("loka_ro_graph_speed_always", "loka", "reduce-overhead", options=(("graph_speed_check", "always"),)),
 ]}
 DEFAULT_CONFIGS = ("eager_bf16", "inductor_bf16", "inductor_bf16_ro", "torchao_tensorwise",
                    "torchao_rowwise", "loka", "loka_ro", "loka_all_fp8_ro")

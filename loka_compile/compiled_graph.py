@@ -24,13 +24,13 @@ from typing import Optional
 import torch
 from torch._inductor.compile_fx import compile_fx
 
-from loka_compile import graph_cache, probe
+from loka_compile import graph_cache, graph_speed, probe
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.budget_window import OutputBudgetWindow
 from loka_compile.config import LokaConfig
 from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback, fall_back_sites
 from loka_compile.inductor_compile import inner_compile, weight_input_indices
-from loka_compile.inductor_passes import inductor_patches, LokaPostGradPass, verdict_signature
+from loka_compile.inductor_passes import GRAPH_SPEED, inductor_patches, LokaPostGradPass, verdict_signature
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.passes import Amendment, GraphKind, Phase, Reason
 from loka_compile.ranks import decide_once
@@ -125,6 +125,8 @@ class LokaCompiledGraph(OutputBudgetWindow):
         # graph, a batch of embeddings), so nothing else may keep them past that.
         self._source = _GraphSource(gm, example_inputs, tracing_context, input_contexts)
         self._traced_probe = None  # the probe variant while it runs as traced (`_compile`)
+        # The graph speed check runs once, before the FP8 variant's first run (`_check_graph_speed`).
+        self._graph_speed_pending = record.config.graph_speed_check != "off"
         self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
         self._first_runs = set()  # ids of variants that have run once
 
@@ -167,6 +169,15 @@ class LokaCompiledGraph(OutputBudgetWindow):
         every = record.config.recheck_every
         if every and record.phase is Phase.FP8 and self._builds and (self.calls - record.config.probe_steps) % every == 0:
             return self._recheck_call(args)
+        # Not while Dynamo compiles: DDP's graph splitting runs each compiled piece once then,
+        # inside the compile (its backward would compile inside it too).
+        if self._graph_speed_pending and record.phase is Phase.FP8 and torch._guards.TracingContext.try_get() is None:
+            self._graph_speed_pending = False
+            self._check_graph_speed(args)
+            if id(self.variants[Phase.FP8]) in self._first_runs and not record.config.recheck_every \
+                    and record.amax_guards is None:
+                self._source.drop()  # ran before the check (inside Dynamo's compile); nothing compiles it again
+                record.store.release_samples(probe_site_keys(record))
         variant = self.variants[record.phase]
         if id(variant) in self._first_runs:
             out = variant(*args)
@@ -181,7 +192,8 @@ class LokaCompiledGraph(OutputBudgetWindow):
             why = f"first run failed: {error_text(error)}"
         else:
             self._first_runs.add(id(variant))
-            if record.phase is Phase.FP8 and not record.config.recheck_every and record.amax_guards is None:
+            if record.phase is Phase.FP8 and not record.config.recheck_every and record.amax_guards is None \
+                    and not self._graph_speed_pending:
                 self._source.drop()  # nothing compiles this graph again
                 record.store.release_samples(probe_site_keys(record))  # nor observes it
             if record.phase is Phase.FP8 and record.amax_guards is not None:
@@ -305,6 +317,128 @@ class LokaCompiledGraph(OutputBudgetWindow):
         source = self._source
         with source.tracing():
             return self._compile(source.gm, source.example_inputs, Phase.FP8)
+
+    # ---- the graph speed check (LokaConfig.graph_speed_check, graph_speed.py) --------------
+
+    def _check_graph_speed(self, args) -> None:
+        """Before the FP8 variant's first run: where `graph_speed.skip_reason` lets it, time the
+        variant against a high-precision compile of the same graph on this call's inputs and
+        keep the faster. Never raises: a failure logs a warning and keeps the FP8 variant."""
+        record, config = self.record, self.record.config
+        # The forward (or inference) graph's sites: a training backward compiles at its first run.
+        decided = [(site, ctx.decisions[site.id]) for kind, ctx in record.contexts_of(Phase.FP8).items()
+                   if kind is not GraphKind.BACKWARD for site in ctx.sites if site.id in ctx.decisions]
+        gain, sites = graph_speed.predicted_gain([decision for _, decision in decided])
+        device = next((site.device for site, decision in decided if decision.fp8), torch.device("cpu"))
+        why = graph_speed.skip_reason(config.graph_speed_check, gain, sites, device, config.speed_check)
+        if why is None and (record.fallback or record.fallen_back):
+            why = "the graph runs without loka's passes"
+        if why is None and not self._source.kept:
+            why = "its source is no longer kept"
+        if why is None:
+            why = graph_speed.mutation_skip(getattr(self._source.tracing_context, "fw_metadata", None), args)
+        if why is not None:
+            if config.graph_speed_check != "off":
+                record.graph_speed = graph_speed.GraphSpeed(gain, sites, skipped=why)
+                log.log(logging.INFO if sites else logging.DEBUG, "%s: graph speed check: not timed (%s)",
+                        record.name, why)
+            return
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                record.graph_speed = self._time_graph(args, gain, sites, device)
+        except Exception as error:  # noqa: BLE001  (the check must never cost the model its call)
+            if is_dynamo_control(error):
+                raise
+            record.graph_speed = graph_speed.GraphSpeed(gain, sites, skipped=f"timing failed: {error_text(error)}")
+            log.warning("loka: %s: graph speed check failed (%s); the FP8 variant runs", record.name,
+                        error_text(error))
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the timing's CUDA graphs and clones
+
+    def _time_graph(self, args, gain, sites: int, device: torch.device) -> graph_speed.GraphSpeed:
+        """Compile the high-precision variant, time it against the FP8 one (compiled again
+        without Inductor's CUDA graphs in a CUDA-graph mode, where the timing captures its own),
+        keep the faster (`_keep_high_precision`). Rank 0 times for every rank (`decide_once`)."""
+        record = self.record
+        captured = graph_speed.captures(record.config.mode, device)
+        inputs, leaves = graph_speed.step_inputs(args)
+        running = _Fp8Build(self.variants[Phase.FP8])
+        fp8 = graph_speed.Step(self._compile_for_check(cudagraphs=False) if captured else running.compiled,
+                               inputs, leaves)
+        fp8()  # a training variant's backward compiles at its first run, its contexts with the forward's
+        running.stash(record)
+        # A fallback of the high-precision variant's compile is the check's, not the graph's.
+        kept = record.fallback, dict(record.fallen_back), record.warned
+        try:
+            high = _Fp8Build(self._compile_for_check(high_precision=_HIGH_PRECISION_WHY, cudagraphs=not captured))
+            steps = {"fp8": fp8, "hp": graph_speed.Step(high.compiled, inputs, leaves)}
+            steps["hp"]()
+            high.stash(record)
+            if (record.fallback, record.fallen_back) != kept[:2]:
+                raise RuntimeError("the high-precision variant fell back to Inductor without loka's passes")
+            times = decide_once(lambda: graph_speed.time_steps(steps, device, captured))
+        except Exception:
+            for key in [key for key in record.contexts if key[0] is Phase.FP8]:
+                record.contexts.pop(key)
+                record.graph_modules.pop(key, None)
+            running.restore(record)
+            record.fallback, record.fallen_back, record.warned = kept
+            raise
+        result = graph_speed.verdict(times, gain, sites, fp8.training)
+        log.info("%s: graph speed check: %s: %s; %s kept", record.name, result.describe_prediction(),
+                 result.describe_times(), result.kept)
+        if result.kept == "fp8":
+            running.restore(record)
+            return result
+        try:
+            self._keep_high_precision(result, None if captured else high)
+        except Exception:  # compiling it with the mode's CUDA graphs failed: the FP8 variant runs on
+            for key in [key for key in record.contexts if key[0] is Phase.FP8]:
+                record.contexts.pop(key)
+                record.graph_modules.pop(key, None)
+            running.restore(record)
+            raise
+        return result
+
+    def _compile_for_check(self, high_precision: str = "", cudagraphs: bool = True):
+        """A variant for the graph speed check, in Dynamo's tracing context: the FP8 one, or with
+        `high_precision` (the why of its sites' amendment) the high-precision one; `cudagraphs`
+        False: without the mode's CUDA graphs. A failure is raised (the check then keeps the
+        running variant)."""
+        record, source = self.record, self._source
+        custom_pass = LokaPostGradPass(record, Phase.FP8, self.param_input_indices, high_precision=high_precision)
+        patches = inductor_patches(record.config, custom_pass)
+        if not cudagraphs:
+            patches["triton.cudagraphs"] = False
+        with source.tracing(), graph_cache.autograd_cache_off():
+            return compile_fx(source.gm, source.example_inputs, config_patches=patches,
+                              inner_compile=functools.partial(inner_compile, record=record, codegen=True))
+
+    def _keep_high_precision(self, result: graph_speed.GraphSpeed, timed: Optional["_Fp8Build"]) -> None:
+        """High precision timed faster: it runs from now on, the FP8 sites amended by
+        `graph_speed` with both times; `timed` is the variant that was timed, None where it ran
+        without the mode's CUDA graphs (then compiled again with them). Nothing rebuilds the
+        FP8 variant after this (re-checks and the amax guard stop)."""
+        record = self.record
+        why = f"the whole graph timed {result.describe_times()}"
+        for key in [key for key in record.contexts if key[0] is Phase.FP8]:
+            record.contexts.pop(key)
+            record.graph_modules.pop(key, None)
+        if timed is None:
+            self.variants[Phase.FP8] = self._compile_for_check(high_precision=why)
+        else:
+            timed.restore(record)
+            self.variants[Phase.FP8] = timed.compiled
+            for ctx in record.contexts_of(Phase.FP8).values():
+                ctx.amendments[:] = [dataclasses.replace(a, why=why) if a.by == GRAPH_SPEED else a
+                                     for a in ctx.amendments]
+                ctx.decisions.update({sid: dataclasses.replace(d, detail=why) for sid, d in ctx.decisions.items()
+                                      if d.reason is Reason.GRAPH_SLOWER_THAN_BF16})
+        record.amax_guards = None
+        self._builds.clear()
+        self.state.rechecking.discard(self)
 
     # ---- re-checks (LokaConfig.recheck_every) ------------------------------------------
 
@@ -456,6 +590,10 @@ class LokaCompiledGraph(OutputBudgetWindow):
         build.restore(record)
         self.variants[Phase.FP8] = build.compiled
         return build.contexts is None
+
+
+# The why of the high-precision variant's amendments while it is timed (the times replace it).
+_HIGH_PRECISION_WHY = "the graph speed check's high-precision variant, timed against the FP8 one"
 
 
 # FP8 variants a re-checking graph keeps, one per set of verdicts, so that a site whose bound

@@ -66,6 +66,8 @@ RECIPES: dict[str, Recipe] = {
 PROBE_METRICS = {"row_rel_error": 0.1, "mere": 0.2}
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Which graphs the graph speed check times whole (`LokaConfig.graph_speed_check`)
+GRAPH_SPEED_CHECKS = ("thin", "always", "off")
 
 
 # `max_output_error`'s default: a budget of noise_floor_multiple times the graph's noise floor.
@@ -110,6 +112,17 @@ class LokaConfig:
         (casts included) at the site's shape and layouts when the graph compiles, and keep
         the site in high precision where FP8 is not faster (`slower_than_bf16`). Sites
         with a symbolic dimension are not timed.
+    graph_speed_check: whether the FP8 variant of a graph is timed whole against a
+        high-precision compile of the same graph (same Mods, no FP8 site), before its first
+        run, and the faster kept (`graph_speed.py`; high precision's sites are amended by
+        `graph_speed`, the report shows both times). The site timings do not see how
+        Inductor fuses the casts into the graph, which can cost a graph whose gain is thin
+        all of it. "thin" (default): graphs whose FP8 sites the site timings predict less
+        than `graph_speed.THIN_GAIN_MARGIN` faster, on FP8 hardware (emulated FP8 is not
+        timed: a CPU timing says nothing of a GPU), with `speed_check` on. "always": every graph with an FP8
+        site, on any device. "off". Costs a timed graph one more Inductor compile (two in
+        a CUDA-graph mode, three where high precision wins there) and a few steps of each
+        variant on clones of its inputs.
     min_fp8_speedup: the speed FP8 must gain over the high-precision GEMM to be chosen,
         as a ratio of times (1.05: at least 5% faster; FP8 costs accuracy, so a gain
         within timing noise does not buy it).
@@ -196,6 +209,7 @@ class LokaConfig:
     probe_steps: int = 2  # 0: no probe window
     max_probe_error: Optional[float] = None  # None: PROBE_METRICS[probe_metric]
     speed_check: bool = True
+    graph_speed_check: str = "thin"
     min_fp8_speedup: float = 1.05
     fallback: bool = True
     mode: str = "default"
@@ -219,6 +233,7 @@ class LokaConfig:
         check_choice("recipe", self.recipe, sorted(RECIPES))
         check_choice("mode", self.mode, list(MODES))
         check_choice("probe_metric", self.probe_metric, list(PROBE_METRICS))
+        check_choice("graph_speed_check", self.graph_speed_check, list(GRAPH_SPEED_CHECKS))
         if self.max_probe_error is None:
             self._set("max_probe_error", PROBE_METRICS[self.probe_metric])
         for name in ("emulate", "fallback", "speed_check", "refit_output_budget", "amax_guard", "compile_probe"):

@@ -36,6 +36,9 @@ from loka_compile.state import GraphRecord
 
 log = logging.getLogger("loka")
 
+# Who amends the sites of the graph speed check's high-precision variant (`Amendment.by`).
+GRAPH_SPEED = "graph_speed"
+
 
 @functools.lru_cache(maxsize=None)
 def _passes_digest() -> str:
@@ -52,10 +55,13 @@ def _passes_digest() -> str:
 class LokaPostGradPass(CustomGraphPass):
     """Runs loka's pass pipeline on one post-grad ATen graph (forward or backward)."""
 
-    def __init__(self, record: GraphRecord, phase: Phase, param_input_indices: frozenset):
+    def __init__(self, record: GraphRecord, phase: Phase, param_input_indices: frozenset, high_precision: str = ""):
         self.record = record
         self.phase = phase
         self.param_input_indices = param_input_indices
+        # The graph speed check's high-precision variant: every FP8 decision amended by
+        # `graph_speed`, this the why (`graph_speed.py`).
+        self.high_precision = high_precision
         self.digests = {}  # GraphKind -> digest of the graph as the passes left it (graph_cache)
         # Dispatch decides each site once per compile of a variant: the joint-graph Mods' call
         # (LokaJointPass) is the decision the forward and backward graphs' passes read.
@@ -75,7 +81,8 @@ class LokaPostGradPass(CustomGraphPass):
                           perturb_outputs=self.phase is Phase.PROBE and record.config.output_budget_on,
                           speed_check=record.config.speed_check, time_chain=speed.chain_timing,
                           providers=tuple(record.config.providers or ()))
-        ctx.decide = functools.partial(_decide, record=record, phase=self.phase, ctx=ctx, decided=self.decided)
+        ctx.decide = functools.partial(_decide, record=record, phase=self.phase, ctx=ctx, decided=self.decided,
+                                       high_precision=self.high_precision)
         if self.phase is Phase.FP8 and record.amax_guards is not None:
             ctx.amax_guard_prefix, ctx.window_amax = record.amax_guards.prefix, record.amax_guards.window_amax
         # Recorded first, so that the sites of a graph whose passes fail are reported.
@@ -111,8 +118,9 @@ class LokaPostGradPass(CustomGraphPass):
         name = record.name if self.phase is Phase.PROBE else ""
         guards = record.amax_guards if self.phase is Phase.FP8 else None  # their ops carry its prefix and limits
         guards = "" if guards is None else f"{guards.prefix}|{sorted(guards.window_amax.items())}"
+        variant = "high precision" if self.high_precision else ""
         return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase.value}|{name}|{verdicts}|{guards}"
-                              .encode()).hexdigest()
+                              f"|{variant}".encode()).hexdigest()
 
 
 class LokaJointPass(CustomGraphPass):
@@ -161,7 +169,8 @@ class LokaJointPass(CustomGraphPass):
                           inactive_mods=record.config.inactive_mods, joint=True,
                           amax_guard_prefix=guards.prefix if guards else "",
                           window_amax=guards.window_amax if guards else {})
-        ctx.decide = functools.partial(_decide, record=record, phase=phase, ctx=ctx, decided=self.post_grad.decided)
+        ctx.decide = functools.partial(_decide, record=record, phase=phase, ctx=ctx, decided=self.post_grad.decided,
+                                       high_precision=self.post_grad.high_precision)
         return ctx
 
     def _share_weight_casts(self, graph: torch.fx.Graph) -> None:
@@ -214,10 +223,13 @@ class DecidedOnce:
         return decision
 
 
-def _decide(site, record: GraphRecord, phase: Phase, ctx: PassContext, decided: DecidedOnce, **kwargs) -> Decision:
+def _decide(site, record: GraphRecord, phase: Phase, ctx: PassContext, decided: DecidedOnce,
+            high_precision: str = "", **kwargs) -> Decision:
     """Dispatch's decision from the per-site verdicts, made once per site of the compile
     (`decided`); a site the output budget keeps in high precision (in the plan's unsafe
-    verdicts beside them) is then amended by the budget in `ctx`, with its reason."""
+    verdicts beside them) is then amended by the budget in `ctx`, with its reason; in the
+    graph speed check's high-precision variant (`high_precision`: why) every FP8 site is
+    amended by `graph_speed`."""
     kept = record.output_budget.kept if record.output_budget is not None else {}
     plan = record.plan
     if site.id in kept:
@@ -231,6 +243,9 @@ def _decide(site, record: GraphRecord, phase: Phase, ctx: PassContext, decided: 
     if site.id in made_safe and decision.fp8:  # its finer scaling is the budget's, in plan.upgraded
         decision = ctx.amend(site, "output_budget", made_safe[site.id], decision=decision,
                              detail="; ".join(filter(None, (made_safe[site.id], decision.detail))))
+    if high_precision and decision.fp8:
+        decision = ctx.amend(site, GRAPH_SPEED, high_precision, decision=decision, fp8=False,
+                             reason=Reason.GRAPH_SLOWER_THAN_BF16, detail=high_precision)
     return decision
 
 

@@ -30,7 +30,8 @@ FORMAT_VERSION = 1
 # Reasons that come from a measurement (Probe, speed check, a provider at the site's
 # shape): a loaded plan's entry with one of these replaces the measurement. Other reasons
 # follow from the model and the config and are decided again.
-MEASURED_REASONS = frozenset({Reason.FP8, Reason.PROBE_UNSAFE, Reason.SLOWER_THAN_BF16, Reason.PROVIDER_FAILED})
+MEASURED_REASONS = frozenset({Reason.FP8, Reason.PROBE_UNSAFE, Reason.SLOWER_THAN_BF16, Reason.PROVIDER_FAILED,
+                              Reason.GRAPH_SLOWER_THAN_BF16})
 
 # A site's decision, as `Plan.diff` compares it (timings and details aside).
 DECISION_FIELDS = ("fp8", "reason", "provider", "scaling", "a_format", "b_format", "fast_accum", "pad_k", "pad_n")

@@ -72,6 +72,8 @@ class GraphReport:
     # errors, kept sites, predicted and measured output discrepancy), None when it did not act
     output_budget: Optional[object] = None
     output_budget_skipped: str = ""  # why the budget, on, did not act on this graph
+    # What the graph speed check predicted, timed and kept (`graph_speed.GraphSpeed`), None when off
+    graph_speed: Optional[object] = None
 
     @property
     def predicted_output_error(self) -> Optional[float]:
@@ -173,7 +175,8 @@ class Report:
         self.graphs = [GraphReport(r.name, r.phase, r.fallback or "; ".join(r.fallen_back.values()) or None,
                                    {kind.value: gm for (phase, kind), gm in r.graph_modules.items() if phase is r.phase},
                                    r.config, getattr(r, "output_budget", None),
-                                   getattr(r, "output_budget_skipped", "")) for r in records]
+                                   getattr(r, "output_budget_skipped", ""), getattr(r, "graph_speed", None))
+                       for r in records]
         self.sites = [row for r in records for row in _site_records(r)]
         results = collections.defaultdict(list)
         for r in records:
@@ -247,7 +250,24 @@ class Report:
         output budget's predicted and measured output discrepancy per graph, and the
         re-checks' verdict changes."""
         return "\n".join([self._headline(), *self._kept_lines(largest), *self._amendment_lines(largest),
-                          *self._budget_lines(), *self._history_lines()])
+                          *self._budget_lines(), *self._graph_speed_lines(), *self._history_lines()])
+
+    def _graph_speed_lines(self) -> list:
+        """One line per graph with an FP8 site that the graph speed check (`graph_speed_check`)
+        saw: the gain the site timings predicted, and each variant's measured step and the one
+        kept, or why it was not timed."""
+        lines = []
+        for g in self.graphs:
+            speed = g.graph_speed
+            if speed is None or not speed.sites:
+                continue
+            if speed.timed:
+                amended = sum(1 for s in self.sites if s.graph == g.name and s.reason == "graph_slower_than_bf16")
+                kept = f"kept {speed.kept}" + (f", {amended} site(s) amended" if speed.kept != "fp8" else "")
+                lines.append(f"graph speed {g.name}: {speed.describe_prediction()}; {speed.describe_times()}; {kept}")
+            else:
+                lines.append(f"graph speed {g.name}: {speed.describe_prediction()}; not timed ({speed.skipped})")
+        return lines
 
     def _amendment_lines(self, largest: int) -> list:
         """Counts of the decisions changed after Dispatch made them, by who changed them, and
@@ -334,6 +354,7 @@ class Report:
         lines += self._kept_lines(largest)
         lines += self._amendment_lines(largest)
         lines += self._budget_lines()
+        lines += self._graph_speed_lines()
         lines += self._history_lines()
         if self.communication is not None:
             lines.append(str(self.communication).split("\n")[0])  # its table: print(report.communication)

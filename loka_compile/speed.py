@@ -176,10 +176,10 @@ def _time_calls_us(fn, device: torch.device) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One capture stream per device for every timing: cuBLAS keeps a workspace per stream
-    for the life of the process, so a new stream per timed GEMM would leave one workspace
-    allocated per timing."""
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One capture stream per device for every timing (the graph speed check's too): cuBLAS
+    keeps a workspace per stream for the life of the process, so a new stream per timed GEMM
+    would leave one workspace allocated per timing."""
     return torch.cuda.Stream(device)
 
 
@@ -198,7 +198,7 @@ def _time_runs_us(fn, device: torch.device) -> list:
     with torch.cuda.device(device):
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        stream = _capture_stream(device)
+        stream = capture_stream(device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()  # warm up on the capture stream

@@ -27,6 +27,7 @@ import torch
 from loka_compile import probe
 from loka_compile.amax_guard import AmaxGuards
 from loka_compile.config import LokaConfig
+from loka_compile.graph_speed import GraphSpeed
 from loka_compile.output_budget import OutputBudget
 from loka_compile.passes import Phase
 from loka_compile.plan import Plan
@@ -69,6 +70,8 @@ class GraphRecord:
     # Verdict changes at run time (a re-check, a tripped amax guard), as Amendments of a site's
     # "verdict": the variant they rebuild decides afresh, so its contexts do not show them.
     verdict_amendments: list = dataclasses.field(default_factory=list)
+    # What the graph speed check (`LokaConfig.graph_speed_check`) predicted, timed and kept
+    graph_speed: Optional[GraphSpeed] = None
 
     def amendments_of(self, site_id: str) -> tuple:
         """The running contexts' amendments of a site, then its verdict changes, in order."""

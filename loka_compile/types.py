@@ -57,6 +57,7 @@ class Reason(str, enum.Enum):
     PROBING = "probing"
     PROBE_UNSAFE = "probe_unsafe"
     SLOWER_THAN_BF16 = "slower_than_bf16"
+    GRAPH_SLOWER_THAN_BF16 = "graph_slower_than_bf16"  # the whole graph timed faster without FP8 (graph_speed)
     GRAPH_FALLBACK = "graph_fallback"
     HIGHER_ORDER_OP = "higher_order_op"  # inside a torch.cond branch, a while_loop body, ...: not rewritten
 

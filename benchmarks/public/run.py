@@ -45,7 +45,9 @@ Per row:
   concrete shape, loka_compile.report), with the site counts and any graph loka had to
   run in high precision (`loka_fallbacks`); `seen_flop_share`, the share of the GEMM FLOPs
   in loka's graphs that it made sites of (the rest, `unseen_gemms` by op: attention
-  kernels, convolutions; benchmarks.public.coverage audits every model);
+  kernels, convolutions; benchmarks.public.coverage audits every model); `graph_speed`, per
+  graph the graph speed check saw (`loka_compile.graph_speed.GraphSpeed`): the gain the site
+  timings predicted, each variant's measured step and the one kept, or why it did not time;
 - `graph_breaks`: Dynamo's graph breaks while the row ran (library code it cannot trace),
   with the reasons, and `graphs` (Dynamo's unique graphs).
 
@@ -183,7 +185,9 @@ def fp8_summary(compiled) -> dict:
             "unseen_gemms": covered["unseen"] or None, "fp8_sites": sum(s.fp8 for s in report.sites),
             "sites": len(report.sites), "loka_graphs": len(report.graphs),
             "loka_fallbacks": [f"{g.name}: {g.fallback}" for g in report.graphs if g.fallback],
-            "loka_summary": str(report).splitlines()[0] if report.sites else None}
+            "loka_summary": str(report).splitlines()[0] if report.sites else None,
+            "graph_speed": [{"graph": g.name, **dataclasses.asdict(g.graph_speed)} for g in report.graphs
+                            if g.graph_speed is not None] or None}
 
 
 def graph_break_summary() -> dict:
@@ -207,7 +211,7 @@ def _base_row(setup: Setup, mode: str, cfg_name: str, args) -> dict:
             "loss_first": None, "heldout_loss": None, "heldout_loss_fp32": None,
             "fp8_flop_share": None, "seen_flop_share": None, "unseen_gemms": None, "fp8_sites": None, "sites": None,
             "loka_graphs": None, "loka_fallbacks": None,
-            "loka_summary": None, "graph_breaks": None, "graph_break_reasons": None, "graphs": None,
+            "loka_summary": None, "graph_speed": None, "graph_breaks": None, "graph_break_reasons": None, "graphs": None,
             "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
             "gemm_gflops_per_sample": setup.train_gflops if mode == "train" else setup.infer_gflops,
             "skipped": False, "error": None, "traceback": None, "wall_s": None}

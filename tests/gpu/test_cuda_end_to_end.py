@@ -277,3 +277,28 @@ def test_speed_check_timings_leave_nothing_allocated():
         speed._measure_site(dataclasses.replace(shape, n=n), "rowwise", "e4m3", "e4m3", ("scaled_mm_rowwise",), False)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 2**20
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_graph_speed_check_times_both_variants_and_trains_on(mode):
+    """The graph speed check with real timings: in a CUDA-graph mode on copies compiled without
+    Inductor's CUDA graphs, each step captured in one of its own; then the kept variant trains
+    under the mode (CUDA graphs record on later calls) within the numerics floors."""
+    model = MLPWithNorm(d_in=256, hidden=512, d_out=64).cuda().bfloat16()
+    reference = copy.deepcopy(model).float()
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "speed_check": False, "mode": mode,
+                                                             "graph_speed_check": "always"})
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        out = compiled(x)
+        out.float().square().mean().backward()
+    (graph,) = loka_compile.report(compiled).graphs
+    speed = graph.graph_speed
+    assert speed.timed and speed.training and speed.fp8_ms > 0 and speed.hp_ms > 0, speed
+    assert speed.kept == ("fp8" if speed.fp8_ms < speed.hp_ms else "high precision")
+    ref = reference(x.float())
+    ref.square().mean().backward()
+    assert sqnr_db(ref, out.float()) > OUTPUT_SQNR_FLOOR_DB
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        assert sqnr_db(p_ref.grad, p.grad.float()) > GRAD_SQNR_FLOOR_DB

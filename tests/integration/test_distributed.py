@@ -286,6 +286,39 @@ def _decisions(rank, store_dir):
             "under_fake": dataclasses.asdict(under_fake), "merged_under_fake": merged_under_fake}
 
 
+def _graph_speed_under_ddp(rank, device):
+    """DDP(torch.compile(model)) with the graph speed check on every graph, its timer stood in
+    for so that the ranks disagree: rank 0 times high precision faster, rank 1 FP8. Rank 0's
+    timing decides on both (`decide_once`). DDP's graph splitting runs each piece once inside
+    Dynamo's compile, with probe_steps=0 its FP8 variant's first run: the check waits for the next call."""
+    from loka_compile import graph_speed
+
+    torch._dynamo.reset()
+    loka_compile.reset()
+    fp8_ms, hp_ms = (2.0, 1.0) if rank == 0 else (1.0, 2.0)
+    timed = []
+
+    def time_steps(steps, device, captured):
+        for step in steps.values():
+            step()
+        timed.append(captured)
+        return {"fp8": [fp8_ms] * graph_speed.ROUNDS, "hp": [hp_ms] * graph_speed.ROUNDS}
+
+    real = graph_speed.time_steps
+    graph_speed.time_steps = time_steps
+    try:
+        model = fresh("dense", device)
+        ids = [device.index] if device.type == "cuda" else None
+        forward = nn.parallel.DistributedDataParallel(
+            torch.compile(model, backend="loka", options=options(device, graph_speed_check="always")), device_ids=ids)
+        losses = train(model, forward, batches(rank, "dense", device))
+    finally:
+        graph_speed.time_steps = real
+    report = loka_compile.report(forward)
+    return {"timed": timed, "kept": [g.graph_speed.kept for g in report.graphs], "losses": losses,
+            "fp8_sites": sum(s.fp8 for s in report.sites), "params": on_cpu(model.parameters())}
+
+
 def _rank(rank, store_dir, backend):
     device = rank_device(rank, backend)
     result = {form: _train_form(rank, form, device) for form in (CPU_FORMS if backend == "gloo" else NCCL_FORMS)}
@@ -293,6 +326,7 @@ def _rank(rank, store_dir, backend):
     result["window_in_buckets"] = _window_in_ddp_buckets(rank, device)
     if backend == "gloo":
         result["decisions"] = _decisions(rank, store_dir)
+        result["graph_speed"] = _graph_speed_under_ddp(rank, device)
     result["plans"] = _plans(rank, device)
     return result
 
@@ -420,3 +454,13 @@ def test_rank0_decides_timings_and_failures_for_all(ranks):
     # Under a compile's fake-tensor mode too (the broadcast had failed there, so sites went FP8 untimed).
     assert d0["under_fake"] == d1["under_fake"] and d0["under_fake"]["bf16_us"] > 0
     assert d0["merged_under_fake"] == d1["merged_under_fake"] == [0, 1]
+
+
+def test_rank0_times_the_graph_speed_check_for_all(ranks):
+    g0, g1 = ranks[0]["graph_speed"], ranks[1]["graph_speed"]
+    # DDP's graph splitting: one graph per bucket, each timed once, on rank 0; rank 1's timer never ran.
+    assert g0["kept"] and g0["timed"] == [False] * len(g0["kept"]) and g1["timed"] == []
+    assert g0["kept"] == g1["kept"] == ["high precision"] * len(g0["kept"]) and g0["fp8_sites"] == g1["fp8_sites"] == 0
+    assert all(map(torch.isfinite, map(torch.tensor, g0["losses"] + g1["losses"])))
+    for p0, p1 in zip(g0["params"], g1["params"]):  # one replica: DDP averaged the same gradients
+        torch.testing.assert_close(p0, p1, rtol=1e-6, atol=1e-7)

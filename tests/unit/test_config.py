@@ -82,6 +82,8 @@ BAD_OPTIONS = [
     ({"plan": "/no/such/plan.json"}, "plan must be a path of a file written by loka_compile.save_plan; no such file"),
     ({"probe_metric": "sqnr"}, r"valid probe_metrics \['row_rel_error', 'mere'\]"),
     ({"probe_metric": None}, "valid probe_metrics"),
+    ({"graph_speed_check": "sometimes"}, r"valid graph_speed_checks \['thin', 'always', 'off'\]"),
+    ({"graph_speed_check": True}, "valid graph_speed_checks"),
     ({"recheck_every": -1, "probe_steps": 1}, "recheck_every must be a non-negative int"),
     ({"recheck_every": 100, "probe_steps": 0}, "recheck_every=100 needs probe_steps > 0"),
     ({"max_output_error": -0.1}, r"max_output_error must be a positive finite number, 'relative', or None or 0 for off"),
