@@ -18,7 +18,9 @@ DEBUG):
                     (deepctr-torch's MMoE gate, `softmax(gate).unsqueeze(1) @ experts`)
     thin            a dim to pad is smaller than the alignment: padding at least doubles it
                     (K = 4 experts, N = 4 gate logits)
-    symbolic        no dim with a known size to pad (Inductor pads static dims only)
+    inductor_judged compute-bound (Inductor's `is_mm_compute_bound`): Inductor's pad_mm timed
+                    padding it, in the joint graph, and kept the faster form
+    symbolic        no dim of known size to pad (Inductor pads static dims only)
 Dims of 1 are never padded (Inductor's rule). Nothing is padded when Inductor's
 `shape_padding` is off, or off CUDA, where Inductor pads nothing either.
 
@@ -55,31 +57,36 @@ def _operands(node: torch.fx.Node):
 
 def alignment_padding(node: torch.fx.Node) -> "tuple[tuple, str]":
     """((zeros added to M, K, N), "") when `node`'s GEMM should run padded, else ((0, 0, 0), why
-    not): "aligned" (nothing to pad), "not_a_padded_op", "not_floating", "matrix_vector", "thin",
-    "symbolic"."""
+    not): "aligned" (nothing to pad), "symbolic", "matrix_vector", "thin", "inductor_judged",
+    "not_a_padded_op", "not_floating", "no_value"."""
     none = (0, 0, 0)
     if node.op != "call_function" or node.target not in _PADDED_OPS:
         return none, "not_a_padded_op"
     _, a, b = _operands(node)
     a_val, b_val = a.meta.get("val"), b.meta.get("val")
     if not isinstance(a_val, torch.Tensor) or not isinstance(b_val, torch.Tensor):
-        return none, "symbolic"
-    if not (a_val.is_floating_point() and b_val.is_floating_point()):
-        return none, "not_floating"
-    m, k = a_val.shape[-2:]
-    n = b_val.shape[-1]
+        return none, "no_value"
     alignment = pad_mm.get_alignment_size(a_val)
     if alignment == 0 or pad_mm.get_alignment_size(b_val) != alignment:
         return none, "not_floating"
-    dims = (m, k, n)
+    dims = (*a_val.shape[-2:], b_val.shape[-1])  # M, K, N
+    known = [type(d) is int for d in dims]        # symbolic sizes are never compared (no guard)
     pads = tuple(pad_mm.get_padded_length(d, alignment) for d in dims)
     if not any(pads):
-        return none, "symbolic" if not all(type(d) is int for d in dims) else "aligned"
-    if m == 1 or n == 1:
+        return none, "aligned" if all(known) else "symbolic"
+    if (known[0] and dims[0] == 1) or (known[2] and dims[2] == 1):
         return none, "matrix_vector"
     if any(pad and d < alignment for d, pad in zip(dims, pads)):
         return none, "thin"
+    if all(known) and inductor_judges(dims, a_val):
+        return none, "inductor_judged"
     return pads, ""
+
+
+def inductor_judges(dims: tuple, a_val: torch.Tensor) -> bool:
+    """Whether Inductor's pad_mm decides this GEMM's padding by its own benchmark, in the joint
+    graph: a compute-bound GEMM on a device where it pads."""
+    return pads_on(a_val.device) and pad_mm.is_mm_compute_bound(*dims, a_val.dtype)
 
 
 def pad_gemm(node: torch.fx.Node) -> bool:

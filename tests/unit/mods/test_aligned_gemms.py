@@ -36,6 +36,13 @@ def _gemm_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in GEMMS]
 
 
+def as_on_cuda(monkeypatch, compute_bound=False):
+    """The pass sees CPU GEMMs as it sees CUDA ones; Inductor's compute-bound test (which reads
+    the GPU's FLOPs and bandwidth) answers `compute_bound`."""
+    monkeypatch.setattr(aligned_gemms, "pads_on", lambda device: True)
+    monkeypatch.setattr(aligned_gemms.pad_mm, "is_mm_compute_bound", lambda m, k, n, dtype: compute_bound)
+
+
 def _forward_gemm(fn, *shapes, dtype=torch.bfloat16):
     """The one GEMM node of fn's forward ATen graph on fresh random inputs of `shapes`."""
     inputs = [torch.randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
@@ -55,6 +62,17 @@ def _forward_gemm(fn, *shapes, dtype=torch.bfloat16):
 ])
 def test_padding_rule_by_shape(fn, shapes, expected):
     assert alignment_padding(_forward_gemm(fn, *shapes)) == expected
+
+
+def test_compute_bound_gemms_keep_inductors_own_benchmarked_choice(monkeypatch):
+    """Inductor's pad_mm times padding a compute-bound GEMM itself, in the joint graph, and keeps
+    the faster form: the Mod does not second-guess it (on a device where it pads)."""
+    node = _forward_gemm(torch.mm, (64, 77), (77, 32))
+    assert alignment_padding(node) == ((0, 3, 0), "")          # on CPU: no such benchmark
+    as_on_cuda(monkeypatch, compute_bound=True)
+    assert alignment_padding(node) == ((0, 0, 0), "inductor_judged")
+    as_on_cuda(monkeypatch, compute_bound=False)
+    assert alignment_padding(node) == ((0, 3, 0), "")
 
 
 def test_fp32_aligns_to_four_elements():
@@ -148,7 +166,7 @@ def test_deepctr_mmoe_gate_products_keep_their_bmm_and_layouts(monkeypatch):
     from benchmarks.public.models import PRESETS, build, clone_model
     from benchmarks.public.run import TrainUnit
 
-    monkeypatch.setattr(aligned_gemms, "pads_on", lambda device: True)
+    as_on_cuda(monkeypatch)
     preset = dataclasses.replace(PRESETS["tiny"], experts=4)
     bench = build("deepctr_torch.MMOE", preset, seed=0)
     eager = clone_model(bench.model)
@@ -182,7 +200,7 @@ def test_deepctr_mmoe_gate_products_keep_their_bmm_and_layouts(monkeypatch):
 
 def test_run_passes_pads_in_the_pipeline(monkeypatch):
     """The Mod runs as a pass of `passes.PIPELINE`, after `lower`."""
-    monkeypatch.setattr(aligned_gemms, "pads_on", lambda device: True)
+    as_on_cuda(monkeypatch)
     forward = aot_graphs(_attention, *[torch.randn(4, 65, 24, dtype=torch.bfloat16, requires_grad=True)
                                        for _ in range(3)])[0]
     ctx = run_passes(forward.graph, make_ctx(forward.graph, config=LokaConfig(recipe="rowwise", emulate=False)))
