@@ -7,6 +7,7 @@ its batched gate products keep the bmm and strides Inductor gives them without l
 The Mod acts on CUDA only; the CPU tests here let the pass see CPU sites as it sees CUDA ones
 (`pads_on`), which is the only difference."""
 
+import copy
 import dataclasses
 import importlib.util
 
@@ -205,3 +206,27 @@ def test_run_passes_pads_in_the_pipeline(monkeypatch):
                                        for _ in range(3)])[0]
     ctx = run_passes(forward.graph, make_ctx(forward.graph, config=LokaConfig(recipe="rowwise", emulate=False)))
     assert ctx.changes["aligned_gemms"] == 2
+
+
+@pytest.mark.slow
+def test_dynamic_batch_pads_the_static_dims_and_trains_as_eager(monkeypatch):
+    """A dynamic batch (symbolic M): K and N padded, M left symbolic with no guard added; two
+    batch sizes, one compile; output and gradients as eager's (every site high precision)."""
+    as_on_cuda(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(77, 30), torch.nn.ReLU(), torch.nn.Linear(30, 20))
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="loka", dynamic=True,
+                             options={"probe_steps": 0, "emulate": False, "speed_check": False})
+    for batch in (24, 40):
+        x = torch.randn(batch, 77)
+        out, ref = compiled(x), eager(x)
+        out.square().mean().backward()
+        ref.square().mean().backward()
+        assert torch.isfinite(out).all() and rel_error(out, ref) < REL_ERROR
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert rel_error(p.grad, q.grad) < REL_ERROR
+    graphs = loka_compile.report(compiled).graph_modules
+    assert len(graphs) == 2  # one forward, one backward: no recompile for the second batch
+    padded = [n for gm in graphs.values() for n in _gemm_nodes(gm)
+              if any(isinstance(a, torch.fx.Node) and a.target is aten.constant_pad_nd.default for a in n.args)]
+    assert padded
