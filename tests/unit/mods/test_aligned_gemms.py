@@ -208,7 +208,6 @@ def test_run_passes_pads_in_the_pipeline(monkeypatch):
     assert ctx.changes["aligned_gemms"] == 2
 
 
-@pytest.mark.slow
 def test_dynamic_batch_pads_the_static_dims_and_trains_as_eager(monkeypatch):
     """A dynamic batch (symbolic M): K and N padded, M left symbolic with no guard added; two
     batch sizes, one compile; output and gradients as eager's (every site high precision)."""
