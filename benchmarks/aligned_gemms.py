@@ -8,9 +8,10 @@ with the form the Mod now picks for each.
 Cases, at the public suite's production sizes (batch 8192): deepctr-torch MMoE's batched gate
 products (`softmax(gate).unsqueeze(1) @ expert_outs`, 4 experts of 1024, forward and the
 gradient by the gate), its gate logits (N = 4), a mat-vec product with K above the alignment
-(12), and HSTU-style attention bmms over 65 positions (the case the Mod was measured on). Each
-case's operands have the layouts its graph gives them (the gate gradient reads expert_outs
-transposed). Timings: `loka_compile.speed._time_calls_us` (medians of CUDA-event timed CUDA-graph
+(12), torch-rechub DCNv2's 1-wide head over its 3341 + 1024 features and that head's input
+gradient (K = 1), and HSTU-style attention bmms over 65 positions (the case the Mod was
+measured on). Each case's operands have the layouts its graph gives them (the gate gradient
+reads expert_outs transposed). Timings: `loka_compile.speed._time_calls_us` (medians of CUDA-event timed CUDA-graph
 replays), the two forms of a case in the same run on the same fresh random operands; the forms'
 outputs are compared (zero padding changes only the summation order).
 """
@@ -44,7 +45,8 @@ def _bf16(*shape, device):
     return torch.randn(*shape, device=device).to(torch.bfloat16)
 
 
-def cases(batch: int, experts: int, width: int, heads: int, positions: int, head_dim: int) -> list:
+def cases(batch: int, experts: int, width: int, heads: int, positions: int, head_dim: int,
+          head_in: int) -> list:
     b, e, d = batch, experts, width
     bh, p, h = batch * heads, positions, head_dim
     return [
@@ -60,6 +62,12 @@ def cases(batch: int, experts: int, width: int, heads: int, positions: int, head
         Case("matvec_k12", torch.bmm,
              lambda dev: (_bf16(b, 1, 12, device=dev), _bf16(b, 12, d, device=dev)),
              f"[{b}, 1, 12] @ [{b}, 12, {d}]"),
+        Case("head_forward", torch.mm,
+             lambda dev: (_bf16(b, head_in, device=dev), _bf16(1, head_in, device=dev).t()),
+             f"[{b}, {head_in}] @ w^T [{head_in}, 1]"),
+        Case("head_input_gradient", torch.mm,
+             lambda dev: (_bf16(b, 1, device=dev), _bf16(1, head_in, device=dev)),
+             f"[{b}, 1] @ w [1, {head_in}]"),
         Case("attention_scores", torch.bmm,
              lambda dev: (_bf16(bh, p, h, device=dev), _bf16(bh, p, h, device=dev).transpose(1, 2)),
              f"[{bh}, {p}, {h}] @ [{bh}, {h}, {p}]"),
@@ -117,8 +125,8 @@ def main(argv=None) -> Path:
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
     args = p.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    sizes = dict(batch=64, experts=4, width=32, heads=1, positions=65, head_dim=16) if args.tiny else \
-        dict(batch=8192, experts=4, width=1024, heads=2, positions=65, head_dim=64)
+    sizes = dict(batch=64, experts=4, width=32, heads=1, positions=65, head_dim=16, head_in=109) if args.tiny else \
+        dict(batch=8192, experts=4, width=1024, heads=2, positions=65, head_dim=64, head_in=4365)
     rows = [measure(case, device) for case in cases(**sizes)]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     env = {"device": name, "torch": torch.__version__, "date": _dt.date.today().isoformat(), "sizes": sizes,

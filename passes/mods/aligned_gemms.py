@@ -15,7 +15,10 @@ Declines, keeping the GEMM exactly as Inductor would run it without loka (the re
 DEBUG):
     matrix_vector   M or N is 1: the GEMM reads its matrix operand once (cuBLAS's gemv, which
                     needs no alignment) and padding K would copy that operand first
-                    (deepctr-torch's MMoE gate, `softmax(gate).unsqueeze(1) @ experts`)
+                    (deepctr-torch's MMoE gate, `softmax(gate).unsqueeze(1) @ experts`; a
+                    1-wide head)
+    outer_product   K is 1: the GEMM writes its output once, and padding M or N would write a
+                    larger one to slice (a 1-wide head's input gradient)
     thin            a dim to pad is smaller than the alignment: padding at least doubles it
                     (K = 4 experts, N = 4 gate logits)
     inductor_judged compute-bound (Inductor's `is_mm_compute_bound`): Inductor's pad_mm timed
@@ -57,8 +60,8 @@ def _operands(node: torch.fx.Node):
 
 def alignment_padding(node: torch.fx.Node) -> "tuple[tuple, str]":
     """((zeros added to M, K, N), "") when `node`'s GEMM should run padded, else ((0, 0, 0), why
-    not): "aligned" (nothing to pad), "symbolic", "matrix_vector", "thin", "inductor_judged",
-    "not_a_padded_op", "not_floating", "no_value"."""
+    not): "aligned" (nothing to pad), "symbolic", "matrix_vector", "outer_product", "thin",
+    "inductor_judged", "not_a_padded_op", "not_floating", "no_value"."""
     none = (0, 0, 0)
     if node.op != "call_function" or node.target not in _PADDED_OPS:
         return none, "not_a_padded_op"
@@ -76,6 +79,8 @@ def alignment_padding(node: torch.fx.Node) -> "tuple[tuple, str]":
         return none, "aligned" if all(known) else "symbolic"
     if (known[0] and dims[0] == 1) or (known[2] and dims[2] == 1):
         return none, "matrix_vector"
+    if known[1] and dims[1] == 1:
+        return none, "outer_product"
     if any(pad and d < alignment for d, pad in zip(dims, pads)):
         return none, "thin"
     if all(known) and inductor_judges(dims, a_val):

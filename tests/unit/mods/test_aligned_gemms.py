@@ -55,6 +55,8 @@ def _forward_gemm(fn, *shapes, dtype=torch.bfloat16):
 @pytest.mark.parametrize("fn, shapes, expected", [
     (torch.bmm, [(8, 1, 4), (8, 4, 32)], ((0, 0, 0), "matrix_vector")),     # MMoE: softmax(gate) @ experts
     (torch.bmm, [(8, 1, 12), (8, 12, 32)], ((0, 0, 0), "matrix_vector")),   # a K above the alignment too
+    (torch.mm, [(64, 109), (109, 1)], ((0, 0, 0), "matrix_vector")),       # a 1-wide head
+    (torch.mm, [(64, 1), (1, 109)], ((0, 0, 0), "outer_product")),         # its input gradient
     (torch.mm, [(64, 16), (16, 4)], ((0, 0, 0), "thin")),                  # 4 gate logits
     (torch.mm, [(64, 4), (4, 32)], ((0, 0, 0), "thin")),
     (torch.bmm, [(8, 65, 64), (8, 64, 65)], ((7, 0, 7), "")),              # attention over 65 positions
