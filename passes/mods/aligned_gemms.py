@@ -27,9 +27,9 @@ DEBUG):
 Dims of 1 are never padded (Inductor's rule). Nothing is padded when Inductor's
 `shape_padding` is off, or off CUDA, where Inductor pads nothing either.
 
-Why a post-grad pass and not Inductor's `force_shape_pad`: forcing pads every GEMM, mat-vec
-products included, and turned MMoE's batched gate products from cuBLAS's gemv into padded GEMMs
-of twice the K plus a copy of the expert outputs per call. Here each site is judged by its shape.
+Why a post-grad pass and not Inductor's `force_shape_pad`: forcing pads every GEMM, mat-vec and
+outer products included, each then reading or writing a padded copy of its large operand; here
+each site is judged by its shape (docs/mods/aligned_gemms.md says what forcing cost).
 """
 
 from __future__ import annotations
@@ -116,13 +116,14 @@ def pad_gemm(node: torch.fx.Node) -> bool:
 
 
 def pads_on(device: torch.device) -> bool:
-    """Where the Mod pads: CUDA, the one device Inductor pads GEMMs on for loka's recipes."""
+    """Where the Mod pads: CUDA, where loka's FP8 recipes run (Inductor's pad_mm pads CUDA GEMMs)."""
     return device.type == "cuda"
 
 
 def align_gemms(graph: torch.fx.Graph, ctx) -> int:
     """Pad each high-precision CUDA site of `graph` that `alignment_padding` admits (module
-    docstring); return how many were padded. Runs after `lower`, so FP8 sites are gone."""
+    docstring); return how many were padded. Runs after `lower`, so FP8 sites are gone; not in
+    the probe phase, whose variant runs as traced for its statistics."""
     if not MOD.on(ctx.inactive_mods) or ctx.phase is Phase.PROBE or not inductor_config.shape_padding:
         return 0
     present = set(graph.nodes)
