@@ -58,7 +58,7 @@ from loka_compile.kernels.scaled_gemm import padding_for
 from loka_compile.plan import MEASURED_REASONS
 from loka_compile.passes import Decision, GraphKind, Phase, Reason, Site
 from loka_compile.passes.context import Candidate
-from loka_compile.passes.mods import benchmarked_reductions, cached_weights, cat_casts, pad
+from loka_compile.passes.mods import aligned_gemms, benchmarked_reductions, cached_weights, cat_casts, pad
 
 log = logging.getLogger("loka")
 
@@ -200,7 +200,8 @@ def decide(site: Site, config: LokaConfig, phase: Phase, unsafe_sites: Optional[
     a_static = a_static and chosen["scaling"] != Scaling.BLOCKWISE.value
     shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached,
                              benchmarked_reductions.MOD.on(config.inactive_mods), a_static,
-                             cat_casts.MOD.on(config.inactive_mods)) if hardware else None
+                             cat_casts.MOD.on(config.inactive_mods), _high_precision_padding(site, config)) \
+        if hardware else None
     if shape is not None and not config.speed_check:
         try:
             chosen["provider"] = speed.runnable_providers(shape, chosen["scaling"], chosen["a_format"],
@@ -298,3 +299,11 @@ def upgrade_steps(entry) -> Optional[list]:
     if isinstance(entry[0], str):
         return [[str(s), float(b)] for s, b in entry[1]]
     return [["tensorwise", float(entry[0])], ["rowwise", float(entry[1])]]
+
+
+def _high_precision_padding(site: Site, config: LokaConfig) -> tuple:
+    """The zeros the aligned_gemms Mod adds to the site's M, K and N if it stays high precision:
+    the speed check times that form against FP8."""
+    if not (aligned_gemms.MOD.on(config.inactive_mods) and aligned_gemms.pads_on(site.device)):
+        return (0, 0, 0)
+    return aligned_gemms.alignment_padding(site.node)[0]

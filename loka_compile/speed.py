@@ -2,7 +2,7 @@
 which provider?
 
 Dispatch asks `site_timing` for the time of the site's high-precision GEMM (the ATen op it
-replaces) and of the form the site will have in the graph once lowered, for each
+replaces, padded where the `aligned_gemms` Mod would pad it in high precision) and of the form the site will have in the graph once lowered, for each
 candidate provider, on fresh random operands of the site's shape, dtype and layouts:
 
     fp8_us = provider GEMM on K-major FP8 operands (bias in its epilogue, padding included)
@@ -114,6 +114,9 @@ class SiteShape:
     pad_n: int = 0
     persistent_row_max: int = 1024  # longest row a fused cast reduces in one pass
     batch: Optional[int] = None     # B of a batched site ([B, M, K] @ [B, K, N]); None for 2-D
+    # Zeros the aligned_gemms Mod adds to M, K and N where the site stays high precision (2-D sites):
+    # the high-precision time is the padded GEMM's, as it would run
+    hp_padding: tuple = (0, 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +160,17 @@ def _site_operands(shape: SiteShape):
     a_p = torch.nn.functional.pad(a, (0, shape.pad_k))
     b_p = torch.nn.functional.pad(b, (0, shape.pad_n, 0, shape.pad_k))
     return a, b, bias, a_p, b_p
+
+
+def _padded_high_precision(a: torch.Tensor, b: torch.Tensor, bias, padding: tuple):
+    """A, B and the bias of a 2-D site zero-padded by (M, K, N) `padding` as the aligned_gemms
+    Mod pads a high-precision GEMM; the padded copies are row-major, as Inductor writes them."""
+    pad_m, pad_k, pad_n = padding
+    if not any(padding):
+        return a, b, bias
+    pad = torch.nn.functional.pad
+    return (pad(a, (0, pad_k, 0, pad_m)), pad(b, (0, pad_n, 0, pad_k)),
+            None if bias is None else pad(bias, (0, pad_n)))
 
 
 def _batched(t: torch.Tensor, operand: str, batch: Optional[int]) -> torch.Tensor:
@@ -300,8 +314,10 @@ def _measure_site(shape: SiteShape, scaling: str, a_format: str, b_format: str, 
         a, b = _batched(a, "a", batch), _batched(b, "b", batch)
         mm, addmm = (torch.mm, torch.addmm) if batch is None else (torch.bmm, torch.baddbmm)
 
+        hp_a, hp_b, hp_bias = _padded_high_precision(a, b, bias, shape.hp_padding if batch is None else (0, 0, 0))
+
         def high_precision():
-            return mm(a, b) if bias is None else addmm(bias, a, b)
+            return mm(hp_a, hp_b) if bias is None else addmm(hp_bias, hp_a, hp_b)
 
         bf16_runs = _time_runs_us(high_precision, device)
         cast_us = 0.0
@@ -528,13 +544,14 @@ def m_bucket(m: int) -> int:
 
 def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: bool = False,
                benchmarked_reductions: bool = False, a_static: bool = False,
-               cat_casts: bool = False) -> Optional[SiteShape]:
+               cat_casts: bool = False, hp_padding: tuple = (0, 0, 0)) -> Optional[SiteShape]:
     """The timing key of a site with concrete K and N: at its M (and a batched site's
     batch) when concrete, at the bucket of its size hint when symbolic (module docstring);
     else None (symbolic K or N, or an M or batch without a hint). `a_static`: A is cast
     with a calibrated static scale; `cat_casts`: the Mod of that name is on (a long row
     of A concatenated from fused pieces is cast per piece: a fused cast, charged as a
-    looped one since the row is over the persistent length)."""
+    looped one since the row is over the persistent length); `hp_padding`: the zeros the
+    aligned_gemms Mod adds to M, K, N if the site stays high precision."""
     from loka_compile.passes.find_sites import PRECAST, SAVED_IN_FP8, operand_casts
 
     _, k, n = site.shape
@@ -554,7 +571,8 @@ def site_shape(site, scaling: str, pad_k: int = 0, pad_n: int = 0, b_cached: boo
                      a_fused=casts["a"].startswith("fused"), b_fused=casts["b"].startswith("fused"),
                      b_cached=b_cached or casts["b"] in PRECAST, a_saved=casts["a"] == SAVED_IN_FP8,
                      a_static=a_static, pad_k=pad_k, pad_n=pad_n,
-                     persistent_row_max=persistent_row_max(benchmarked_reductions), batch=batch)
+                     persistent_row_max=persistent_row_max(benchmarked_reductions), batch=batch,
+                     hp_padding=tuple(hp_padding) if batch is None else (0, 0, 0))
 
 
 def chain_timing(chain, ctx):

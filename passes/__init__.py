@@ -19,6 +19,7 @@ from .find_sites import find_sites, graph_kind
 from .hop_sites import hop_sites
 from .lower import lower
 from .mods import MODS
+from .mods.aligned_gemms import align_gemms
 from .probe import probe
 
 log = logging.getLogger("loka.passes")
@@ -29,6 +30,7 @@ PIPELINE = (
     ("probe", probe),
     ("lower", lower),
     ("amax_guard", amax_guard),  # after lower: the guards its casts put in the graph, as one op
+    ("aligned_gemms", align_gemms),  # after lower: only the high-precision GEMMs are left to pad
     ("hop_sites", hop_sites),  # after the rest: no pass sees the sites inside higher-order ops
 )
 

@@ -9,7 +9,8 @@ Where each stage runs:
                   architecture Mods named in `arch_mods`, then the others that are on, in this order
     JOINT_GRAPH   `LokaJointPass` (Inductor's joint_custom_post_pass), training graphs past
                   their probe window, before the partitioner
-    POST_GRAD     Dispatch and `lower`, on every forward, backward and inference ATen graph
+    POST_GRAD     Dispatch and `lower`, on every forward, backward and inference ATen graph;
+                  `aligned_gemms` as its own pass after `lower`
     INFERENCE     `lower`, on inference ATen graphs
     INDUCTOR      Inductor settings a loka compile patches in
 """
@@ -24,12 +25,12 @@ from . import (aligned_gemms, batched_matvec, benchmarked_reductions, blocknorm,
 from .mod import Evidence, Mod, Stage
 
 STAGES: dict = {
-    Stage.POST_GRAD: (fused_casts.MOD, pad.MOD, cat_casts.MOD),
+    Stage.POST_GRAD: (fused_casts.MOD, pad.MOD, cat_casts.MOD, aligned_gemms.MOD),
     Stage.INFERENCE: (cached_weights.MOD, gemm_epilogue.MOD, gemm_norm.MOD),
     Stage.JOINT_GRAPH: (weight_both_layouts.MOD, saved_fp8.MOD),
     Stage.DYNAMO_GRAPH: (blocknorm.MOD, no_bias.MOD, hardswish.MOD, horizontal.MOD, conv1x1.MOD,
                          batched_matvec.MOD, transposed_linear.MOD, layernorm_backward.MOD),
-    Stage.INDUCTOR: (benchmarked_reductions.MOD, aligned_gemms.MOD),
+    Stage.INDUCTOR: (benchmarked_reductions.MOD,),
 }
 
 ALL = tuple(mod for stage in Stage for mod in STAGES[stage])

@@ -262,6 +262,42 @@ def test_aligned_gemms_pads_bmms_off_the_alignment(disabled):
     assert inner == ([64, 72] if not disabled else [64, 65])
 
 
+class _GateMixture(torch.nn.Module):
+    """deepctr-torch MMoE's mixture, per task: `softmax(gate).unsqueeze(1) @ expert_outs`, a batch
+    of mat-vec products [B, 1, E] @ [B, E, D] (E = 4 experts), and its gradient by the gate."""
+
+    def __init__(self, experts=4, width=256):
+        super().__init__()
+        self.gate = torch.nn.Linear(width, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x):
+        expert_outs = torch.stack([torch.relu(e(x)) for e in self.experts], 1)
+        return torch.matmul(self.gate(x).softmax(1).unsqueeze(1), expert_outs).squeeze(1)
+
+
+def test_aligned_gemms_leaves_batched_mat_vec_products_unpadded():
+    """The Mod declines mat-vec products (`matrix_vector`): the gate bmm and its gradient keep
+    Inductor's op and layouts (cuBLAS's gemv), no zero-padded copy of the expert outputs."""
+    model = _GateMixture().to("cuda", torch.bfloat16)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0})
+    out = compiled(x)
+    out.float().square().mean().backward()
+    ref = reference(x.float())
+    ref.square().mean().backward()
+    assert sqnr_db(ref, out.float()) > OUTPUT_SQNR_FLOOR_DB
+    for p, p_ref in zip(model.parameters(), reference.parameters()):
+        assert sqnr_db(p_ref.grad, p.grad.float()) > GRAD_SQNR_FLOOR_DB
+    graphs = loka_compile.report(compiled).graph_modules
+    bmms = [n for gm in graphs.values() for n in gm.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    shapes = [(n.args[0].meta["val"].shape, n.args[1].meta["val"].shape) for n in bmms]
+    # forward: K = 4 experts; the gradient by the gate: N = 4 (padded they would be 8)
+    assert len(bmms) == 2 and all(4 in (a[-1], b[-1]) for a, b in shapes), shapes
+    assert not any(a.target is torch.ops.aten.constant_pad_nd.default for n in bmms for a in n.args)
+
+
 def test_speed_check_timings_leave_nothing_allocated():
     """Timing a site leaves no device memory allocated (each timing once left a cuBLAS
     workspace behind, on a new capture stream each time: 32 MB per timed GEMM on the H100)."""

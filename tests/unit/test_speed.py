@@ -114,6 +114,44 @@ class TestSpeedCheck:
         assert not decision.fp8 and decision.reason is Reason.PROVIDER_FAILED
         assert "CUBLAS_STATUS_NOT_SUPPORTED" in decision.detail
 
+    def test_high_precision_time_is_that_of_the_aligned_gemms_padded_form(self, monkeypatch):
+        """A site off the alignment that stayed high precision would run padded (the aligned_gemms
+        Mod): the speed check times that padded GEMM against FP8, not the unaligned one."""
+        shape = speed.SiteShape(64, 30, 45, "row", "column", True, torch.float32, torch.device("cpu"),
+                                hp_padding=(0, 2, 3))
+        timed = []
+
+        def first_call_shape(fn, device):
+            out = fn()
+            timed.append(tuple(out.shape) if isinstance(out, torch.Tensor) else None)
+            return [1.0]
+
+        monkeypatch.setattr(speed, "_time_runs_us", first_call_shape)
+        high_precision_outputs = []
+        for padding in ((0, 2, 3), (0, 0, 0)):
+            timed.clear()
+            speed._measure_site(dataclasses.replace(shape, hp_padding=padding), "rowwise", "e4m3", "e4m3",
+                                ("emulated",), False)
+            high_precision_outputs.append(timed[0])  # the high-precision GEMM is timed first
+        assert high_precision_outputs == [(64, 48), (64, 45)]
+
+    def test_dispatch_hands_the_speed_check_the_padding_of_a_cuda_site(self):
+        from graphs import aot_graphs
+        from loka_compile.passes.mods import aligned_gemms
+
+        x, w = torch.randn(64, 77, requires_grad=True), torch.randn(32, 77, requires_grad=True)
+        fwd = aot_graphs(lambda x, w: torch.nn.functional.linear(x, w), x, w)[0]
+        ctx = make_ctx(fwd.graph)
+        find_sites(fwd.graph, ctx)
+        (site,) = ctx.sites
+        config = LokaConfig(recipe="rowwise")
+        assert dispatch._high_precision_padding(site, config) == (0, 0, 0)  # CPU: the Mod does not pad
+        on_cuda = dataclasses.replace(site, device=torch.device("cuda"))
+        assert aligned_gemms.pads_on(on_cuda.device)
+        assert dispatch._high_precision_padding(on_cuda, config) == (0, 3, 0)  # fp32: K 77 -> 80
+        off = LokaConfig(recipe="rowwise", disabled_mods=["aligned_gemms"])
+        assert dispatch._high_precision_padding(on_cuda, off) == (0, 0, 0)
+
     def test_symbolic_k_n_sites_are_not_timed_batched_ones_are(self, fp8_site):
         assert speed.site_shape(dataclasses.replace(fp8_site, shape=(32, "s1", 128)), "rowwise") is None
         assert speed.site_shape(dataclasses.replace(fp8_site, shape=(32, 64, "s1")), "rowwise") is None
