@@ -269,10 +269,11 @@ def run_config(config: Config, args, device: torch.device) -> dict:
         if config.torchao_float8:
             torchao_float8(task)
         options = {"probe_steps": args.probe_steps}
-        plans = plan_files(args.load_plans or args.save_plans, config, task) if config.backend == "loka" else []
+        plans = plan_files(args.load_plans or args.save_plans, config, task) if plans_apply(config) else []
         if args.load_plans and plans and all(path.exists() for path in plans):  # else: its own window
             options = [dict(options, plan=str(path)) for path in plans]
             row["plan_from_world"] = json.loads(Path(args.load_plans, "world.json").read_text())["world_size"]
+            row["plan"] = str(args.load_plans)
         example.compile_parts(task, config.backend, options)
         forward = example.wrap(task, config.strategy, device, bucket_cap_mb=args.bucket_cap_mb)
         counter = CommBytes(world)
@@ -289,11 +290,6 @@ def run_config(config: Config, args, device: torch.device) -> dict:
         warmup = min(warmup, args.steps - 1)
         row.update(example.train(task, forward, device, args.steps, args.lr, warmup, on_step=on_step,
                                  first_steps=first_steps_measured(row, args.profile)))
-        if args.save_plans and plans and rank == 0:
-            try:
-                save_plans(task, plans, world)
-            except Exception as error:  # noqa: BLE001 - rank 0 alone: its row says so, the ranks go on together
-                row["plan_saved"] = f"no: {_error_text(error)}"
         if counter.method != "counted":
             analytic_fsdp2_bytes(task, counter, args.steps, lambda part, p: gathered_bytes(config, device, part, p))
         if gradient_comm is not None:
@@ -301,6 +297,11 @@ def run_config(config: Config, args, device: torch.device) -> dict:
             row.update(fp8_comm_row(gradient_comm))
         row.update(counter.per_step(args.steps))
         row.update(example.evaluate(task, forward, device, args.eval_batches, args.probe_steps + 1))
+        if args.save_plans and plans and rank == 0:  # after evaluation: the held-out graphs' sites are in it too
+            try:
+                save_plans(task, plans, world)
+            except Exception as error:  # noqa: BLE001 - rank 0 alone: its row says so, the ranks go on together
+                row["plan_saved"] = f"no: {_error_text(error)}"
         row.update(example.fp8_sites(task, config.backend))
     except Exception as error:  # noqa: BLE001 - a failing config is a row with its error
         row["error"] = _error_text(error)
@@ -322,14 +323,21 @@ def run_config(config: Config, args, device: torch.device) -> dict:
     return row
 
 
+def plans_apply(config: Config) -> bool:
+    """Whether --save-plans / --load-plans act on `config`: loka under DDP. Under FSDP2 on CUDA the
+    compiled graphs read the bf16 all-gathered parameters while the module's own are fp32, and a
+    saved plan's fingerprint is the module's, so loading it would refuse every graph."""
+    return config.backend == "loka" and config.strategy == "ddp"
+
+
 def plan_files(directory: str, config: Config, task) -> list[Path]:
     """Where each compiled part's plan of `config` is kept under `directory`."""
     return [Path(directory, f"{config.name}.part{i}.json") for i in range(len(task.compiled))]
 
 
 def save_plans(task, paths: list[Path], world: int) -> None:
-    """Each compiled part's plan after training (every training graph's window closed), and
-    the world size that decided them."""
+    """Each compiled part's plan after training and evaluation (the windows of its training and
+    held-out graphs closed), and the world size that decided them."""
     import loka_compile
 
     paths[0].parent.mkdir(parents=True, exist_ok=True)
@@ -415,7 +423,7 @@ def markdown(env: dict, rows: list[dict]) -> str:
               "Scaling efficiency: step time on 1 GPU / on N (weak scaling). First steps: wall seconds of the "
               "untimed steps on rank 0 (compiles, probe windows)."]
     if any(r.get("plan_from_world") for r in rows):
-        lines.append("A row with a plan ran the loka plan that the same config decided at that world size (same "
+        lines.append("A row marked with a plan ran the loka plan its config decided at the world size named (same "
                      "model, shapes and batch per rank): no probe window, speed check or output budget of its own.")
     return "\n".join(lines) + "\n"
 
@@ -483,6 +491,9 @@ def launch(args) -> Path:
                    "--worker-seconds", str(max(0.0, left - 30)), *args.passthrough]
         if args.reuse_plan:
             command += ["--save-plans" if index == 0 else "--load-plans", str(plans)]
+        else:
+            command += [f"--{flag}-plans={getattr(args, flag + '_plans')}" for flag in ("save", "load")
+                        if getattr(args, flag + "_plans")]
         print(f"== {world} rank(s): {' '.join(command)}", flush=True)
         environ = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
         try:
@@ -546,8 +557,8 @@ def parse_args(argv=None):
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                         help="DDP's gradient bucket size (its default): Dynamo splits a compiled graph per bucket")
     parser.add_argument("--reuse-plan", action="store_true",
-                        help="loka rows past the first world size run the plan its loka rows decided (same model, "
-                             "shapes and batch per rank): no probe window, speed check or output budget there")
+                        help="DDP loka rows past the first world size run the plan their config decided at the first "
+                             "(same model, shapes and batch per rank): no probe window, speed check or output budget")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile each config's first steps on every rank: seconds per compile phase in the row")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -558,9 +569,14 @@ def parse_args(argv=None):
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rows-file", help=argparse.SUPPRESS)
     parser.add_argument("--worker-seconds", type=float, default=1e9, help=argparse.SUPPRESS)
-    parser.add_argument("--save-plans", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--load-plans", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--save-plans", default=None, metavar="DIR",
+                        help="save each loka config's plans here (rank 0, after its held-out evaluation)")
+    parser.add_argument("--load-plans", default=None, metavar="DIR",
+                        help="loka configs run the plans --save-plans left in DIR (an earlier run, same model, "
+                             "shapes and batch per rank): no probe window, speed check or output budget")
     args = parser.parse_args(argv)
+    if args.reuse_plan and (args.save_plans or args.load_plans):
+        parser.error("--reuse-plan chooses the plans' directory itself: leave out --save-plans and --load-plans")
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configs {unknown}; valid: {', '.join(CONFIGS)}")

@@ -168,9 +168,10 @@ def _train_form(rank, form, device):
             "sparse_grads": sparse_grads, "sites": sites}
 
 
-def _window_in_ddp_buckets(rank, device):
+def _window_in_ddp_buckets(rank, device, store_dir):
     """`torch.compile(DDP(model))` with a probe window: DDP's graph splitting compiles one graph per
-    bucket, and each bucket's FP8 variant (compiled when the window closes) gets its own backward."""
+    bucket, and each bucket's FP8 variant (compiled when the window closes) gets its own backward.
+    Rank 0 saves the plan (`_planned_ddp_buckets` runs it)."""
     torch._dynamo.reset()
     loka_compile.reset()
     model = fresh("dense", device)
@@ -179,39 +180,40 @@ def _window_in_ddp_buckets(rank, device):
     forward = torch.compile(ddp, backend="loka", options=options(device, probe_steps=2))
     losses = train(model, forward, batches(rank, "dense", device))
     report = loka_compile.report(forward)
+    if rank == 0:
+        loka_compile.save_plan(forward, bucket_plan_path(store_dir))
+    torch.distributed.barrier()
     return {"losses": losses, "params": on_cpu(model.parameters()), "graphs": len(report.graphs),
             "phases": sorted({g.phase for g in report.graphs}), "fp8_sites": sum(s.fp8 for s in report.sites)}
 
 
 def _planned_ddp_buckets(rank, device, store_dir):
-    """`DDP(torch.compile(model))` split into buckets (Dynamo's DDP graph splitting), its windows
-    closed on each rank's own data and its plan saved by rank 0; then a fresh compile with that
-    plan on every rank (as the benchmark's larger worlds run the plan of its smallest)."""
+    """A fresh `torch.compile(DDP(model))` with the plan `_window_in_ddp_buckets` saved (its
+    windows closed on each rank's own data, the plan saved by rank 0): every bucket's graph runs
+    the plan from its first call, on every rank (as the benchmark's larger worlds run the plan
+    of its smallest)."""
     from loka_compile.types import Phase
 
+    torch._dynamo.reset()
+    loka_compile.reset()
+    path = bucket_plan_path(store_dir)
+    model = fresh("dense", device)
     ids = [device.index] if device.type == "cuda" else None
-    path = os.path.join(store_dir, "ddp_buckets_plan.json")
-    runs = {}
-    for run, extra in (("window", {"probe_steps": 1}), ("planned", {"plan": path})):
-        torch._dynamo.reset()
-        loka_compile.reset()
-        model = fresh("dense", device)
-        compiled = torch.compile(model, backend="loka", options=options(device, **extra))
-        forward = nn.parallel.DistributedDataParallel(compiled, device_ids=ids, bucket_cap_mb=1)
-        losses = train(model, forward, batches(rank, "dense", device))
-        state = loka_compile.state_of(compiled)
-        runs[run] = {"losses": losses, "graphs": len(state.records), "plan": plan_of(compiled),
-                     "windowless": all(r.plan.source == path and r.phase is Phase.FP8 for r in state.records)}
-        if run == "window" and rank == 0:
-            loka_compile.save_plan(compiled, path)
-        torch.distributed.barrier()
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=1)
+    forward = torch.compile(ddp, backend="loka", options=options(device, plan=path))
+    losses = train(model, forward, batches(rank, "dense", device))
+    records = loka_compile.state_of(forward).records
 
     def table(plan):
         return {sid: (e.fp8, e.scaling, e.reason) for sid, e in plan.sites.items()}
 
-    return {"graphs": (runs["window"]["graphs"], runs["planned"]["graphs"]),
-            "windowless": runs["planned"]["windowless"], "saved": table(loka_compile.load_plan(path)),
-            "planned": table(runs["planned"]["plan"]), "losses": runs["planned"]["losses"]}
+    return {"graphs": len(records), "losses": losses, "saved": table(loka_compile.load_plan(path)),
+            "planned": table(plan_of(forward)),
+            "windowless": all(r.plan.source == path and r.phase is Phase.FP8 for r in records)}
+
+
+def bucket_plan_path(store_dir):
+    return os.path.join(store_dir, "ddp_buckets_plan.json")
 
 
 def _fsdp2(rank, device):
@@ -325,7 +327,7 @@ def _rank(rank, store_dir, backend):
     scenarios = {form: functools.partial(_train_form, rank, form, device)
                  for form in (CPU_FORMS if backend == "gloo" else NCCL_FORMS)}
     scenarios["fsdp2"] = functools.partial(_fsdp2, rank, device)
-    scenarios["window_in_buckets"] = functools.partial(_window_in_ddp_buckets, rank, device)
+    scenarios["window_in_buckets"] = functools.partial(_window_in_ddp_buckets, rank, device, store_dir)
     if backend == "gloo":
         scenarios["decisions"] = functools.partial(_decisions, rank, store_dir)
         scenarios["planned_buckets"] = functools.partial(_planned_ddp_buckets, rank, device, store_dir)
@@ -459,7 +461,8 @@ def test_nccl_recompile_on_every_rank_keeps_collectives_lined_up(nccl_ranks):
 
 def test_a_saved_plan_serves_every_ddp_bucket_on_every_rank(ranks):
     p0, p1 = ranks[0]["planned_buckets"], ranks[1]["planned_buckets"]
-    assert p0["graphs"][0] >= 2 and p0["graphs"] == p1["graphs"]  # one graph per bucket, as many with the plan
+    assert p0["graphs"] == ranks[0]["window_in_buckets"]["graphs"] >= 2  # a graph per bucket, with the plan too
+    assert p1["graphs"] == p0["graphs"]
     assert p0["windowless"] and p1["windowless"]  # every bucket's graph ran the plan from its first call
     assert any(fp8 for fp8, *_ in p0["saved"].values())
     assert p0["planned"] == p1["planned"] == p0["saved"]  # the plan's decisions, the same on both ranks
