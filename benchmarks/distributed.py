@@ -7,6 +7,8 @@ communication (`loka_compile.fp8_gradient_comm`: each gradient bucket measured f
     python -m benchmarks.distributed --gpus 1,2 --steps 100 --out /tmp/d   # a shorter run
     python -m benchmarks.distributed --device cpu --gpus 2 --preset tiny --steps 4 --batch 32  # CPU smoke
     python -m benchmarks.distributed --merge a.json b.json --out DIR   # one table from several calls
+    python -m benchmarks.distributed --gpus 1,2,4 --configs ddp_bf16,ddp_loka --reuse-plan --profile
+        # the 2- and 4-GPU ddp_loka rows run the plan of the 1-GPU row; cProfile phases of the first steps
 
 The launcher starts one `torchrun` per world size (NCCL_NVLS_ENABLE=0: NVLink multicast off);
 its ranks run every config in turn in one process group (examples/distributed.py's model
@@ -410,7 +412,8 @@ def markdown(env: dict, rows: list[dict]) -> str:
         mb = lambda key: fmt(r.get(key, 0) / 1e6, ".1f")  # noqa: E731
         planned = f" (plan of the {r['plan_from_world']}-GPU row)" if r.get("plan_from_world") else ""
         lines.append(
-            f"| {r['world_size']} | {r['config']}{planned} | {fmt(r['step_ms'], '.2f')} | {fmt(r.get('speedup_vs_bf16'), '.2f')} | "
+            f"| {r['world_size']} | {r['config']}{planned} | {fmt(r['step_ms'], '.2f')} | "
+            f"{fmt(r.get('speedup_vs_bf16'), '.2f')} | "
             f"{fmt(r.get('scaling_efficiency'), '.2f')} | {mb('all_gather_payload')} | {mb('reduce_scatter_payload')} | "
             f"{mb('all_reduce_payload')} | {mb('all_to_all_payload')} | {mb('wire_bytes_per_rank')} | "
             f"{fp8_comm_cell(r)} | {fmt(r['ne'], '.4f')} | "

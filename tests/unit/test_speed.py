@@ -39,7 +39,8 @@ class TestSpeedCheck:
             return speed.SiteTiming(bf16_us, fp8_us, providers[0], {providers[0]: fp8_us}, 0.0)
 
         monkeypatch.setattr(dispatch.speed, "site_timing", timing)
-        monkeypatch.setattr(dispatch.speed, "first_runnable_provider", lambda shape, scaling, a, b, names, fast: names[0])
+        monkeypatch.setattr(dispatch.speed, "first_runnable_provider",
+                            lambda shape, scaling, a, b, names, fast: names[0])
         return dispatch.decide(site, LokaConfig(recipe="rowwise", **config), "fp8", {}), calls
 
     def test_slower_site_stays_in_high_precision_with_timings(self, fp8_site, monkeypatch):
