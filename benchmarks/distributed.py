@@ -7,6 +7,8 @@ communication (`loka_compile.fp8_gradient_comm`: each gradient bucket measured f
     python -m benchmarks.distributed --gpus 1,2 --steps 100 --out /tmp/d   # a shorter run
     python -m benchmarks.distributed --device cpu --gpus 2 --preset tiny --steps 4 --batch 32  # CPU smoke
     python -m benchmarks.distributed --merge a.json b.json --out DIR   # one table from several calls
+    python -m benchmarks.distributed --gpus 1,2,4 --configs ddp_bf16,ddp_loka --reuse-plan --profile
+        # the 2- and 4-GPU ddp_loka rows run the plan of the 1-GPU row; cProfile phases of the first steps
 
 The launcher starts one `torchrun` per world size (NCCL_NVLS_ENABLE=0: NVLink multicast off);
 its ranks run every config in turn in one process group (examples/distributed.py's model
@@ -35,10 +37,12 @@ starting world sizes when --total-seconds is spent; a world that did not run get
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -151,6 +155,54 @@ def analytic_fsdp2_bytes(task, counter: CommBytes, steps: int, all_gather_bytes_
             counter.reduce_scatter += steps * p.numel() * 4
 
 
+# ------------------------------------------------------------------ where the first steps go
+
+
+def first_steps_phases():
+    """What `--profile` reports of each config's first steps (compiles and windows): the
+    single-process compile phases of `benchmarks.public.first_steps`, and the distributed ones."""
+    from benchmarks.public.first_steps import PHASES
+
+    return PHASES + (
+        ("DDP graph splitting (DDPOptimizer, all buckets)", "torch/_dynamo/backends/distributed.py", "compile_fn"),
+        ("DDPOptimizer: one bucket's compile", "torch/_dynamo/backends/distributed.py", "compile_submod"),
+        ("loka: decisions taken once for all ranks (ranks.decide_once)", "loka_compile/ranks.py",
+         "_decide_on_ranks"),
+        ("collectives: broadcast_object_list", "torch/distributed/distributed_c10d.py", "broadcast_object_list"),
+        ("collectives: all_gather_object", "torch/distributed/distributed_c10d.py", "all_gather_object"),
+    )
+
+
+COMPILE_COUNTERS = (("stats", "unique_graphs"), ("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                    ("inductor", "fxgraph_cache_bypass"))
+
+
+@contextlib.contextmanager
+def first_steps_measured(row: dict, profile: bool):
+    """Around the first steps (the compiles and windows): the Dynamo graphs and Inductor's FX
+    graph cache hits, misses and bypasses they made, into `row`; with `profile`, cProfile's
+    seconds and calls of each phase too (row["first_steps_phases"], this rank's)."""
+    import cProfile
+    import pstats
+
+    from torch._dynamo.utils import counters
+
+    from benchmarks.public.first_steps import phase_times
+
+    before = {key: counters[key[0]][key[1]] for key in COMPILE_COUNTERS}
+    profiler = cProfile.Profile() if profile else None
+    if profiler is not None:
+        profiler.enable()
+    try:
+        yield
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            row["first_steps_phases"] = [p for p in phase_times(pstats.Stats(profiler), first_steps_phases())
+                                         if p["calls"]]
+        row.update({name: counters[group][name] - before[(group, name)] for group, name in COMPILE_COUNTERS})
+
+
 # ------------------------------------------------------------------ one config on every rank
 
 
@@ -219,8 +271,13 @@ def run_config(config: Config, args, device: torch.device) -> dict:
         if config.torchao_float8:
             torchao_float8(task)
         options = {"probe_steps": args.probe_steps}
+        plans = plan_files(args.load_plans or args.save_plans, config, task) if plans_apply(config) else []
+        if args.load_plans and plans and all(path.exists() for path in plans):  # else: its own window
+            options = [dict(options, plan=str(path)) for path in plans]
+            row["plan_from_world"] = json.loads(Path(args.load_plans, "world.json").read_text())["world_size"]
+            row["plan"] = str(args.load_plans)
         example.compile_parts(task, config.backend, options)
-        forward = example.wrap(task, config.strategy, device)
+        forward = example.wrap(task, config.strategy, device, bucket_cap_mb=args.bucket_cap_mb)
         counter = CommBytes(world)
         if config.strategy == "ddp":
             if not config.fp8_comm:  # DDP takes one comm hook: loka's counts its own bytes
@@ -229,18 +286,24 @@ def run_config(config: Config, args, device: torch.device) -> dict:
             count_fsdp2([*task.parts, task.model], counter)  # loka's reduce-scatter replaces the counted one
         gradient_comm = loka_compile.fp8_gradient_comm(forward, **comm_options(args)) if config.fp8_comm else None
         on_step = torchao_scales(task.model) if config.torchao_float8 else None
-        warmup = max(args.warmup, example.warmup_steps(config.backend, options))
+        warmup = max(args.warmup, example.warmup_steps(config.backend, {"probe_steps": args.probe_steps}))
         if gradient_comm is not None:  # its window, after a warm-up call (and DDP's rebuilt buckets' one)
             warmup = max(warmup, args.comm_window + 3)
         warmup = min(warmup, args.steps - 1)
-        row.update(example.train(task, forward, device, args.steps, args.lr, warmup, on_step=on_step))
+        row.update(example.train(task, forward, device, args.steps, args.lr, warmup, on_step=on_step,
+                                 first_steps=first_steps_measured(row, args.profile)))
         if counter.method != "counted":
             analytic_fsdp2_bytes(task, counter, args.steps, lambda part, p: gathered_bytes(config, device, part, p))
         if gradient_comm is not None:
             counter.add_sent(gradient_comm.sent)
             row.update(fp8_comm_row(gradient_comm))
         row.update(counter.per_step(args.steps))
-        row.update(example.evaluate(task, forward, device, args.eval_batches, options["probe_steps"] + 1))
+        row.update(example.evaluate(task, forward, device, args.eval_batches, args.probe_steps + 1))
+        if args.save_plans and plans and rank == 0:  # after evaluation: the held-out graphs' sites are in it too
+            try:
+                save_plans(task, plans, world)
+            except Exception as error:  # noqa: BLE001 - rank 0 alone: its row says so, the ranks go on together
+                row["plan_saved"] = f"no: {_error_text(error)}"
         row.update(example.fp8_sites(task, config.backend))
     except Exception as error:  # noqa: BLE001 - a failing config is a row with its error
         row["error"] = _error_text(error)
@@ -260,6 +323,29 @@ def run_config(config: Config, args, device: torch.device) -> dict:
               f"{row['step_ms']:.2f} ms/step, NE {row['ne']:.4f}, wire {row['wire_bytes_per_rank'] / 1e6:.1f} MB/rank"),
               flush=True)
     return row
+
+
+def plans_apply(config: Config) -> bool:
+    """Whether --save-plans / --load-plans act on `config`: loka under DDP. Under FSDP2 on CUDA the
+    compiled graphs read the bf16 all-gathered parameters while the module's own are fp32, and a
+    saved plan's fingerprint is the module's, so loading it would refuse every graph."""
+    return config.backend == "loka" and config.strategy == "ddp"
+
+
+def plan_files(directory: str, config: Config, task) -> list[Path]:
+    """Where each compiled part's plan of `config` is kept under `directory`."""
+    return [Path(directory, f"{config.name}.part{i}.json") for i in range(len(task.compiled))]
+
+
+def save_plans(task, paths: list[Path], world: int) -> None:
+    """Each compiled part's plan after training and evaluation (the windows of its training and
+    held-out graphs closed), and the world size that decided them."""
+    import loka_compile
+
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    for part, path in zip(task.compiled, paths):
+        loka_compile.save_plan(part, path)
+    Path(paths[0].parent, "world.json").write_text(json.dumps({"world_size": world}))
 
 
 def worker(args) -> None:
@@ -317,24 +403,31 @@ def markdown(env: dict, rows: list[dict]) -> str:
              f"{env['steps']} steps, {env['device']}", "",
              "| GPUs | config | ms/step | speedup vs bf16 | scaling eff. | all-gather MB | reduce-scatter MB | "
              "all-reduce MB | all-to-all MB | wire MB/rank | FP8 grad buckets (plan MB/step) | held-out NE | "
-             "NE vs DDP bf16 | FP8 sites |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "NE vs DDP bf16 | FP8 sites | first steps s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["world_size"], r["config"])):
         if "error" in r:
-            lines.append(f"| {r['world_size']} | {r['config']} | error: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['world_size']} | {r['config']} | error: {r['error']} |" + " |" * 12)
             continue
         mb = lambda key: fmt(r.get(key, 0) / 1e6, ".1f")  # noqa: E731
+        planned = f" (plan of the {r['plan_from_world']}-GPU row)" if r.get("plan_from_world") else ""
         lines.append(
-            f"| {r['world_size']} | {r['config']} | {fmt(r['step_ms'], '.2f')} | {fmt(r.get('speedup_vs_bf16'), '.2f')} | "
+            f"| {r['world_size']} | {r['config']}{planned} | {fmt(r['step_ms'], '.2f')} | "
+            f"{fmt(r.get('speedup_vs_bf16'), '.2f')} | "
             f"{fmt(r.get('scaling_efficiency'), '.2f')} | {mb('all_gather_payload')} | {mb('reduce_scatter_payload')} | "
             f"{mb('all_reduce_payload')} | {mb('all_to_all_payload')} | {mb('wire_bytes_per_rank')} | "
             f"{fp8_comm_cell(r)} | {fmt(r['ne'], '.4f')} | "
             f"{fmt(100 * r['ne_rel_change_vs_ddp_bf16'], '+.2f') + '%' if 'ne_rel_change_vs_ddp_bf16' in r else ''} | "
-            f"{r.get('fp8_sites', '')}{'/' + str(r['sites']) if 'sites' in r else ''} |")
+            f"{r.get('fp8_sites', '')}{'/' + str(r['sites']) if 'sites' in r else ''} | "
+            f"{fmt(r.get('first_steps_s'), '.1f')} |")
     methods = sorted({r["bytes_method"] for r in rows if "bytes_method" in r})
     clock = "CUDA-event timings" if env["device"] != "CPU" else "perf_counter timings"
     lines += ["", f"Bytes: {'; '.join(methods)}. Step time: median of {clock} on rank 0 after the warm-up. "
-              "Scaling efficiency: step time on 1 GPU / on N (weak scaling)."]
+              "Scaling efficiency: step time on 1 GPU / on N (weak scaling). First steps: wall seconds of the "
+              "untimed steps on rank 0 (compiles, probe windows)."]
+    if any(r.get("plan_from_world") for r in rows):
+        lines.append("A row marked with a plan ran the loka plan its config decided at the world size named (same "
+                     "model, shapes and batch per rank): no probe window, speed check or output budget of its own.")
     return "\n".join(lines) + "\n"
 
 
@@ -377,10 +470,14 @@ def launch(args) -> Path:
     stem = args.name or f"{time.strftime('%Y-%m-%d')}_{tag}_distributed"
     env = {"model": args.model, "preset": args.preset, "max_rows": args.max_rows, "batch_per_rank": args.batch,
            "steps": args.steps, "device": tag, "torch": torch.__version__, "nccl_nvls_enable": "0",
-           "gpus_available": torch.cuda.device_count() if device.type == "cuda" else 0, "configs": args.configs}
+           "gpus_available": torch.cuda.device_count() if device.type == "cuda" else 0, "configs": args.configs,
+           "bucket_cap_mb": args.bucket_cap_mb, "reuse_plan": args.reuse_plan}
     deadline = time.monotonic() + args.total_seconds
     rows = []
-    for world in (int(w) for w in args.gpus.split(",")):
+    plans = out / f"{stem}.plans"  # --reuse-plan: the first world's loka plans, for the later worlds
+    if args.reuse_plan:
+        shutil.rmtree(plans, ignore_errors=True)
+    for index, world in enumerate(int(w) for w in args.gpus.split(",")):
         if device.type == "cuda" and world > torch.cuda.device_count():
             rows += [{"config": c, "world_size": world, "model": args.model,
                       "error": f"needs {world} GPUs, found {torch.cuda.device_count()}"} for c in args.configs.split(",")]
@@ -395,6 +492,11 @@ def launch(args) -> Path:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    "-m", "benchmarks.distributed", "--worker", "--rows-file", str(rows_file),
                    "--worker-seconds", str(max(0.0, left - 30)), *args.passthrough]
+        if args.reuse_plan:
+            command += ["--save-plans" if index == 0 else "--load-plans", str(plans)]
+        else:
+            command += [f"--{flag}-plans={getattr(args, flag + '_plans')}" for flag in ("save", "load")
+                        if getattr(args, flag + "_plans")]
         print(f"== {world} rank(s): {' '.join(command)}", flush=True)
         environ = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
         try:
@@ -455,6 +557,13 @@ def parse_args(argv=None):
     parser.add_argument("--comm-max-error", type=float, default=0.1, help="its budget on a bucket's relative error")
     parser.add_argument("--comm-gather", default="e4m3", choices=("e4m3", "bf16"), help="its all-gather's format")
     parser.add_argument("--comm-no-speed-check", action="store_true", help="FP8 where within budget, faster or not")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="DDP's gradient bucket size (its default): Dynamo splits a compiled graph per bucket")
+    parser.add_argument("--reuse-plan", action="store_true",
+                        help="DDP loka rows past the first world size run the plan their config decided at the first "
+                             "(same model, shapes and batch per rank): no probe window, speed check or output budget")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile each config's first steps on every rank: seconds per compile phase in the row")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--total-seconds", type=float, default=510.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -463,7 +572,14 @@ def parse_args(argv=None):
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rows-file", help=argparse.SUPPRESS)
     parser.add_argument("--worker-seconds", type=float, default=1e9, help=argparse.SUPPRESS)
+    parser.add_argument("--save-plans", default=None, metavar="DIR",
+                        help="save each loka config's plans here (rank 0, after its held-out evaluation)")
+    parser.add_argument("--load-plans", default=None, metavar="DIR",
+                        help="loka configs run the plans --save-plans left in DIR (an earlier run, same model, "
+                             "shapes and batch per rank): no probe window, speed check or output budget")
     args = parser.parse_args(argv)
+    if args.reuse_plan and (args.save_plans or args.load_plans):
+        parser.error("--reuse-plan chooses the plans' directory itself: leave out --save-plans and --load-plans")
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configs {unknown}; valid: {', '.join(CONFIGS)}")
@@ -473,7 +589,8 @@ def parse_args(argv=None):
                         f"--warmup={args.warmup}", f"--lr={args.lr}", f"--eval-batches={args.eval_batches}",
                         f"--probe-steps={args.probe_steps}", f"--device={args.device}",
                         f"--comm-window={args.comm_window}", f"--comm-max-error={args.comm_max_error}",
-                        f"--comm-gather={args.comm_gather}",
+                        f"--comm-gather={args.comm_gather}", f"--bucket-cap-mb={args.bucket_cap_mb}",
+                        *(["--profile"] if args.profile else []),
                         *(["--comm-no-speed-check"] if args.comm_no_speed_check else [])]
     return args
 

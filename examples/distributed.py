@@ -109,20 +109,23 @@ def make_task(name: str, preset: str, batch_size: int, device: torch.device, max
     return public_task(name, preset, batch_size, device)
 
 
-def compile_parts(task: Task, backend: str, loka_options: dict | None = None) -> None:
-    """Compile each of task.compiled in place (nn.Module.compile), before DDP or fully_shard wraps it."""
-    for part in task.compiled:
+def compile_parts(task: Task, backend: str, loka_options: dict | list[dict] | None = None) -> None:
+    """Compile each of task.compiled in place (nn.Module.compile), before DDP or fully_shard wraps
+    it; `loka_options` for every part, or a list of them, one per part (e.g. each its own plan)."""
+    per_part = loka_options if isinstance(loka_options, list) else [loka_options] * len(task.compiled)
+    for part, options in zip(task.compiled, per_part, strict=True):
         if backend == "loka":
-            part.compile(backend="loka", options=dict(loka_options or {}))
+            part.compile(backend="loka", options=dict(options or {}))
         else:
             part.compile()
 
 
-def wrap(task: Task, strategy: str, device: torch.device) -> nn.Module:
-    """The model to call under `strategy`: DDP over the whole model, or FSDP2 on each part then the root."""
+def wrap(task: Task, strategy: str, device: torch.device, bucket_cap_mb: float = 25.0) -> nn.Module:
+    """The model to call under `strategy`: DDP over the whole model (gradients all-reduced in
+    buckets of `bucket_cap_mb`; Dynamo compiles one graph per bucket), or FSDP2 on each part then the root."""
     if strategy == "ddp":
         return nn.parallel.DistributedDataParallel(task.model, device_ids=[device.index] if device.type == "cuda"
-                                                   else None)
+                                                   else None, bucket_cap_mb=bucket_cap_mb)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -177,31 +180,43 @@ def warmup_steps(backend: str, loka_options: dict | None) -> int:
 
 
 def train(task: Task, forward: nn.Module, device: torch.device, steps: int, lr: float, warmup: int,
-          on_step: Callable[[int], None] | None = None) -> dict:
+          on_step: Callable[[int], None] | None = None,
+          first_steps: contextlib.AbstractContextManager | None = None) -> dict:
     """`steps` Adam steps on this rank's batches (index step * world + rank), each followed by
     `on_step(step)` (timed with it); the median step time after `warmup` steps, the first and
-    last loss."""
+    last loss, and the wall seconds of the `warmup` steps (the compiles and the probe window),
+    which run inside `first_steps` (e.g. a profiler) where given."""
     rank, world = dist.get_rank(), dist.get_world_size()
     optimizer = torch.optim.Adam(task.model.parameters(), lr=lr)
     timer = StepTimer(device)
     losses = []
-    for step in range(steps):
-        inputs, labels = task.batch(step * world + rank, False)
-        with timer.step(record=step >= warmup):
-            optimizer.zero_grad(set_to_none=True)
-            with autocast(device):
-                out = forward(*inputs)
-            loss = task.loss(out, labels)
-            loss.backward()
-            optimizer.step()
-            if on_step is not None:
-                on_step(step)
-        if step in (0, steps - 1):
-            losses.append(loss.item())
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"{task.name}: loss {loss.item()} at step {step} on rank {rank}")
+    first_steps_s = None
+    began = time.perf_counter()
+    with contextlib.ExitStack() as warming:
+        warming.enter_context(first_steps or contextlib.nullcontext())
+        for step in range(steps):
+            if step == warmup:
+                warming.close()
+                first_steps_s = time.perf_counter() - began
+            inputs, labels = task.batch(step * world + rank, False)
+            with timer.step(record=step >= warmup):
+                optimizer.zero_grad(set_to_none=True)
+                with autocast(device):
+                    out = forward(*inputs)
+                loss = task.loss(out, labels)
+                loss.backward()
+                optimizer.step()
+                if on_step is not None:
+                    on_step(step)
+            if step in (0, steps - 1):
+                losses.append(loss.item())
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"{task.name}: loss {loss.item()} at step {step} on rank {rank}")
+    if first_steps_s is None:
+        first_steps_s = time.perf_counter() - began
     return {"step_ms": statistics.median(timer.times_ms) if timer.times_ms else None,
-            "timed_steps": len(timer.times_ms), "loss_first": losses[0], "loss_last": losses[-1]}
+            "timed_steps": len(timer.times_ms), "loss_first": losses[0], "loss_last": losses[-1],
+            "first_steps_s": round(first_steps_s, 2)}
 
 
 @torch.no_grad()
@@ -231,8 +246,10 @@ def fp8_sites(task: Task, backend: str) -> dict:
     """How many GEMM sites of the compiled parts loka runs in FP8, of all it found."""
     if backend != "loka":
         return {}
-    sites = [s for part in task.compiled for s in loka_compile.report(part).sites]
-    return {"fp8_sites": sum(s.fp8 for s in sites), "sites": len(sites)}
+    reports = [loka_compile.report(part) for part in task.compiled]
+    sites = [s for report in reports for s in report.sites]
+    return {"fp8_sites": sum(s.fp8 for s in sites), "sites": len(sites),
+            "loka_graphs": sum(len(report.graphs) for report in reports)}
 
 
 def run(name: str, args, device: torch.device) -> dict:

@@ -204,9 +204,9 @@ def decide(site: Site, config: LokaConfig, phase: Phase, unsafe_sites: Optional[
         if hardware else None
     if shape is not None and not config.speed_check:
         try:
-            chosen["provider"] = speed.runnable_providers(shape, chosen["scaling"], chosen["a_format"],
-                                                          chosen["b_format"], tuple(candidates),
-                                                          chosen["fast_accum"])[0]
+            chosen["provider"] = speed.first_runnable_provider(shape, chosen["scaling"], chosen["a_format"],
+                                                               chosen["b_format"], tuple(candidates),
+                                                               chosen["fast_accum"])
         except speed.NoProviderRuns as error:
             return _fallback(Reason.PROVIDER_FAILED, str(error))
     if shape is None or not config.speed_check:

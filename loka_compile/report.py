@@ -402,6 +402,8 @@ def plan_of(compiled) -> Plan:
         raise ValueError(f"graphs {probing} are still in their probe window: save the plan after it closes")
     plan = Plan(device_type=records[0].plan.device_type, recipe=records[0].config.recipe)
     module = getattr(compiled, "_orig_mod", compiled)
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = module.module  # Dynamo compiles DDP's inner module: its graphs name the parameters without "module."
     if isinstance(module, torch.nn.Module):
         plan.params = param_fingerprint(module.named_parameters())
     # A recompile (another batch size) has the sites of the graph it recompiles, under the

@@ -465,24 +465,28 @@ class NoProviderRuns(RuntimeError):
 _runnable: dict = {}
 
 
-def runnable_providers(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
-                       fast_accum: bool = False) -> tuple:
-    """The providers whose GEMM runs at the site's shape, each tried once on random
-    operands (cached per process): an FP8 site that is not timed (speed_check off) must
-    still not get a kernel that raises at its shape, as cuBLASLt's rowwise GEMM does at
-    some. Raises NoProviderRuns when none does. Rank 0's trial decides for all ranks."""
+def first_runnable_provider(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
+                            fast_accum: bool = False) -> str:
+    """The first of `providers`, in order, whose GEMM runs at the site's shape, each tried
+    once on random operands until one runs (cached per process): an FP8 site that is not
+    timed (speed_check off) must still not get a kernel that raises at its shape, as
+    cuBLASLt's rowwise GEMM does at some. Later providers are not tried: only the first
+    that runs is chosen, and a trial of an autotuned kernel (loka's Triton GEMM) compiles
+    every one of its configurations. Raises NoProviderRuns when none runs. Rank 0's trial
+    decides for all ranks."""
     key = (shape, scaling, a_format, b_format, providers, fast_accum)
     if key not in _runnable:
         _runnable[key] = decide_once(lambda: _try_providers(shape, scaling, a_format, b_format, providers, fast_accum))
     runs, failed = _runnable[key]
-    if not runs:
+    if runs is None:
         raise NoProviderRuns(failed)
     return runs
 
 
 def _try_providers(shape: SiteShape, scaling: str, a_format: str, b_format: str, providers: tuple,
                    fast_accum: bool) -> tuple:
-    """(providers whose GEMM ran at the site's shape, name -> why each other failed)."""
+    """(the first provider whose GEMM ran at the site's shape, or None; name -> why each
+    provider tried before it failed)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from loka_compile.kernels.quantize import Fp8Format, Scaling
@@ -505,7 +509,9 @@ def _try_providers(shape: SiteShape, scaling: str, a_format: str, b_format: str,
             except RuntimeError as error:
                 failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 log.warning("loka: provider %s cannot run %s (%s); not chosen there", name, shape, failed[name])
-    return tuple(name for name in providers if name not in failed), failed
+                continue
+            return name, failed
+    return None, failed
 
 
 def clear_cache() -> None:

@@ -100,3 +100,23 @@ def test_derived_columns_and_merge(tmp_path):
         pytest.approx(0.8)
     table = (tmp_path / "all.md").read_text()
     assert "| 2 | fsdp2_bf16 | error: boom |" in table and "| 1 | ddp_loka | 8.00 | 1.25 |" in table
+
+
+def test_plan_reuse_flags_and_rows(capsys):
+    """--reuse-plan picks the plans' directory itself; plans act on loka under DDP only; a row that
+    ran a plan says whose, and the table says what that means."""
+    from benchmarks import distributed as bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--reuse-plan", "--load-plans", "plans"])
+    assert "--reuse-plan" in capsys.readouterr().err
+    assert [name for name, c in bench.CONFIGS.items() if bench.plans_apply(c)] == ["ddp_loka", "ddp_loka_fp8_comm"]
+    args = bench.parse_args(["--load-plans", "plans", "--gpus", "2"])
+    assert args.load_plans == "plans" and "--profile" not in args.passthrough
+    rows = [_row("ddp_bf16", 2, 12.5, 0.79, "ddp"), {**_row("ddp_loka", 2, 9.0, 0.79, "ddp"), "plan_from_world": 1}]
+    bench.fill_derived(rows)
+    env = {"model": "m", "preset": "p", "batch_per_rank": 4, "steps": 3, "device": "H100"}
+    table = bench.markdown(env, rows)
+    assert "| 2 | ddp_loka (plan of the 1-GPU row) | 9.00 | 1.39 |" in table
+    assert "no probe window, speed check or output budget of its own" in table
+    assert "| 2 | ddp_bf16 (plan" not in table and "of its own" not in bench.markdown(env, rows[:1])

@@ -9,7 +9,9 @@ in one process group, so the file pays for one spawn each); each test checks its
 deadlock fails at the join's timeout (the process group's own timeout is shorter)."""
 
 import dataclasses
+import functools
 import os
+import time
 
 import pytest
 import torch
@@ -166,9 +168,10 @@ def _train_form(rank, form, device):
             "sparse_grads": sparse_grads, "sites": sites}
 
 
-def _window_in_ddp_buckets(rank, device):
+def _window_in_ddp_buckets(rank, device, store_dir):
     """`torch.compile(DDP(model))` with a probe window: DDP's graph splitting compiles one graph per
-    bucket, and each bucket's FP8 variant (compiled when the window closes) gets its own backward."""
+    bucket, and each bucket's FP8 variant (compiled when the window closes) gets its own backward.
+    Rank 0 saves the plan (`_planned_ddp_buckets` runs it)."""
     torch._dynamo.reset()
     loka_compile.reset()
     model = fresh("dense", device)
@@ -177,8 +180,40 @@ def _window_in_ddp_buckets(rank, device):
     forward = torch.compile(ddp, backend="loka", options=options(device, probe_steps=2))
     losses = train(model, forward, batches(rank, "dense", device))
     report = loka_compile.report(forward)
+    if rank == 0:
+        loka_compile.save_plan(forward, bucket_plan_path(store_dir))
+    torch.distributed.barrier()
     return {"losses": losses, "params": on_cpu(model.parameters()), "graphs": len(report.graphs),
             "phases": sorted({g.phase for g in report.graphs}), "fp8_sites": sum(s.fp8 for s in report.sites)}
+
+
+def _planned_ddp_buckets(rank, device, store_dir):
+    """A fresh `torch.compile(DDP(model))` with the plan `_window_in_ddp_buckets` saved (its
+    windows closed on each rank's own data, the plan saved by rank 0): every bucket's graph runs
+    the plan from its first call, on every rank (as the benchmark's larger worlds run the plan
+    of its smallest)."""
+    from loka_compile.types import Phase
+
+    torch._dynamo.reset()
+    loka_compile.reset()
+    path = bucket_plan_path(store_dir)
+    model = fresh("dense", device)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=1)
+    forward = torch.compile(ddp, backend="loka", options=options(device, plan=path))
+    losses = train(model, forward, batches(rank, "dense", device))
+    records = loka_compile.state_of(forward).records
+
+    def table(plan):
+        return {sid: (e.fp8, e.scaling, e.reason) for sid, e in plan.sites.items()}
+
+    return {"graphs": len(records), "losses": losses, "saved": table(loka_compile.load_plan(path)),
+            "planned": table(plan_of(forward)),
+            "windowless": all(r.plan.source == path and r.phase is Phase.FP8 for r in records)}
+
+
+def bucket_plan_path(store_dir):
+    return os.path.join(store_dir, "ddp_buckets_plan.json")
 
 
 def _fsdp2(rank, device):
@@ -320,21 +355,37 @@ def _graph_speed_under_ddp(rank, device):
 
 
 def _rank(rank, store_dir, backend):
+    """Every scenario in turn; result["seconds"]: each one's wall time on this rank."""
     device = rank_device(rank, backend)
-    result = {form: _train_form(rank, form, device) for form in (CPU_FORMS if backend == "gloo" else NCCL_FORMS)}
-    result["fsdp2"] = _fsdp2(rank, device)
-    result["window_in_buckets"] = _window_in_ddp_buckets(rank, device)
+    scenarios = {form: functools.partial(_train_form, rank, form, device)
+                 for form in (CPU_FORMS if backend == "gloo" else NCCL_FORMS)}
+    scenarios["fsdp2"] = functools.partial(_fsdp2, rank, device)
+    scenarios["window_in_buckets"] = functools.partial(_window_in_ddp_buckets, rank, device, store_dir)
     if backend == "gloo":
-        result["decisions"] = _decisions(rank, store_dir)
-        result["graph_speed"] = _graph_speed_under_ddp(rank, device)
-    result["plans"] = _plans(rank, device)
+        scenarios["decisions"] = functools.partial(_decisions, rank, store_dir)
+        scenarios["planned_buckets"] = functools.partial(_planned_ddp_buckets, rank, device, store_dir)
+        scenarios["graph_speed"] = functools.partial(_graph_speed_under_ddp, rank, device)
+    scenarios["plans"] = functools.partial(_plans, rank, device)
+    result, seconds = {}, {}
+    for name, scenario in scenarios.items():
+        began = time.perf_counter()
+        result[name] = scenario()
+        seconds[name] = round(time.perf_counter() - began, 1)
+    result["seconds"] = seconds
     return result
+
+
+def _report_seconds(per_rank, backend):
+    """Where the ranks' time went (shown with pytest -rP or -s): each scenario's seconds per rank."""
+    print(f"{backend} ranks, seconds per scenario:",
+          {name: [r["seconds"][name] for r in per_rank] for name in per_rank[0]["seconds"]})
+    return per_rank
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     store = tmp_path_factory.mktemp("ranks")
-    return run_ranks(_rank, (str(store), "gloo"), WORLD_SIZE, JOIN_TIMEOUT_S, store)
+    return _report_seconds(run_ranks(_rank, (str(store), "gloo"), WORLD_SIZE, JOIN_TIMEOUT_S, store), "gloo")
 
 
 @pytest.fixture(scope="module")
@@ -342,9 +393,11 @@ def nccl_ranks(tmp_path_factory):
     if torch.cuda.device_count() < WORLD_SIZE:
         pytest.skip(f"needs {WORLD_SIZE} GPUs for NCCL ranks, found {torch.cuda.device_count()}")
     store = tmp_path_factory.mktemp("nccl_ranks")
-    return run_ranks(_rank, (str(store), "nccl"), WORLD_SIZE, JOIN_TIMEOUT_S, store, backend="nccl")
+    return _report_seconds(run_ranks(_rank, (str(store), "nccl"), WORLD_SIZE, JOIN_TIMEOUT_S, store, backend="nccl"),
+                           "nccl")
 
 
+@functools.lru_cache(maxsize=None)  # the same reference for every form that trains `kind` (it is deterministic)
 def single_process(kind, device):
     """The same training in one process on both ranks' batches joined (the mean loss over
     equal halves is the mean of the ranks' losses: the same gradient DDP averages)."""
@@ -438,6 +491,16 @@ def test_nccl_ranks_compile_one_plan_on_different_data(nccl_ranks):
 @pytest.mark.cuda
 def test_nccl_recompile_on_every_rank_keeps_collectives_lined_up(nccl_ranks):
     check_recompile_on_every_rank(nccl_ranks)
+
+
+def test_a_saved_plan_serves_every_ddp_bucket_on_every_rank(ranks):
+    p0, p1 = ranks[0]["planned_buckets"], ranks[1]["planned_buckets"]
+    assert p0["graphs"] == ranks[0]["window_in_buckets"]["graphs"] >= 2  # a graph per bucket, with the plan too
+    assert p1["graphs"] == p0["graphs"]
+    assert p0["windowless"] and p1["windowless"]  # every bucket's graph ran the plan from its first call
+    assert any(fp8 for fp8, *_ in p0["saved"].values())
+    assert p0["planned"] == p1["planned"] == p0["saved"]  # the plan's decisions, the same on both ranks
+    assert all(torch.isfinite(torch.tensor(p0["losses"] + p1["losses"])))
 
 
 def test_sparse_embedding_grads_stay_sparse(ranks):

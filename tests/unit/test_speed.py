@@ -39,7 +39,8 @@ class TestSpeedCheck:
             return speed.SiteTiming(bf16_us, fp8_us, providers[0], {providers[0]: fp8_us}, 0.0)
 
         monkeypatch.setattr(dispatch.speed, "site_timing", timing)
-        monkeypatch.setattr(dispatch.speed, "runnable_providers", lambda shape, scaling, a, b, names, fast: names)
+        monkeypatch.setattr(dispatch.speed, "first_runnable_provider",
+                            lambda shape, scaling, a, b, names, fast: names[0])
         return dispatch.decide(site, LokaConfig(recipe="rowwise", **config), "fp8", {}), calls
 
     def test_slower_site_stays_in_high_precision_with_timings(self, fp8_site, monkeypatch):
@@ -99,10 +100,38 @@ class TestSpeedCheck:
         timing = speed.site_timing(shape, "rowwise", "e4m3", "e4m3", (failing_provider, "emulated"))
         assert timing.provider == "emulated" and set(timing.gemm_us) == {"emulated"}
         assert "CUBLAS_STATUS_NOT_SUPPORTED" in timing.failed[failing_provider]
-        assert speed.runnable_providers(shape, "rowwise", "e4m3", "e4m3", (failing_provider, "emulated")) == \
-            ("emulated",)
+        assert speed.first_runnable_provider(shape, "rowwise", "e4m3", "e4m3", (failing_provider, "emulated")) == \
+            "emulated"
         with pytest.raises(speed.NoProviderRuns, match="failing_test"):
-            speed.runnable_providers(shape, "rowwise", "e4m3", "e4m3", (failing_provider,))
+            speed.first_runnable_provider(shape, "rowwise", "e4m3", "e4m3", (failing_provider,))
+
+    def test_providers_after_the_first_that_runs_are_not_tried(self, monkeypatch):
+        """Only the first runnable provider is chosen, so none after it is tried (a trial of
+        loka's Triton GEMM autotunes, compiling each of its configurations)."""
+        from loka_compile.kernels import providers
+
+        tried = []
+
+        def counted(name):
+            real = providers.get("emulated").gemm
+
+            def gemm(*args, **kwargs):
+                tried.append(name)
+                return real(*args, **kwargs)
+            return dataclasses.replace(providers.get("emulated"), name=name, gemm=gemm)
+
+        for name in ("counted_first", "counted_second"):
+            providers.register(counted(name))
+        speed.clear_cache()
+        try:
+            shape = speed.SiteShape(64, 32, 48, "row", "column", True, torch.float32, torch.device("cpu"))
+            assert speed.first_runnable_provider(shape, "rowwise", "e4m3", "e4m3",
+                                                 ("counted_first", "counted_second")) == "counted_first"
+            assert tried == ["counted_first"]
+        finally:
+            for name in ("counted_first", "counted_second"):
+                providers._REGISTRY.pop(name)
+            speed.clear_cache()
 
     @pytest.mark.parametrize("speed_check", [True, False])
     def test_a_site_no_provider_can_run_stays_in_high_precision(self, fp8_site, failing_provider, monkeypatch,
