@@ -61,7 +61,6 @@ class GraphSpeed:
     skipped: str = ""                # why it did not time
     training: bool = False           # the timed step ran the backward too
     runs: int = 0                    # timed steps per variant
-    uncaptured: str = ""             # why steps meant to be captured were timed uncaptured
 
     @property
     def timed(self) -> bool:
@@ -74,8 +73,7 @@ class GraphSpeed:
 
     def describe_times(self) -> str:
         step = "forward + backward" if self.training else "forward"
-        how = f"; timed uncaptured: {self.uncaptured}" if self.uncaptured else ""
-        return f"FP8 {self.fp8_ms:.3f} ms vs high precision {self.hp_ms:.3f} ms ({step}, medians of {self.runs}{how})"
+        return f"FP8 {self.fp8_ms:.3f} ms vs high precision {self.hp_ms:.3f} ms ({step}, medians of {self.runs})"
 
 
 def predicted_gain(decisions) -> tuple:
@@ -170,29 +168,16 @@ def time_steps(steps: dict, device: torch.device, captured: bool) -> dict:
     """name -> times in ms of each step's timed runs: WARMUP_STEPS untimed, then ROUNDS rounds
     of one run per step, the order reversed every other round. On CUDA with `captured` each
     step is captured in a CUDA graph and its replays timed (device work); else CUDA events
-    around each call, or wall time on CPU. Where a step cannot be captured (it waits on the
-    host, say), every step is timed uncaptured, and times["uncaptured"] says why."""
+    around each call, or wall time on CPU."""
     for step in steps.values():
         for _ in range(WARMUP_STEPS):
             step()
-    uncaptured = ""
-    try:
-        runs = {name: _timed_run(step, device, captured) for name, step in steps.items()}
-    except RuntimeError as error:  # torch.AcceleratorError included
-        if not captured:
-            raise
-        uncaptured = f"capture failed ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
-        log.info("loka: graph speed check: %s; timing every variant uncaptured", uncaptured)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        runs = {name: _timed_run(step, device, False) for name, step in steps.items()}
+    runs = {name: _timed_run(step, device, captured) for name, step in steps.items()}
     times = {name: [] for name in steps}
     names = list(steps)
     for round_ in range(ROUNDS):
         for name in (names if round_ % 2 == 0 else names[::-1]):
             times[name].append(runs[name]())
-    if uncaptured:
-        times["uncaptured"] = uncaptured
     return times
 
 
@@ -232,4 +217,4 @@ def verdict(times: dict, gain: Optional[float], sites: int, training: bool) -> G
     fp8_ms, hp_ms = statistics.median(times["fp8"]), statistics.median(times["hp"])
     return GraphSpeed(predicted_gain=gain, sites=sites, fp8_ms=fp8_ms, hp_ms=hp_ms,
                       kept="fp8" if fp8_ms < hp_ms else "high precision", training=training,
-                      runs=len(times["fp8"]), uncaptured=times.get("uncaptured", ""))
+                      runs=len(times["fp8"]))
