@@ -23,8 +23,9 @@ batches for --steps steps, then held-out NE is measured on --eval-batches batche
 - `loka_all_fp8`: every eligible site FP8 (no probe window: the budget and the rule off).
 
 Per row: held-out NE, step time (median of --timed steps after the probe window; CUDA events
-on GPU, wall clock on CPU), and the FP8 share of forward and backward GEMM FLOPs
-(`loka_compile.report`, sites of concrete shape). Per model and config (`summary`): mean NE
+on GPU, wall clock on CPU), the FP8 share of forward and backward GEMM FLOPs
+(`loka_compile.report`, sites of concrete shape), and the forward FLOPs left in high precision
+by the reason that kept them (the speed check, the budget, the per-site error). Per model and config (`summary`): mean NE
 over seeds, dNE = mean NE / bf16's mean NE - 1, the paired dNE (per seed, then averaged) and
 its standard error over the seeds, the rerun noise (the mean |paired dNE| of `bf16_again`),
 bf16's seed spread ((max - min) / min of its NE over seeds), `within` when dNE is at most the
@@ -123,11 +124,27 @@ def fp8_shares(sites: list) -> dict:
     return {f"fp8_share_{d}": (fp8 / total if total else None) for d, (fp8, total) in totals.items()}
 
 
+def kept_by_reason(sites: list) -> dict:
+    """Share of the forward GEMM FLOPs left in high precision, by the decision's reason (site
+    dicts {"role", "fp8", "flops", "reason"}; sites without a FLOP count or reason left out):
+    which rule (speed check, budget, per-site error) kept the forward from FP8."""
+    total = sum(s["flops"] for s in sites if s["role"] == "fwd" and s.get("flops") is not None)
+    kept = collections.Counter()
+    for s in sites:
+        if s["role"] == "fwd" and not s["fp8"] and s.get("flops") is not None and s.get("reason"):
+            kept[s["reason"]] += s["flops"]
+    return {"fwd_kept_by_reason": {r: f / total for r, f in kept.most_common()} if total else {}}
+
+
+def site_summary(sites: list) -> dict:
+    return {**fp8_shares(sites), **kept_by_reason(sites)} if sites else {}
+
+
 def _report_sites(compiled) -> list:
     import loka_compile
     report = loka_compile.report(compiled)
     flops = report._flops()
-    return [{"role": s.role, "fp8": s.fp8, "flops": flops[id(s)]} for s in report.sites]
+    return [{"role": s.role, "fp8": s.fp8, "flops": flops[id(s)], "reason": s.reason} for s in report.sites]
 
 
 # ------------------------------------------------------------------ rows
@@ -160,7 +177,7 @@ def zoo_row(setup, train_args, cfg_name: str, seed: int, deadline, args) -> dict
     sites = (row.get("loka_sites") or {}).get("sites", [])
     return {"model": setup.name, "source": "zoo", "config": cfg_name, "seed": seed, **setting(args),
             "ne": row.get("final_ne"),
-            "step_ms": row.get("step_ms"), **(fp8_shares(sites) if sites else {}), "error": row.get("error"),
+            "step_ms": row.get("step_ms"), **site_summary(sites), "error": row.get("error"),
             "wall_s": row.get("wall_s")}
 
 
@@ -226,7 +243,7 @@ def public_row(name: str, cfg_name: str, seed: int, args, device, deadline) -> d
         row["step_ms"] = statistics.median(times) if times else None
         row["ne"] = _public_ne(bench, fn, args, seed)
         if cfg.kind == "loka":
-            row.update(fp8_shares(_report_sites(fn)))
+            row.update(site_summary(_report_sites(fn)))
     except Exception as e:  # noqa: BLE001 - every failure becomes a row
         row["error"] = train._error_text(e)
         train.log(f"  {name}/{cfg_name}/seed {seed}: ERROR {row['error']}")
@@ -273,6 +290,11 @@ def summarize(rows: list) -> list:
             for key in ("fp8_share_fwd", "fp8_share_bwd"):
                 values = [r[key] for r in runs if r.get(key) is not None]
                 entry[key] = statistics.fmean(values) if values else None
+            kept = [r["fwd_kept_by_reason"] for r in runs if r.get("fwd_kept_by_reason") is not None]
+            if kept:
+                reasons = dict.fromkeys(reason for k in kept for reason in k)
+                entry["fwd_kept_by_reason"] = {reason: statistics.fmean(k.get(reason, 0.0) for k in kept)
+                                               for reason in reasons}
             out.append(entry)
     return out
 
@@ -281,17 +303,25 @@ def _cell(value, spec: str) -> str:
     return "" if value is None else (format(value, spec) if isinstance(value, float) else str(value))
 
 
+def _kept_cell(kept) -> str:
+    """The two reasons that kept the most forward FLOPs in high precision, with their shares."""
+    if not kept:
+        return ""
+    top = sorted(kept.items(), key=lambda item: -item[1])[:2]
+    return ", ".join(f"{reason} {share:.0%}" for reason, share in top if share > 0)
+
+
 def markdown(summary: list) -> str:
     lines = ["| model | config | seeds | NE | dNE | dNE paired | +- s.e. | rerun noise | bf16 spread | within | speedup "
-             "| FP8 fwd | FP8 bwd |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| FP8 fwd | FP8 bwd | fwd kept by |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary:
         lines.append(f"| {e['model']} | {e['config']} | {e['seeds']} | {_cell(e.get('ne'), '.5f')} | "
                      f"{_cell(e.get('dne'), '+.3%')} | {_cell(e.get('dne_paired'), '+.3%')} | "
                      f"{_cell(e.get('dne_paired_se'), '.3%')} | {_cell(e.get('rerun_noise'), '.3%')} | "
                      f"{_cell(e.get('bf16_spread'), '.3%')} | {_cell(e.get('within'), '')} | "
                      f"{_cell(e.get('speedup'), '.3f')} | {_cell(e.get('fp8_share_fwd'), '.0%')} | "
-                     f"{_cell(e.get('fp8_share_bwd'), '.0%')} |")
+                     f"{_cell(e.get('fp8_share_bwd'), '.0%')} | {_kept_cell(e.get('fwd_kept_by_reason'))} |")
     return "\n".join(lines)
 
 

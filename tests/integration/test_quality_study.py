@@ -16,6 +16,24 @@ def test_fp8_shares_split_forward_and_backward():
     assert study.fp8_shares([])["fp8_share_fwd"] is None
 
 
+def test_forward_flops_kept_in_high_precision_are_split_by_reason():
+    sites = [{"role": "fwd", "fp8": True, "flops": 500, "reason": "fp8_ok"},
+             {"role": "fwd", "fp8": False, "flops": 300, "reason": "fp8_slower"},
+             {"role": "fwd", "fp8": False, "flops": 200, "reason": "output_budget"},
+             {"role": "dgrad", "fp8": False, "flops": 900, "reason": "fp8_slower"},
+             {"role": "fwd", "fp8": False, "flops": None, "reason": "output_budget"}]
+    assert study.kept_by_reason(sites) == {"fwd_kept_by_reason": {"fp8_slower": 0.3, "output_budget": 0.2}}
+    summary = study.site_summary(sites)
+    assert summary["fp8_share_fwd"] == 0.5 and summary["fwd_kept_by_reason"]["fp8_slower"] == 0.3
+    assert study.site_summary([]) == {}
+    rows = [{"model": "m", "config": "bf16", "seed": 0, "ne": 0.8},
+            {"model": "m", "config": "loka", "seed": 0, "ne": 0.8, **summary},
+            {"model": "m", "config": "loka", "seed": 1, "ne": 0.8, "fwd_kept_by_reason": {"fp8_slower": 0.1}}]
+    loka = {e["config"]: e for e in study.summarize(rows)}["loka"]
+    assert loka["fwd_kept_by_reason"] == pytest.approx({"fp8_slower": 0.2, "output_budget": 0.1})
+    assert "fp8_slower 20%, output_budget 10%" in study.markdown(study.summarize(rows))
+
+
 def test_summary_judges_dne_against_the_bf16_seed_spread():
     rows = [{"model": "m", "config": "bf16", "seed": s, "ne": ne, "step_ms": 10.0} for s, ne in enumerate((0.80, 0.804))]
     rows += [{"model": "m", "config": "loka_k16_ne0.001", "seed": s, "ne": ne, "step_ms": 8.0, "fp8_share_fwd": 0.6}
