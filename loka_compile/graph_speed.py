@@ -38,9 +38,9 @@ from loka_compile.speed import capture_stream
 log = logging.getLogger("loka")
 
 # "thin": a graph whose FP8 sites the site timings predict at most this much faster (their
-# summed high-precision time over their summed FP8 time, minus 1) is timed whole. The site
-# timings predicted gains of 6-13% for sites of graphs that measured 1-6% slower in FP8
-# (docs/guide.md, "The graph speed check"); 0.2 holds those with room for the timings' spread.
+# summed high-precision time over their summed FP8 time, minus 1) is timed whole: below it,
+# how the casts fuse in the graph can undo the sites' gain (the measurements behind the value
+# are in docs/guide.md, "The graph speed check"; provisional until GPU rows of every graph set it).
 THIN_GAIN_MARGIN = 0.2
 # Alternating rounds of one step per variant; the first WARMUP_STEPS of each are not timed
 # (the backward's lazy compile, autotuning, allocator growth).

@@ -15,7 +15,7 @@ Declines, keeping the GEMM exactly as Inductor would run it without loka (the re
 DEBUG):
     matrix_vector   M or N is 1: the GEMM reads its matrix operand once (cuBLAS's gemv, which
                     needs no alignment) and padding K would copy that operand first
-                    (deepctr-torch's MMoE gate, `softmax(gate).unsqueeze(1) @ experts`; a
+                    (a gate's mixture of experts, `softmax(gate).unsqueeze(1) @ experts`; a
                     1-wide head)
     outer_product   K is 1: the GEMM writes its output once, and padding M or N would write a
                     larger one to slice (a 1-wide head's input gradient)
