@@ -330,17 +330,12 @@ def _graph_speed_under_ddp(rank, device):
 
     torch._dynamo.reset()
     loka_compile.reset()
+    from test_whole_graph_speed import fixed_time_steps
+
     fp8_ms, hp_ms = (2.0, 1.0) if rank == 0 else (1.0, 2.0)
     timed = []
-
-    def time_steps(steps, device, captured):
-        for step in steps.values():
-            step()
-        timed.append(captured)
-        return {"fp8": [fp8_ms] * graph_speed.ROUNDS, "hp": [hp_ms] * graph_speed.ROUNDS}
-
     real = graph_speed.time_steps
-    graph_speed.time_steps = time_steps
+    graph_speed.time_steps = fixed_time_steps(fp8_ms, hp_ms, timed)
     try:
         model = fresh("dense", device)
         ids = [device.index] if device.type == "cuda" else None

@@ -18,18 +18,21 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 FAST = {"probe_steps": 0, "max_output_error": None}
 
 
-def _timer(monkeypatch, fp8_ms: float, hp_ms: float) -> list:
-    """Stand in for `graph_speed.time_steps`: each step runs once, for real, and the times are
-    the given ones. Returns the list of `captured` flags it was called with."""
-    calls = []
-
+def fixed_time_steps(fp8_ms: float, hp_ms: float, calls: list):
+    """A stand-in for `graph_speed.time_steps`: each step runs once, for real, the times are
+    the given ones, and `calls` collects the `captured` flags it is called with."""
     def time_steps(steps, device, captured):
         for step in steps.values():
             step()
         calls.append(captured)
         return {"fp8": [fp8_ms] * graph_speed.ROUNDS, "hp": [hp_ms] * graph_speed.ROUNDS}
+    return time_steps
 
-    monkeypatch.setattr(graph_speed, "time_steps", time_steps)
+
+def _timer(monkeypatch, fp8_ms: float, hp_ms: float) -> list:
+    """`fixed_time_steps` in place of `graph_speed.time_steps`; returns its `captured` flags."""
+    calls = []
+    monkeypatch.setattr(graph_speed, "time_steps", fixed_time_steps(fp8_ms, hp_ms, calls))
     return calls
 
 
