@@ -128,13 +128,19 @@ def mutation_skip(fw_metadata, args) -> Optional[str]:
 
 
 def step_inputs(args) -> tuple:
-    """(inputs, the leaves whose gradients a training step computes): parameters as they are
-    (no variant writes them: `mutation_skip`), every other tensor a detached copy with the
-    original's strides (compiled code checks them), a leaf that takes a gradient where the
-    original did."""
+    """(inputs, the leaves whose gradients a training step computes): each parameter a new
+    Parameter on the same storage (no variant writes it: `mutation_skip`), every other tensor
+    a detached copy with the original's strides (compiled code checks them), a leaf that takes
+    a gradient where the original did.
+
+    A parameter is not passed as it is: its gradient accumulator is kept alive by the caller's
+    autograd graph, on the stream that graph ran on, and the engine's wait on that stream
+    breaks the capture of the step on the capture stream."""
     inputs, leaves = [], []
     for arg in args:
-        if isinstance(arg, torch.Tensor) and not isinstance(arg, torch.nn.Parameter):
+        if isinstance(arg, torch.nn.Parameter):
+            arg = torch.nn.Parameter(arg.detach(), requires_grad=arg.requires_grad)
+        elif isinstance(arg, torch.Tensor):
             copy = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
             arg = copy.copy_(arg.detach()).requires_grad_(arg.requires_grad and arg.is_floating_point())
         inputs.append(arg)

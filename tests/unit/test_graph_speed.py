@@ -59,18 +59,20 @@ def test_input_mutations_clone_buffers_and_skip_the_rest():
     assert "unknown" in graph_speed.mutation_skip(running_stats, [x])  # not the graph's inputs
 
 
-def test_step_inputs_clone_all_but_parameters():
+def test_step_inputs_clone_all_but_parameters_which_are_aliased():
     weight = torch.nn.Parameter(torch.randn(8, 4))
     activation = torch.randn(3, 4, requires_grad=True) * 2  # not a leaf
     buffer, index = torch.randn(8), torch.randint(0, 8, (3,))
     column = torch.randn(3, 13)[:, 2]  # a strided view, as a dense feature sliced from its table
     inputs, leaves = graph_speed.step_inputs([weight, activation, buffer, index, 5, column])
-    assert inputs[0] is weight and inputs[4] == 5
+    # The parameter: its storage, not its autograd identity (its own gradient accumulator).
+    assert isinstance(inputs[0], torch.nn.Parameter) and inputs[0] is not weight and inputs[4] == 5
+    assert inputs[0].data_ptr() == weight.data_ptr() and inputs[0].requires_grad and inputs[0].is_leaf
     for clone, original in zip(inputs[1:4] + inputs[5:], (activation, buffer, index, column)):
         assert clone is not original and clone.data_ptr() != original.data_ptr() and torch.equal(clone, original)
         assert clone.stride() == original.stride()
     assert inputs[1].is_leaf and inputs[1].requires_grad and not inputs[2].requires_grad
-    assert leaves == [weight, inputs[1]]
+    assert leaves == [inputs[0], inputs[1]]
 
 
 def test_a_training_step_computes_gradients_without_touching_grad():
@@ -83,10 +85,14 @@ def test_a_training_step_computes_gradients_without_touching_grad():
         seen.append(out)
         return (out,)
 
+    kept_alive = (weight * 2).sum()  # the caller's graph holds the parameter's gradient accumulator
     step = graph_speed.Step(variant, inputs, leaves)
     step()
     step()
     assert step.training and weight.grad is None and inputs[1].grad is None
+    accumulators = [fn for fn, _ in seen[0].grad_fn.next_functions if fn is not None and hasattr(fn, "variable")]
+    assert accumulators and all(fn.variable is not weight for fn in accumulators)
+    assert kept_alive.grad_fn.next_functions[0][0].next_functions[0][0].variable is weight
     assert seen[0] is not seen[1]  # fresh outputs each run
     inference = graph_speed.Step(lambda w, x: (x.detach() @ w.detach().t(),), inputs, leaves)
     inference()
