@@ -16,6 +16,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor import fx_utils
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.compile_fx import compile_fx_inner
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from loka_compile import graph_cache
 from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback
@@ -190,6 +191,7 @@ class BackwardFirstRun:
         kept = list(inputs)  # a boxed callable clears `inputs`; the retry needs them (held to the call's end)
         try:
             out = self.compiled(inputs)
+            _check_output_shapes(out, self._pristine)
         except Exception as error:  # noqa: BLE001  (any failure of loka's graph; the plain graph's is raised)
             if is_dynamo_control(error):
                 raise
@@ -205,6 +207,17 @@ class BackwardFirstRun:
         if name == "compiled":
             raise AttributeError(name)
         return getattr(self.compiled, name)
+
+
+def _check_output_shapes(outputs, pristine: torch.fx.GraphModule) -> None:
+    """Raise where a compiled backward's output (a gradient) has another shape than the graph
+    as AOTAutograd gave it says: autograd would reject it after the call, past any fallback."""
+    expected = next(n for n in pristine.graph.nodes if n.op == "output").args[0]
+    for i, (got, node) in enumerate(zip(outputs, expected)):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(got, torch.Tensor) and isinstance(val, torch.Tensor) and not free_symbols(val) \
+                and tuple(got.shape) != tuple(val.shape):
+            raise RuntimeError(f"output {i} has shape {list(got.shape)} where the graph gives {list(val.shape)}")
 
 
 # Dynamo-graph ops that take a weight as their second argument, and ops a weight passes

@@ -396,6 +396,57 @@ def test_a_failing_fp8_compile_falls_back_with_its_decisions_amended(monkeypatch
     _assert_fallback_amended(report, report.sites)
 
 
+def test_a_backward_returning_a_misshaped_gradient_falls_back_and_trains(monkeypatch, caplog):
+    """A compiled backward that returns a gradient of the wrong shape (a [1, 1, N] bias's as
+    [N]) is caught at its first run, before autograd rejects it: the graph as AOTAutograd gave
+    it runs instead, and the warning names the output."""
+    from loka_compile import inductor_compile
+    from loka_compile.passes import graph_kind
+
+    real = inductor_compile._compile_cached
+    misshaped = []
+
+    def flattening_backward(gm, example_inputs, *args, **kwargs):
+        compiled = real(gm, example_inputs, *args, **kwargs)
+        if graph_kind(gm.graph) is not GraphKind.BACKWARD:
+            return compiled
+
+        def run(inputs):
+            out = list(compiled(inputs))
+            i = next(i for i, g in enumerate(out) if isinstance(g, torch.Tensor) and g.dim() == 3)
+            out[i] = out[i].reshape(-1)
+            misshaped.append(i)
+            return out
+        run._boxed_call = True
+        return run
+
+    class BiasOverRows(torch.nn.Module):  # deepctr-torch's LogTransformLayer form: x @ W + b[1, 1, N]
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(32, 64) * 0.1)
+            self.bias = torch.nn.Parameter(torch.zeros(1, 1, 64))
+
+        def forward(self, x):
+            return torch.matmul(x, self.weight) + self.bias
+
+    monkeypatch.setattr(inductor_compile, "_compile_cached", flattening_backward)
+    model = BiasOverRows()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="loka", options={"recipe": "rowwise", "probe_steps": 0})
+    with caplog.at_level(logging.WARNING, logger="loka"):
+        for _ in range(3):
+            x = torch.randn(8, 16, 32)
+            compiled(x).square().sum().backward()
+            reference(x).square().sum().backward()
+            for p, p_ref in zip(model.parameters(), reference.parameters()):
+                assert p.grad.shape == p.shape and torch.isfinite(p.grad).all()
+                assert rel_error(p.grad, p_ref.grad) < 0.25
+                p.grad, p_ref.grad = None, None
+    assert misshaped == [misshaped[0]], "the misshaped backward ran past its first run"
+    assert any("backward graph failed at its first run" in r.getMessage() and "[64] where the graph gives [1, 1, 64]"
+               in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("window", [False, True], ids=["fp8_variant", "uncompiled_probe"])
 def test_a_backward_failing_at_its_first_run_falls_back_and_trains(monkeypatch, caplog, window):
     """The backward's callable raises at its first run, inside autograd, where the forward's
