@@ -25,9 +25,9 @@ Declines a BatchNorm (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module     its module is under `exclude_modules`
     not_training        it uses the running statistics (eval mode: left as written)
     no_linear           its input is not a Linear's output, or something else reads that output
-    unknown_shape       its input is not 2-D [B, N] (BatchNorm1d over [B, C, L]) or has no example value
+    unknown_shape       its input is not 2-D [B, N] (BatchNorm1d over [B, C, L]) or has no example value,
+                        or momentum or eps is not a number
     no_affine           no weight or no bias (affine=False)
-    cumulative_average  momentum None (the average over num_batches_tracked)
     dtype               its input, weight or bias is not float32, bfloat16 or float16
     no_grad             nothing asks for its gradient (the forward is Inductor's either way)
 Bodies of higher-order ops are rewritten the same way, each graph all or nothing.
@@ -98,8 +98,6 @@ def _decline_reason(gm, block: _Block, inputs: dict) -> "str | None":
         return "unknown_shape"
     if not isinstance(block.weight, torch.fx.Node) or not isinstance(block.beta, torch.fx.Node):
         return "no_affine"
-    if block.momentum is None:
-        return "cumulative_average"
     if not isinstance(block.momentum, (int, float)) or not isinstance(block.eps, (int, float)):
         return "unknown_shape"
     weight, beta = value_of(gm, block.weight, inputs), value_of(gm, block.beta, inputs)
