@@ -266,6 +266,22 @@ def test_conv1x1_benchmark_runs_each_kind_of_variant_on_cpu(tmp_path, one_thread
     assert all(v.split("/")[1] == "2" for v in rows["loka"]["cin_fp8_sites"].values()), rows["loka"]
 
 
+def test_batchnorm_mlp_benchmark_runs_the_mod_off_and_on_on_cpu(tmp_path, one_thread):
+    """The BatchNorm MLP benchmark (a GPU tool) at a tiny fp32 case on CPU: loka without FP8 and
+    the linear_batchnorm Mod on, a row without error whose output and gradients are the fp64
+    block's within fp32's error, the Mod having rewritten both BatchNorms."""
+    pytest.importorskip("torch_rechub", reason="the public extra")
+    from benchmarks import batchnorm_mlp
+    path = batchnorm_mlp.main(["--shapes", "32x16x32-16", "--precisions", "fp32", "--variants",
+                               "loka_bf16_mod", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
+                               "--name", "bnm"])
+    assert (tmp_path / "bnm.md").read_text().startswith("# BatchNorm MLPs")
+    [row] = json.loads(path.read_text())["rows"]
+    assert row["variant"] == "loka_bf16_mod" and row["error"] is None and row["ms"] > 0, row["error"]
+    assert row["out_err"] < 1e-5 and row["dx_err"] < 1e-5 and row["grad_err"] < 1e-5, row
+    assert (row["fp8_sites"], row["mod_rewrites"]) == (0, 2)
+
+
 def _public_rows():
     """Four rows of the public suite's runner: one profiled model (A, training) and one not (B)."""
     base = {"preset": "production", "batch": 8192, "compile_mode": "reduce-overhead"}
