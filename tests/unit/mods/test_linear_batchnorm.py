@@ -209,7 +209,8 @@ def test_compiled_autocast_with_fp8_sites_matches_the_mod_off():
         options = dict(ENABLED, max_output_error=None, enabled_mods=["linear_batchnorm"] if enabled else [])
         _, grads, _, compiled = _train_step(trained, x, g, "loka", options, autocast=True)
         assert loka_compile.report(compiled).mods.get("linear_batchnorm", 0) == (2 if enabled else 0)
-        results[enabled] = [rel_error(ref, mine) for (name, _), mine, ref in zip(model.named_parameters(), grads, grads_ref)
+        named = zip(model.named_parameters(), grads, grads_ref)
+        results[enabled] = [rel_error(ref, mine) for (name, _), mine, ref in named
                             if not name.endswith(("0.bias", "4.bias"))]   # Linear biases ahead of a BatchNorm: ~0
     for on, off in zip(results[True], results[False]):
         assert on == on and on < 1.1 * off + FLOORS[torch.bfloat16]
