@@ -1,6 +1,7 @@
 """Smoke test of the training benchmark: tiny presets of every zoo model, a couple of steps,
 eager + Inductor (+ loka when registered), then the JSON it wrote."""
 
+import copy
 import json
 import math
 
@@ -280,6 +281,26 @@ def test_batchnorm_mlp_benchmark_runs_the_mod_off_and_on_on_cpu(tmp_path, one_th
     assert row["variant"] == "loka_bf16_mod" and row["error"] is None and row["ms"] > 0, row["error"]
     assert row["out_err"] < 1e-5 and row["dx_err"] < 1e-5 and row["grad_err"] < 1e-5, row
     assert (row["fp8_sites"], row["mod_rewrites"]) == (0, 2)
+
+
+def test_linear_batchnorm_backward_moves_five_eighths_of_inductors_bytes(one_thread):
+    """Inductor's GPU kernel plan read on CPU (benchmarks.inductor_code_on_cpu) for a BatchNorm
+    MLP's training step: with linear_batchnorm the backward's kernels move 5/8 of the bytes over
+    [B, *] tensors that they move without it (2 + 3 passes per BatchNorm against 3 + 4 + 1)."""
+    from benchmarks import inductor_code_on_cpu as code_on_cpu
+    torch.manual_seed(0)
+    model, x = code_on_cpu.build_mlp(64, (128, 64)).bfloat16(), torch.randn(512, 64, dtype=torch.bfloat16)
+    backward_mb = {}
+    for mods in ([], ["linear_batchnorm"]):
+        torch._dynamo.reset()
+        codes = []
+        with code_on_cpu.gpu_codegen_on_cpu(codes):
+            options = {"probe_steps": 0, "emulate": False, "enabled_mods": mods}
+            torch.compile(copy.deepcopy(model), backend="loka", options=options)(x).float().sum().backward()
+        _, backward = (code_on_cpu.kernel_traffic(code, 512) for code in codes)
+        backward_mb[bool(mods)] = sum(k["read_mb"] + k["written_mb"] for k in backward)
+    assert torch._inductor.config.cpu_backend == "cpp"   # Inductor's settings restored
+    assert backward_mb[True] == pytest.approx(5 / 8 * backward_mb[False], rel=0.05), backward_mb
 
 
 def _public_rows():
