@@ -214,3 +214,37 @@ def test_compiled_autocast_with_fp8_sites_matches_the_mod_off():
                             if not name.endswith(("0.bias", "4.bias"))]   # Linear biases ahead of a BatchNorm: ~0
     for on, off in zip(results[True], results[False]):
         assert on == on and on < 1.1 * off + FLOORS[torch.bfloat16]
+
+
+@pytest.mark.parametrize("case", ["no_running_stats", "norm_read_twice", "no_bias"])
+def test_variants_are_rewritten_and_match_eager(case):
+    """Without running statistics, with the norm's output read besides the ReLU (no activation
+    folded), and a Linear without bias: rewritten, and the step is eager's within fp32's floor."""
+    torch.manual_seed(0)
+
+    class Variant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 24, bias=case != "no_bias")
+            self.bn = nn.BatchNorm1d(24, track_running_stats=case != "no_running_stats")
+
+        def forward(self, x):
+            z = self.bn(self.lin(x))
+            return F.relu(z) + z if case == "norm_read_twice" else F.relu(z)
+
+    model, x = Variant(), torch.randn(32, 16)
+    gm, example_inputs = dynamo_graph(model, x)   # runs the model once: its running statistics move
+    reference = copy.deepcopy(model)
+    result = rewrite_linear_batch_norms(gm, example_inputs)
+    assert (result.rewritten, dict(result.declined)) == (1, {})
+    xl, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_ref = gm(*[xl if t is x else t for t in example_inputs])[0], reference(xr)
+    assert rel_error(y_ref, y) < 1e-5
+    g = torch.randn_like(y)
+    y.backward(g), y_ref.backward(g)
+    assert rel_error(xr.grad, xl.grad) < 1e-5
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if name != "lin.bias":
+            assert rel_error(q.grad, p.grad) < 1e-5, name
+    for mine, ref in zip(model.buffers(), reference.buffers()):
+        assert rel_error(ref.float(), mine.float()) < 1e-6
