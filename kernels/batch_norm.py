@@ -16,7 +16,7 @@ Backward, from h, mean and rstd alone (y is not read: the ReLU mask is recompute
 with dweight = sum(g * xhat), dbeta = sum(g), and the Linear's bias gradient, the column sum
 of dh, from those sums (sum(xhat) too) instead of a third pass over dh. Inductor's
 decomposition of BatchNorm's backward reads y for the mask in both passes and sums dh again
-for the bias: 16 B N bytes against these 10 (bf16).
+for the bias: eight passes over [B, N] against these five.
 
 Each pass's ReLU mask is its own expression, bit-identical to the others (`+` commutes
 exactly, `a - (-b)` is `a + b`): a pointwise node with more than `realize_reads_threshold`

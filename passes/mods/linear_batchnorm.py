@@ -93,22 +93,22 @@ def _decline_reason(gm, block: _Block, inputs: dict) -> "str | None":
         return "not_training"
     if not _is_linear(block.linear) or len(block.linear.users) != 1:
         return "no_linear"
-    x = value_of(gm, block.linear, inputs)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+    h = value_of(gm, block.linear, inputs)
+    if not isinstance(h, torch.Tensor) or h.dim() != 2:
         return "unknown_shape"
     if not isinstance(block.weight, torch.fx.Node) or not isinstance(block.beta, torch.fx.Node):
         return "no_affine"
     if not isinstance(block.momentum, (int, float)) or not isinstance(block.eps, (int, float)):
         return "unknown_shape"
     weight, beta = value_of(gm, block.weight, inputs), value_of(gm, block.beta, inputs)
-    if any(not isinstance(t, torch.Tensor) or t.dtype not in DTYPES for t in (x, weight, beta)):
+    if any(not isinstance(t, torch.Tensor) or t.dtype not in DTYPES for t in (h, weight, beta)):
         return "dtype"
     out = example_value(block.relu or block.node)
     if isinstance(out, torch.Tensor):
         training = out.requires_grad
     else:  # a graph without example values (traced, not from Dynamo)
         training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                   for t in (x, weight, beta))
+                                                   for t in (h, weight, beta))
     if not training:
         return "no_grad"
     return None
