@@ -126,7 +126,8 @@ class Config:
     """How one row trains: `kind` eager | inductor | torchao | loka; `mode` is the
     torch.compile mode (\"eager\" for eager rows); `recipe` the torchao float8 recipe;
     `options` the loka options of the row as (key, value) pairs (merged over --loka-options);
-    `ablated` the Mod a `<base>_no_<mod>` row switches off; `benchmarked_reductions` an
+    `ablated` the Mod a `<base>_no_<mod>` row switches off, `enabled` the opt-in Mod a
+    `<base>_with_<mod>` row switches on; `benchmarked_reductions` an
     inductor row compiled with the Inductor setting of loka's Mod of that name (`_mk` rows:
     multi-kernel reductions on bf16, the baseline that tells that Mod's gain on non-FP8
     kernels from FP8's)."""
@@ -139,6 +140,7 @@ class Config:
     options: tuple = ()
     ablated: str | None = None
     benchmarked_reductions: bool = False
+    enabled: str | None = None
 
 
 # Every eligible site FP8, whether or not it pays, and without the probe window, whose
@@ -170,6 +172,8 @@ DEFAULT_CONFIGS = ("eager_bf16", "inductor_bf16", "inductor_bf16_ro", "torchao_t
 # loka config with `disabled_mods=(mod,)`. They are made on demand (`lookup_config`), for
 # the Mods in `loka_compile.passes.MODS`, read when a row runs.
 _ABLATION = re.compile(r"^(?P<base>loka\w*?)_no_(?P<mod>\w+)$")
+# Rows of an opt-in Mod (`loka_compile.passes.mods.OPT_IN_MODS`) are `<loka config>_with_<mod>`.
+_ENABLING = re.compile(r"^(?P<base>loka\w*?)_with_(?P<mod>\w+)$")
 CEILING_CONFIGS = ("inductor_bf16",)
 
 
@@ -180,6 +184,11 @@ def lookup_config(name: str, configs: dict[str, Config] | None = None) -> Config
     configs = CONFIGS if configs is None else configs
     if name in configs:
         return configs[name]
+    m = _ENABLING.match(name)
+    base = configs.get(m.group("base")) if m else None
+    if base is not None and base.kind == "loka" and not base.ablated:
+        mod = m.group("mod")
+        return dataclasses.replace(base, name=name, options=base.options + (("enabled_mods", (mod,)),), enabled=mod)
     m = _ABLATION.match(name)
     base = configs.get(m.group("base")) if m else None
     if base is None or base.kind != "loka" or base.ablated:
@@ -201,11 +210,16 @@ def resolve_config(name: str, configs: dict[str, Config] | None = None) -> Confi
     cfg = lookup_config(name, configs)
     if cfg is None:
         raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS if configs is None else configs)}, "
-                         f"or <loka config>_no_<mod> (--ablate-mods)")
+                         f"<loka config>_no_<mod> (--ablate-mods) or <loka config>_with_<opt-in mod>")
     if cfg.ablated is not None:
         mods = loka_mods()
         if cfg.ablated not in mods:
             raise ValueError(f"unknown Mod {cfg.ablated!r} in {name!r}; loka_compile.passes.MODS: {list(mods)}")
+    if cfg.enabled is not None:
+        from loka_compile.passes.mods import OPT_IN_MODS
+        if cfg.enabled not in OPT_IN_MODS:
+            raise ValueError(f"unknown opt-in Mod {cfg.enabled!r} in {name!r}; "
+                             f"loka_compile.passes.mods.OPT_IN_MODS: {list(OPT_IN_MODS)}")
     return cfg
 
 

@@ -132,7 +132,8 @@ class LokaConfig:
         `mode=` together with `options=`, so it can be given here too.
     disabled_mods: names of default Mods switched off (ablations; `loka_compile.passes.mods.MODS`).
     enabled_mods: names of opt-in Mods that keep the model's math, switched on
-        (`loka_compile.passes.mods.OPT_IN_MODS`: `layernorm_backward`, off until measured faster).
+        (`loka_compile.passes.mods.OPT_IN_MODS`: `layernorm_backward`, `linear_batchnorm`, off until measured
+        faster).
     arch_mods: names of opt-in architecture Mods (`loka_compile.passes.mods.ARCH_MODS`) applied to the Dynamo
         graph (they change the model): `blocknorm` (LayerNorm -> BlockNorm), `no_bias`
         (linears lose their bias, except the heads), `hardswish` (SiLU -> hard-swish).

@@ -1,8 +1,10 @@
 """Graph helpers for the tests: what a torch.compile backend receives, and the inference
-graphs, lowering and calibrated compiles the GEMM-epilogue Mods' tests share."""
+graphs, lowering and calibrated compiles the GEMM-epilogue Mods' tests share, and the count of
+the kernels Inductor generated."""
 
 import copy
 import functools
+import re
 
 import torch
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
@@ -198,3 +200,9 @@ def fp8_casts(graph):
     """The casts to an FP8 dtype in an ATen graph."""
     return [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.prims.convert_element_type.default
             and n.args[1] in (torch.float8_e4m3fn, torch.float8_e5m2)]
+
+
+def generated_kernels(code: list) -> int:
+    """Pointwise and reduction kernels Inductor generated (GEMM templates excluded: a
+    template may win the FP8 GEMM's autotuning where bf16 calls cuBLAS)."""
+    return sum(len(re.findall(r"def triton_(?:poi|red|per)_", src)) for src in code)

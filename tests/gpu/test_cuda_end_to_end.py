@@ -1,12 +1,12 @@
 """The end-to-end checks on an FP8 GPU: real FP8 kernels through torch._scaled_mm."""
 
 import copy
-import re
 
 import pytest
 import torch
 
 import loka_compile
+from graphs import generated_kernels
 from models import MLPWithNorm, WukongLikeBlock
 from numerics import sqnr_db
 
@@ -113,12 +113,6 @@ def test_speed_check_keeps_sites_where_fp8_does_not_pay_in_bf16():
     assert "slower_than_bf16" in str(report)
 
 
-def _generated_kernels(code: list) -> int:
-    """Pointwise and reduction kernels Inductor generated (GEMM templates excluded: a
-    template may win the FP8 GEMM's autotuning where bf16 calls cuBLAS)."""
-    return sum(len(re.findall(r"def triton_(?:poi|red|per)_", src)) for src in code)
-
-
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 def test_casts_of_norm_and_activation_outputs_are_fused_into_their_kernels(training):
     """The kernels Inductor generates for loka's graph are bf16's kernels plus one per cast
@@ -159,8 +153,8 @@ def test_casts_of_norm_and_activation_outputs_are_fused_into_their_kernels(train
     # (weight_both_layouts), not a kernel Inductor generates (the first linear has no dgrad)
     assert len(cached) == (4 if training else 3), str(casts)
     standalone = len(casts) - len(fused) - len(cached)
-    extra = _generated_kernels(loka_code) - _generated_kernels(bf16_code)
-    print(f"\nkernels: bf16 {_generated_kernels(bf16_code)}, loka {_generated_kernels(loka_code)}, "
+    extra = generated_kernels(loka_code) - generated_kernels(bf16_code)
+    print(f"\nkernels: bf16 {generated_kernels(bf16_code)}, loka {generated_kernels(loka_code)}, "
           f"casts fused {len(fused)}, standalone {standalone}")
     if training:
         # A standalone cast is one kernel, or two where Inductor splits a long reduction

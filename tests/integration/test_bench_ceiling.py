@@ -174,6 +174,16 @@ def test_ablation_rows_follow_their_base():
         train.resolve_config("nope")
 
 
+def test_opt_in_mod_rows_switch_one_mod_on():
+    from loka_compile.passes.mods import OPT_IN_MODS
+    cfg = train.resolve_config(f"loka_all_fp8_ro_with_{OPT_IN_MODS[0]}")
+    assert cfg.enabled == OPT_IN_MODS[0] and cfg.mode == "reduce-overhead"
+    assert dict(cfg.options) == {**dict(train.CONFIGS["loka_all_fp8_ro"].options), "enabled_mods": (OPT_IN_MODS[0],)}
+    with pytest.raises(ValueError, match="OPT_IN_MODS"):
+        train.resolve_config("loka_ro_with_no_such_mod")
+    assert train.lookup_config("inductor_bf16_with_linear_batchnorm") is None
+
+
 @pytest.fixture
 def one_thread():
     threads = torch.get_num_threads()

@@ -1,6 +1,7 @@
 """Smoke test of the training benchmark: tiny presets of every zoo model, a couple of steps,
 eager + Inductor (+ loka when registered), then the JSON it wrote."""
 
+import copy
 import json
 import math
 
@@ -264,6 +265,42 @@ def test_conv1x1_benchmark_runs_each_kind_of_variant_on_cpu(tmp_path, one_thread
     assert rows["inductor_conv"]["cin_fp8_sites"] is None
     # loka's CIN GEMMs are sites of every role (the Mod made linears of the convolutions)
     assert all(v.split("/")[1] == "2" for v in rows["loka"]["cin_fp8_sites"].values()), rows["loka"]
+
+
+def test_batchnorm_mlp_benchmark_runs_the_mod_off_and_on_on_cpu(tmp_path, one_thread):
+    """The BatchNorm MLP benchmark (a GPU tool) at a tiny fp32 case on CPU: loka without FP8 and
+    the linear_batchnorm Mod on, a row without error whose output and gradients are the fp64
+    block's within fp32's error, the Mod having rewritten both BatchNorms."""
+    pytest.importorskip("torch_rechub", reason="the public extra")
+    from benchmarks import batchnorm_mlp
+    path = batchnorm_mlp.main(["--shapes", "32x16x32-16", "--precisions", "fp32", "--variants",
+                               "loka_bf16_mod", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
+                               "--name", "bnm"])
+    assert (tmp_path / "bnm.md").read_text().startswith("# BatchNorm MLPs")
+    [row] = json.loads(path.read_text())["rows"]
+    assert row["variant"] == "loka_bf16_mod" and row["error"] is None and row["ms"] > 0, row["error"]
+    assert row["out_err"] < 1e-5 and row["dx_err"] < 1e-5 and row["grad_err"] < 1e-5, row
+    assert (row["fp8_sites"], row["mod_rewrites"]) == (0, 2)
+
+
+def test_linear_batchnorm_backward_moves_five_eighths_of_inductors_bytes(one_thread):
+    """Inductor's GPU kernel plan read on CPU (benchmarks.inductor_code_on_cpu) for a BatchNorm
+    MLP's training step: with linear_batchnorm the backward's kernels move 5/8 of the bytes over
+    [B, *] tensors that they move without it (2 + 3 passes per BatchNorm against 3 + 4 + 1)."""
+    from benchmarks import inductor_code_on_cpu as code_on_cpu
+    torch.manual_seed(0)
+    model, x = code_on_cpu.build_mlp(64, (128, 64)).bfloat16(), torch.randn(512, 64, dtype=torch.bfloat16)
+    backward_mb = {}
+    for mods in ([], ["linear_batchnorm"]):
+        torch._dynamo.reset()
+        codes = []
+        with code_on_cpu.gpu_codegen_on_cpu(codes):
+            options = {"probe_steps": 0, "emulate": False, "enabled_mods": mods}
+            torch.compile(copy.deepcopy(model), backend="loka", options=options)(x).float().sum().backward()
+        _, backward = (code_on_cpu.kernel_traffic(code, 512) for code in codes)
+        backward_mb[bool(mods)] = sum(k["read_mb"] + k["written_mb"] for k in backward)
+    assert torch._inductor.config.cpu_backend == "cpp"   # Inductor's settings restored
+    assert backward_mb[True] == pytest.approx(5 / 8 * backward_mb[False], rel=0.05), backward_mb
 
 
 def _public_rows():

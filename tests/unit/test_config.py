@@ -6,6 +6,7 @@ import torch
 
 import loka_compile
 from loka_compile import LokaConfig, RECIPES, Role
+from loka_compile.passes.mods import OPT_IN_MODS
 
 
 def test_backend_registered_through_entry_point():
@@ -70,7 +71,7 @@ BAD_OPTIONS = [
     ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cat_casts', 'aligned_gemms', 'cached_weights', 'gemm_epilogue', 'gemm_norm', 'weight_both_layouts', 'saved_fp8', 'horizontal', 'conv1x1', 'batched_matvec', 'transposed_linear', 'benchmarked_reductions'\]"),
     ({"disabled_mods": "pad"}, r"disabled_mods must be a list or tuple of names from \['fused_casts'"),
     ({"disabled_mods": None}, "disabled_mods must be a list or tuple"),
-    ({"enabled_mods": ["pad"]}, r"valid enabled_mods: \['layernorm_backward'\]"),
+    ({"enabled_mods": ["pad"]}, r"valid enabled_mods: \['linear_batchnorm', 'layernorm_backward'\]"),
     ({"enabled_mods": "layernorm_backward"}, "enabled_mods must be a list or tuple"),
     ({"enabled_mods": ["layernorm_backward"], "disabled_mods": ["layernorm_backward"]},
      r"valid disabled_mods"),  # an opt-in Mod is switched off by leaving it out of enabled_mods
@@ -164,7 +165,7 @@ def test_benchmarked_reductions_mod_sets_inductor_multi_kernel_for_loka_cuda_gra
     for mode in ("default", "max-autotune-no-cudagraphs"):
         config = LokaConfig(mode=mode)
         assert "triton.multi_kernel" not in inductor_patches(config, marker)
-        assert config.inactive_mods == {"benchmarked_reductions", "layernorm_backward"} and config.disabled_mods == ()
+        assert config.inactive_mods == {"benchmarked_reductions", *OPT_IN_MODS} and config.disabled_mods == ()
 
 
 def test_aligned_gemms_mod_leaves_inductor_shape_padding_to_its_benchmark():
