@@ -108,6 +108,7 @@ def main(argv=None) -> dict:
                    "(pass it back with --loka-options '{\"plan\": PATH}' for the planned first steps)")
     p.add_argument("--out", default=None, help="directory for <name>.json and .md (default: print only)")
     p.add_argument("--name", default=None)
+    p.add_argument("--pstats", default=None, help="also write the whole cProfile of the steps here (for pstats)")
     args = p.parse_args(argv)
 
     device = infer_device(args.device)
@@ -144,6 +145,8 @@ def main(argv=None) -> dict:
     per_step = run_steps(call, batches, args.steps, cuda)
     profiler.disable()
     cpu_s = cpu_seconds() - cpu_start
+    if args.pstats:
+        profiler.dump_stats(args.pstats)
     if args.save_plan:
         import loka_compile
         loka_compile.save_plan(fn, args.save_plan)
