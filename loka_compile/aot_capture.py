@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
 import logging
 import unittest.mock
 from typing import Optional
@@ -31,6 +32,9 @@ from typing import Optional
 import torch
 
 log = logging.getLogger("loka")
+
+# The AOT state's fields that the graph capture updates (its deduplicated inputs and their metadata).
+_TRACE_UPDATES = ("flat_args", "flat_args_descs", "fw_metadata")
 
 # Inductor settings a loka compile patches that act after the trace: its custom passes
 # (other objects per variant) and CUDA graphs (around the compiled code).
@@ -41,7 +45,10 @@ _AFTER_TRACE = frozenset({"post_grad_custom_pre_pass", "post_grad_custom_post_pa
 def _stage1_module():
     """The module whose global `aot_stage1_graph_capture` AOTAutograd's Dynamo entry calls, or
     None where this torch has none."""
-    module = getattr(torch._functorch, "aot_autograd", None)
+    try:
+        module = importlib.import_module("torch._functorch.aot_autograd")
+    except ImportError:
+        return None
     return module if callable(getattr(module, "aot_stage1_graph_capture", None)) else None
 
 
@@ -71,9 +78,8 @@ class _Kept:
     settings: tuple
     inputs: tuple          # `describe_inputs` of the AOT state's fake inputs before the trace
     needs_autograd: bool
-    state_after: tuple     # (flat_args, flat_args_descs, fw_metadata) as the trace left them
-    capture: object        # its AOTGraphCapture
-    joint: torch.fx.GraphModule  # pristine copy of capture.graph_module
+    state_after: dict      # the AOT state's fields the trace updates (_TRACE_UPDATES), as it left them
+    capture: object        # its AOTGraphCapture, with a pristine copy of its joint graph
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -114,20 +120,18 @@ class AotCapture:
         settings = trace_settings(patches)
         calls = [0]
 
-        def stage1(aot_state, flat_fn):
+        def stage1(aot_state, *args, **kwargs):
             calls[0] += 1
-            if calls[0] == 1:  # the Dynamo graph's own capture, not a nested one
+            own = calls[0] == 1  # the Dynamo graph's own capture, not a nested compile's
+            if own:
                 reused = self._reuse(aot_state, settings)
                 if reused is not None:
                     return reused
-            before = describe_inputs(aot_state.flat_args)
-            capture = original(aot_state, flat_fn)
+            before = _described_or_none(aot_state)
+            capture = original(aot_state, *args, **kwargs)
             self.traces += 1
-            if calls[0] == 1 and self._kept is None and capture.maybe_subclass_meta is None:
-                self._kept = _Kept(settings, before, aot_state.needs_autograd,
-                                   (list(aot_state.flat_args), list(aot_state.flat_args_descs),
-                                    copy.copy(aot_state.fw_metadata)),
-                                   capture, _copy_graph_module(capture.graph_module))
+            if own and self._kept is None and before is not None:
+                self._kept = _keep(aot_state, capture, settings, before)
             return capture
 
         with unittest.mock.patch.object(module, "aot_stage1_graph_capture", stage1):
@@ -141,16 +145,35 @@ class AotCapture:
         why = None
         if kept.settings != settings:
             why = "other Inductor settings"
-        elif kept.needs_autograd != aot_state.needs_autograd:
+        elif kept.needs_autograd != getattr(aot_state, "needs_autograd", None):
             why = "autograd needed in one compile only"
-        elif kept.inputs != describe_inputs(aot_state.flat_args):
+        elif kept.inputs != _described_or_none(aot_state):
             why = "fake inputs described otherwise"
         if why is not None:
             log.debug("loka: AOTAutograd traces the graph again (%s)", why)
             return None
-        flat_args, descs, fw_metadata = kept.state_after
-        # Stage 2 writes the metadata (what the backward saves): each compile gets its own.
-        aot_state.flat_args, aot_state.flat_args_descs, aot_state.fw_metadata = \
-            list(flat_args), list(descs), copy.copy(fw_metadata)
+        for name, value in kept.state_after.items():
+            # Stage 2 writes the metadata (what the backward saves): each compile gets its own.
+            setattr(aot_state, name, copy.copy(value))
         self.reuses += 1
-        return dataclasses.replace(kept.capture, graph_module=_copy_graph_module(kept.joint))
+        return dataclasses.replace(kept.capture, graph_module=_copy_graph_module(kept.capture.graph_module))
+
+
+def _described_or_none(aot_state) -> Optional[tuple]:
+    """`describe_inputs` of the AOT state's fake inputs; None where the state is not as this
+    module knows it (another torch), which then neither keeps nor reuses."""
+    if not all(hasattr(aot_state, name) for name in (*_TRACE_UPDATES, "needs_autograd")):
+        return None
+    return describe_inputs(aot_state.flat_args)
+
+
+def _keep(aot_state, capture, settings: tuple, inputs: tuple) -> Optional[_Kept]:
+    """What a later compile reuses of this trace; None where it cannot be reused (a tensor
+    subclass among the inputs, a capture of another shape than this module knows)."""
+    if not dataclasses.is_dataclass(capture) or not isinstance(getattr(capture, "graph_module", None),
+                                                               torch.fx.GraphModule) \
+            or getattr(capture, "maybe_subclass_meta", None) is not None:
+        return None
+    state = {name: copy.copy(getattr(aot_state, name)) for name in _TRACE_UPDATES}
+    pristine = dataclasses.replace(capture, graph_module=_copy_graph_module(capture.graph_module))
+    return _Kept(settings, inputs, aot_state.needs_autograd, state, pristine)
