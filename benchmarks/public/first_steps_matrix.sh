@@ -43,9 +43,9 @@ import json, pathlib, sys
 order = ("_inductor", "_loka_cold", "_loka_warm_db", "_loka_plan")
 rows = {}
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    if path.name.endswith("_plan.json"):
-        continue
     r = json.loads(path.read_text())
+    if "first_steps_s" not in r:  # a saved plan
+        continue
     rank = next(i for i, suffix in enumerate(order) if path.stem.endswith(suffix))
     rows.setdefault(r["model"], []).append((rank, path.stem, r))
 print("| run | first steps, wall s | CPU s | x Inductor (wall) | per step (wall s) |")
