@@ -9,12 +9,14 @@ recording, Triton's compiles and autotuning).
     python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka --save-plan plan.json
     python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka \
         --loka-options '{"plan": "plan.json"}'               # the first steps with that plan
+    bash benchmarks/public/first_steps_matrix.sh $OUT deepctr_torch.DeepFM torch_rechub.DCNv2  # GPU matrix
 
 Run each config in a fresh process (one call per config), with a fresh TORCHINDUCTOR_CACHE_DIR
 and LOKA_CACHE_DIR for a cold start; the phases of one run overlap (a variant's compile holds
 its passes, which hold the speed check), so they do not sum to the total. cProfile slows Python
 code, so `first_steps_s` here is above run.py's; compare phases within one run, and totals
-between runs of this script. Writes `<out>/<name>.json` and `.md`.
+between runs of this script. Writes `<out>/<name>.json` and `.md`, and with `--pstats PATH` the
+whole profile (read it with `pstats`: callers and callees of any phase).
 """
 
 from __future__ import annotations
