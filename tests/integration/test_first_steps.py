@@ -199,6 +199,22 @@ def test_phase_table_sums_cumulative_time_per_function():
     assert got["absent"] == {"phase": "absent", "seconds": 0.0, "calls": 0}
 
 
+def test_every_phase_names_a_function_that_exists():
+    """Each phase row's file defines its function, in this checkout or in the installed
+    torch and triton (a renamed function would read 0 s for ever)."""
+    import pathlib
+
+    import triton
+    from benchmarks.public.first_steps import PHASES
+
+    roots = [pathlib.Path(__file__).resolve().parents[2], pathlib.Path(torch.__file__).parent.parent,
+             pathlib.Path(triton.__file__).parent.parent]
+    for label, path, name in PHASES:
+        files = [root / path for root in roots if (root / path).is_file()]
+        assert files, (label, path)
+        assert any(f"def {name}(" in f.read_text() for f in files), (label, path, name)
+
+
 def test_planned_rows_name_their_base_loka_config(tmp_path):
     """run.py's `<loka config>_planned` rows load the plan their base row saved."""
     pytest.importorskip("tabulate")
