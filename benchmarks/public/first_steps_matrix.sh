@@ -3,18 +3,18 @@
 # Triton caches (benchmarks.public.first_steps, cProfile phases and the whole profile kept):
 #   inductor_bf16_ro; loka_ro with an empty performance DB (cold; saves its plan); loka_ro with
 #   the DB that run left (warm); loka_ro with that plan.
-# Runs start while less than BUDGET_S seconds have passed (default 450) and are cut at that
+# Runs start while less than BUDGET_S seconds have passed (default 440) and are cut at that
 # mark plus 30 s; everything goes into one tarball.
 #
 #   bash benchmarks/public/first_steps_matrix.sh $OUT deepctr_torch.DeepFM torch_rechub.DCNv2
 #
-# Environment: PRESET (production), MODE (train), BUDGET_S (450).
+# Environment: PRESET (production), MODE (train), BUDGET_S (440).
 set -u
 out=$1; shift
 work=$(mktemp -d)
 res=$work/first_steps
 mkdir -p $res
-budget=${BUDGET_S:-450}
+budget=${BUDGET_S:-440}
 preset=${PRESET:-production}
 
 one() {  # name, perf DB dir, first_steps arguments...
