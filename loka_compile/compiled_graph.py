@@ -25,6 +25,7 @@ import torch
 from torch._inductor.compile_fx import compile_fx
 
 from loka_compile import graph_cache, graph_speed, probe
+from loka_compile.aot_capture import AotCapture
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.budget_window import OutputBudgetWindow
 from loka_compile.config import LokaConfig
@@ -48,7 +49,8 @@ def probe_site_keys(record: GraphRecord) -> list:
 @dataclasses.dataclass
 class _GraphSource:
     """What compiling a graph again takes: Dynamo's graph, its example inputs (the first
-    call's real tensors), its tracing context and how Dynamo fakified each input.
+    call's real tensors), its tracing context, how Dynamo fakified each input, and the
+    AOTAutograd capture of its first compile (`aot_capture`).
 
     Dropped in place (`drop`), not by unsetting the attribute that holds it: Dynamo wraps
     the compiled graph with `functools.wraps`, which copies the instance's attributes into
@@ -59,6 +61,7 @@ class _GraphSource:
     example_inputs: Optional[list]
     tracing_context: Optional[object]
     input_contexts: list  # (input tensor, its symbolic context)
+    aot: AotCapture = dataclasses.field(default_factory=AotCapture)
 
     @property
     def kept(self) -> bool:
@@ -67,6 +70,7 @@ class _GraphSource:
     def drop(self) -> None:
         self.gm = self.example_inputs = self.tracing_context = None
         self.input_contexts = []
+        self.aot.drop()
 
     @contextlib.contextmanager
     def tracing(self):
@@ -138,10 +142,10 @@ class LokaCompiledGraph(OutputBudgetWindow):
             codegen = phase is not Phase.PROBE or record.config.compile_probe
         custom_pass = LokaPostGradPass(record, phase, self.param_input_indices)
         compile_inner = functools.partial(inner_compile, record=record, codegen=codegen)
+        patches = inductor_patches(record.config, custom_pass)
         try:
-            with graph_cache.autograd_cache_off():
-                compiled = compile_fx(gm, example_inputs, inner_compile=compile_inner,
-                                      config_patches=inductor_patches(record.config, custom_pass))
+            with graph_cache.autograd_cache_off(), self._source.aot.compiling(patches):
+                compiled = compile_fx(gm, example_inputs, inner_compile=compile_inner, config_patches=patches)
                 if not codegen:
                     self._traced_probe = compiled
                 return compiled
@@ -412,7 +416,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         patches = inductor_patches(record.config, custom_pass)
         if not cudagraphs:
             patches["triton.cudagraphs"] = False
-        with source.tracing(), graph_cache.autograd_cache_off():
+        with source.tracing(), graph_cache.autograd_cache_off(), source.aot.compiling(patches):
             return compile_fx(source.gm, source.example_inputs, config_patches=patches,
                               inner_compile=functools.partial(inner_compile, record=record, codegen=True))
 

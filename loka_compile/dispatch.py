@@ -36,7 +36,8 @@ takes the plan's measured decision (fp8, probe_unsafe, slower_than_bf16, provide
 instead of the rules after it, when its K, N, dtype and padding match and its provider
 can still serve it; otherwise it is decided here, with a warning. A planned fp8 that no
 speed check timed (a compile with speed_check off, as `loka_compile.calibrate` runs) is
-timed here when this compile checks speed, in this compile's mode.
+timed here when this compile checks speed, in this compile's mode. A site the output budget
+keeps in high precision is not timed: its decision is amended to high precision whatever it is.
 Emulation is used only where the device has no FP8 hardware: on an FP8 GPU it would be
 slower than the high-precision GEMM it replaces.
 """
@@ -123,11 +124,14 @@ def _from_plan(site: Site, entry, source: str, config: LokaConfig, hardware: boo
 
 
 def decide(site: Site, config: LokaConfig, phase: Phase, unsafe_sites: Optional[Mapping[str, float]] = None,
-           upgraded_sites: Optional[Mapping[str, tuple]] = None, plan=None, a_static: bool = False) -> Decision:
+           upgraded_sites: Optional[Mapping[str, tuple]] = None, plan=None, a_static: bool = False,
+           untimed: str = "") -> Decision:
     """`plan`: the compiled model's Plan; its verdicts (by site id) apply, and when it
     was loaded from a file a site it holds takes its decision, re-checked. `a_static`:
     the graph casts the site's A with a calibrated static scale (`PassContext.static_a_scale`;
-    tensorwise and rowwise only), so the speed check times that cast."""
+    tensorwise and rowwise only), so the speed check times that cast. `untimed`: why the
+    site stays in high precision whatever its speed (the output budget keeps it; the caller
+    amends the decision): an FP8 decision is then neither timed nor tried on a provider."""
     m, k, n = site.shape
     if site.op == "packed_linear":
         return _fallback(Reason.PACKED_BY_FREEZING, "Inductor's freezing packed the weight for a CPU library "
@@ -196,6 +200,9 @@ def decide(site: Site, config: LokaConfig, phase: Phase, unsafe_sites: Optional[
                         **chosen)
     if phase is Phase.PROBE:
         return Decision(fp8=False, reason=Reason.PROBING, detail=notes, **chosen)
+    if untimed:
+        return Decision(fp8=True, reason=Reason.FP8, detail="; ".join(filter(None, (notes, f"not timed: {untimed}"))),
+                        **chosen)
     b_cached = site.kind is GraphKind.INFERENCE and site.b_is_weight and cached_weights.MOD.on(config.inactive_mods)
     a_static = a_static and chosen["scaling"] != Scaling.BLOCKWISE.value
     shape = speed.site_shape(site, chosen["scaling"], pad_k, pad_n, b_cached,

@@ -232,8 +232,9 @@ def _decide(site, record: GraphRecord, phase: Phase, ctx: PassContext, decided: 
     amended by `graph_speed`."""
     kept = record.output_budget.kept if record.output_budget is not None else {}
     plan = record.plan
-    if site.id in kept:
+    if site.id in kept:  # decided as if safe, then amended below; not timed, since it stays high precision
         plan = dataclasses.replace(plan, unsafe={sid: e for sid, e in plan.unsafe.items() if sid not in kept})
+        kwargs = {**kwargs, "untimed": "the output budget keeps it in high precision"}
     decision = decided.get(site, functools.partial(dispatch.decide, config=record.config, phase=phase, plan=plan),
                            **kwargs)
     if site.id in kept and decision.fp8:

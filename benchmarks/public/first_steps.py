@@ -9,12 +9,14 @@ recording, Triton's compiles and autotuning).
     python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka --save-plan plan.json
     python -m benchmarks.public.first_steps --model deepctr_torch.DeepFM --config loka \
         --loka-options '{"plan": "plan.json"}'               # the first steps with that plan
+    bash benchmarks/public/first_steps_matrix.sh $OUT deepctr_torch.DeepFM torch_rechub.DCNv2  # GPU matrix
 
 Run each config in a fresh process (one call per config), with a fresh TORCHINDUCTOR_CACHE_DIR
 and LOKA_CACHE_DIR for a cold start; the phases of one run overlap (a variant's compile holds
 its passes, which hold the speed check), so they do not sum to the total. cProfile slows Python
 code, so `first_steps_s` here is above run.py's; compare phases within one run, and totals
-between runs of this script. Writes `<out>/<name>.json` and `.md`.
+between runs of this script. Writes `<out>/<name>.json` and `.md`, and with `--pstats PATH` the
+whole profile (read it with `pstats`: callers and callees of any phase).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ PHASES = (
     ("first steps (profiled)", "benchmarks/public/first_steps.py", "run_steps"),
     ("Dynamo + backend (whole first compile)", "torch/_dynamo/convert_frame.py", "_compile"),
     ("AOTAutograd (all graphs)", "torch/_functorch/aot_autograd.py", "aot_module_simplified"),
+    ("AOTAutograd metadata runs", "torch/_functorch/aot_autograd.py", "create_aot_state"),
+    ("AOTAutograd traces (joint graph capture)", "torch/_functorch/_aot_autograd/graph_compile.py",
+     "aot_stage1_graph_capture"),
+    ("AOTAutograd partitions (joint-graph passes + partitioner)", "torch/_inductor/compile_fx.py", "partition_fn"),
     ("Inductor compile_fx_inner (all graphs)", "torch/_inductor/compile_fx.py", "compile_fx_inner"),
     ("Inductor codegen + kernel loads", "torch/_inductor/graph.py", "compile_to_module"),
     ("Triton compile", "triton/compiler/compiler.py", "compile"),
@@ -44,8 +50,14 @@ PHASES = (
     ("loka: FP8 variant compile", "loka_compile/compiled_graph.py", "_compile_fp8"),
     ("loka: probe variant's graphs traced (no Inductor codegen)", "loka_compile/inductor_compile.py", "_as_traced"),
     ("loka: passes (all graphs)", "passes/__init__.py", "run_passes"),
+    ("loka: AOTAutograd captures reused (copies)", "loka_compile/aot_capture.py", "_copy_graph_module"),
+    ("loka: probe observers (statistics)", "kernels/ops.py", "gemm_statistics"),
     ("loka: speed check (site timings)", "loka_compile/speed.py", "site_timing"),
+    ("loka: site timings measured (not in the perf DB)", "loka_compile/speed.py", "_measure_site"),
+    ("loka: site timing runs (each timed call set)", "loka_compile/speed.py", "_time_runs_us"),
     ("loka: epilogue timings", "loka_compile/speed.py", "epilogue_timing"),
+    ("loka: provider trials (speed check off)", "loka_compile/speed.py", "_try_providers"),
+    ("loka: graph speed check", "loka_compile/compiled_graph.py", "_check_graph_speed"),
     ("loka: probe verdicts", "loka_compile/compiled_graph.py", "_verdicts_by_id"),
     ("loka: output budget reference run", "loka_compile/budget_window.py", "_budget_reference"),
     ("loka: output budget sensitivities", "loka_compile/budget_window.py", "_measure_sensitivities"),
@@ -108,6 +120,7 @@ def main(argv=None) -> dict:
                    "(pass it back with --loka-options '{\"plan\": PATH}' for the planned first steps)")
     p.add_argument("--out", default=None, help="directory for <name>.json and .md (default: print only)")
     p.add_argument("--name", default=None)
+    p.add_argument("--pstats", default=None, help="also write the whole cProfile of the steps here (for pstats)")
     args = p.parse_args(argv)
 
     device = infer_device(args.device)
@@ -144,6 +157,8 @@ def main(argv=None) -> dict:
     per_step = run_steps(call, batches, args.steps, cuda)
     profiler.disable()
     cpu_s = cpu_seconds() - cpu_start
+    if args.pstats:
+        profiler.dump_stats(args.pstats)
     if args.save_plan:
         import loka_compile
         loka_compile.save_plan(fn, args.save_plan)

@@ -86,6 +86,34 @@ def test_a_training_graph_with_a_window_compiles_once_per_aten_graph(inductor_co
         assert torch.isfinite(got).all() and rel_error(want, got) < 0.2
 
 
+def test_each_graph_is_traced_by_aotautograd_once(inductor_compiles, monkeypatch):
+    """The probe variant's AOTAutograd capture serves the FP8 variant and the graph speed check's
+    high-precision variant: three compiles of the graph, one trace (`aot_capture`)."""
+    from torch._functorch import aot_autograd
+    from loka_compile import graph_speed
+    from test_whole_graph_speed import fixed_time_steps
+
+    traces = []
+    real = aot_autograd.aot_stage1_graph_capture
+
+    def counting(aot_state, flat_fn):
+        traces.append(aot_state.needs_autograd)
+        return real(aot_state, flat_fn)
+
+    monkeypatch.setattr(aot_autograd, "aot_stage1_graph_capture", counting)
+    monkeypatch.setattr(graph_speed, "time_steps", fixed_time_steps(1.0, 2.0, []))  # FP8 kept
+    compiled, out, ref, grads = _train(_mlp(32), torch.randn(64, 32), recipe="rowwise", graph_speed_check="always")
+    assert traces == [True]
+    assert inductor_compiles == {"forward": 2, "backward": 2}  # the FP8 variant's, the high-precision one's
+    graph = loka_compile.state_of(compiled).records[0]
+    assert graph.graph_speed.timed and graph.graph_speed.kept == "fp8"
+    report = loka_compile.report(compiled)
+    assert {s.kind for s in report.sites if s.fp8} == {"forward", "backward"}
+    assert torch.isfinite(out).all() and rel_error(ref.detach(), out.detach()) < 0.1  # rowwise e4m3 in the GEMMs
+    for got, want in grads:
+        assert torch.isfinite(got).all() and rel_error(want, got) < 0.2
+
+
 def test_the_traced_probe_finds_and_judges_what_the_compiled_one_does():
     """The probe variant run as traced sees the graph Inductor would lower: the same sites,
     the same verdicts, the same decisions as with compile_probe."""
@@ -169,6 +197,22 @@ def test_phase_table_sums_cumulative_time_per_function():
     assert got["outer"]["calls"] == 1 and got["inner"]["calls"] == 2
     assert got["outer"]["seconds"] >= got["inner"]["seconds"] > 0
     assert got["absent"] == {"phase": "absent", "seconds": 0.0, "calls": 0}
+
+
+def test_every_phase_names_a_function_that_exists():
+    """Each phase row's file defines its function, in this checkout or in the installed
+    torch and triton (a renamed function would read 0 s for ever)."""
+    import pathlib
+
+    import triton
+    from benchmarks.public.first_steps import PHASES
+
+    roots = [pathlib.Path(__file__).resolve().parents[2], pathlib.Path(torch.__file__).parent.parent,
+             pathlib.Path(triton.__file__).parent.parent]
+    for label, path, name in PHASES:
+        files = [root / path for root in roots if (root / path).is_file()]
+        assert files, (label, path)
+        assert any(f"def {name}(" in f.read_text() for f in files), (label, path, name)
 
 
 def test_planned_rows_name_their_base_loka_config(tmp_path):

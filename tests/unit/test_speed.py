@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loka_compile import LokaConfig, dispatch, speed
-from loka_compile.passes import Reason
+from loka_compile.passes import Phase, Reason
 from loka_compile.passes.context import Candidate
 from loka_compile.passes.find_sites import find_sites
 from loka_compile.passes.mods import benchmarked_reductions
@@ -69,6 +69,49 @@ class TestSpeedCheck:
         assert (graphed.persistent_row_max, default.persistent_row_max) == \
             (benchmarked_reductions.MULTI_KERNEL_PERSISTENT_ROW_MAX, benchmarked_reductions.PERSISTENT_ROW_MAX)
         assert dataclasses.replace(graphed, persistent_row_max=default.persistent_row_max) == default
+
+    def test_a_site_decided_elsewhere_is_neither_timed_nor_tried(self, fp8_site, monkeypatch):
+        """`untimed` (the output budget keeps the site in high precision): its FP8 decision is
+        made without a timing or a provider trial, saying why; without it the site is timed."""
+        trials = []
+        monkeypatch.setattr(dispatch.speed, "site_timing", lambda *args, **kwargs: trials.append(args))
+        monkeypatch.setattr(dispatch.speed, "first_runnable_provider", lambda *args, **kwargs: trials.append(args))
+        for speed_check in (True, False):
+            decision = dispatch.decide(fp8_site, LokaConfig(recipe="rowwise", speed_check=speed_check), "fp8", {},
+                                       untimed="kept by the budget")
+            assert decision.fp8 and decision.bf16_us is None and "not timed: kept by the budget" in decision.detail
+        assert not trials
+        _, calls = self._decide(fp8_site, monkeypatch, bf16_us=10.0, fp8_us=8.0)
+        assert len(calls) == 1
+
+    def test_the_output_budget_s_kept_sites_are_not_timed(self, fp8_site, monkeypatch):
+        """Dispatch through the post-grad pass's `_decide`: a site the output budget keeps is
+        amended to high precision by the budget without being timed; the others are timed."""
+        from loka_compile import inductor_passes, probe
+        from loka_compile.output_budget import OutputBudget
+        from loka_compile.state import GraphRecord
+
+        timed = []
+
+        def timing(shape, scaling, a_format, b_format, providers, fast_accum=False):
+            timed.append(shape)
+            return speed.SiteTiming(10.0, 5.0, providers[0], {providers[0]: 5.0}, 0.0)
+
+        monkeypatch.setattr(dispatch.speed, "site_timing", timing)
+        config = LokaConfig(recipe="rowwise")
+        for kept in (True, False):
+            record = GraphRecord(name="g0", config=config, store=probe.ProbeStore())
+            record.output_budget = OutputBudget(budget=0.01, sensitivity={}, error={}, predicted_before=0.0,
+                                                predicted=0.0, kept={fp8_site.id: "predicted 0.02 > 0.01"} if kept else {})
+            if kept:  # the budget's kept sites are among the plan's unsafe verdicts
+                record.plan.unsafe[fp8_site.id] = 0.5
+            ctx = make_ctx(fp8_site.node.graph, config=config)
+            decision = inductor_passes._decide(fp8_site, record, Phase.FP8, ctx, inductor_passes.DecidedOnce())
+            if kept:
+                assert not decision.fp8 and decision.reason is Reason.PROBE_UNSAFE and not timed
+                assert [a.by for a in ctx.amendments] == ["output_budget"]
+            else:
+                assert decision.fp8 and decision.fp8_us == 5.0 and len(timed) == 1 and not ctx.amendments
 
     def test_a_failed_timing_leaves_the_site_fp8_with_a_warning(self, fp8_site, monkeypatch, caplog):
         def broken(*args, **kwargs):
