@@ -324,6 +324,9 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
         if not row["skipped"]:
             row["traceback"] = traceback.format_exc(limit=-12)
         log(f"  {setup.name}/{mode}/{cfg_name}: {'SKIPPED' if row['skipped'] else 'ERROR'} {row['error']}")
+        if fn is not None and "loka_options" in row and not cfg_name.endswith(PLANNED) and "plan_saved" not in row:
+            # the failed row's decisions: loading its plan elsewhere (a CPU) makes the same graphs
+            row.update(_save_plan(fn, plan_path(args.out, setup.name, args.preset, args.batch, mode, cfg_name)))
     finally:
         row["wall_s"] = round(time.perf_counter() - start, 2)
         del model, unit, fn, opt

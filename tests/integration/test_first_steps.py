@@ -6,6 +6,7 @@ keeps it (one compile). benchmarks.public.first_steps' phase table reads cProfil
 import collections
 import copy
 import cProfile
+import json
 import logging
 import pstats
 
@@ -230,3 +231,23 @@ def test_planned_rows_name_their_base_loka_config(tmp_path):
     path = plan_path(tmp_path, "deepctr_torch.DeepFM", "tiny", 32, "train", "loka_ro")
     assert path.parent == tmp_path / "plans" and "loka_ro" in path.name and path.suffix == ".json"
     assert path != plan_path(tmp_path, "deepctr_torch.DeepFM", "tiny", 32, "infer", "loka_ro")
+
+
+def test_a_failed_loka_row_still_saves_its_plan(tmp_path, monkeypatch):
+    """A row that fails after loka compiled (a crash the GPU's decisions cause) leaves the plan
+    of those decisions, from which another machine compiles the same graphs."""
+    pytest.importorskip("tabulate")
+    pytest.importorskip("deepctr_torch")
+    from benchmarks.public import run
+
+    def failing_timing(*args, **kwargs):
+        raise RuntimeError("synthetic failure after the first steps")
+
+    monkeypatch.setattr(run, "_time_batch", failing_timing)
+    path = run.main(["--preset", "tiny", "--device", "cpu", "--models", "deepctr_torch.DeepFM", "--configs", "loka",
+                     "--modes", "train", "--first-steps", "4", "--warmup", "0", "--steps", "1",
+                     "--out", str(tmp_path), "--name", "failed"])
+    row, = json.loads(path.read_text())["rows"]
+    assert "synthetic failure" in row["error"]
+    saved = run.plan_path(tmp_path, "deepctr_torch.DeepFM", "tiny", row["batch"], "train", "loka")
+    assert row["plan_saved"] == str(saved) and json.loads(saved.read_text())
