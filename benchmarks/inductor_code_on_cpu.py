@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -83,9 +84,34 @@ def gpu_codegen_on_cpu(codes: list):
          loka_inductor_compile.compile_fx_inner) = saved
 
 
-def kernel_traffic(code: str, batch: int) -> list[dict]:
+def _call_args(args: str) -> list[str]:
+    """A launch's arguments, split at the commas outside parentheses (`reinterpret_tensor(...)`)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(args):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(args[start:i].strip())
+            start = i + 1
+    parts.append(args[start:].strip())
+    return parts
+
+
+def _batch_sized(dims: list, batch: int, anywhere: bool) -> bool:
+    if len(dims) < 2:
+        return False
+    if not anywhere:
+        return dims[0] == batch
+    return batch in dims or dims[0] % batch == 0
+
+
+def kernel_traffic(code: str, batch: int, batch_anywhere: bool = False) -> list[dict]:
     """Each Triton kernel launch of one graph's code: name, and the MB it reads and writes of
-    tensors whose first dim is `batch`."""
+    tensors whose first dim is `batch` (`batch_anywhere`: any dim, or a first dim that is a
+    multiple of it, as heads-major attention tensors are); a view argument
+    (`reinterpret_tensor`, e.g. one input's slice of a cat) counts its own size."""
     kernels = dict(re.findall(r"(triton_\w+) = async_compile\.triton\('\w+', '''(.*?)'''", code, re.S))
     call = code[code.index("def call("):]
     shapes = {}
@@ -93,6 +119,9 @@ def kernel_traffic(code: str, batch: int) -> list[dict]:
         shapes[name] = ([int(d) for d in dims.split(",") if d.strip()], dtype)
     for name, dims, dtype in re.findall(r"assert_size_stride\((\w+), \(([^)]*)\), \([^)]*\), '(\w+)'", code):
         shapes.setdefault(name, ([int(d) for d in dims.split(",") if d.strip()], dtype.replace("torch.", "")))
+    for name, base, dims in re.findall(r"(\w+) = reinterpret_tensor\((\w+), \(([^)]*)\), [^\n]*# alias", code):
+        if base in shapes:
+            shapes[name] = ([int(d) for d in dims.split(",") if d.strip()], shapes[base][1])
     for new, old in re.findall(r"(\w+) = (\w+); del \w+  # reuse", code):
         if old in shapes:
             shapes[new] = shapes[old]
@@ -103,11 +132,19 @@ def kernel_traffic(code: str, batch: int) -> list[dict]:
         loads = set(re.findall(r"tl\.load\((\w+) \+", body))
         stores = set(re.findall(r"tl\.store\((\w+) \+", body))
         read = written = 0
-        for param, arg in zip(params, (a.strip() for a in args.split(","))):
-            dims, dtype = shapes.get(arg, (None, None))
-            if not dims or dims[0] != batch or len(dims) < 2:
+        call_args = _call_args(args)
+        # a pointer is read or written at most once per element of the launch's iteration space
+        launch_elements = math.prod(int(a) for a in call_args if a.isdigit())
+        for param, arg in zip(params, call_args):
+            view = re.match(r"reinterpret_tensor\((\w+), \(([^)]*)\)", arg)
+            if view:
+                dims = [int(d) for d in view.group(2).split(",") if d.strip()]
+                dtype = shapes.get(view.group(1), (None, None))[1]
+            else:
+                dims, dtype = shapes.get(arg, (None, None))
+            if not dims or not _batch_sized(dims, batch, batch_anywhere):
                 continue
-            size = _ELEMENT_BYTES.get(dtype, 2) * int(torch.tensor(dims).prod())
+            size = _ELEMENT_BYTES.get(dtype, 2) * min(math.prod(dims), launch_elements)
             read += size if param in loads else 0
             written += size if param in stores else 0
         rows.append(dict(kernel=name, read_mb=read / 1e6, written_mb=written / 1e6))

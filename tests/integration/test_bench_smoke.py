@@ -303,6 +303,27 @@ def test_linear_batchnorm_backward_moves_five_eighths_of_inductors_bytes(one_thr
     assert backward_mb[True] == pytest.approx(5 / 8 * backward_mb[False], rel=0.05), backward_mb
 
 
+def test_kernel_traffic_counts_a_cat_of_a_transpose_as_copies_of_its_bytes(one_thread):
+    """A cat of a transposed input and a plain one, read on CPU as Inductor's GPU code: every
+    kernel is a copy (benchmarks.interaction_copies.kernel_kind), and together they read each
+    input once and write the output once, views into the cat's buffer included."""
+    from benchmarks import inductor_code_on_cpu as code_on_cpu
+    from benchmarks.interaction_copies import kernel_kind
+    a = torch.randn(48, 16, 32, dtype=torch.bfloat16)
+    b = torch.randn(48, 8, 16, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    codes = []
+    with code_on_cpu.gpu_codegen_on_cpu(codes) as inductor:
+        out = torch.compile(lambda a, b: torch.cat([a.transpose(1, 2), b], dim=1), backend=inductor)(a, b)
+    assert torch.equal(out, torch.cat([a.transpose(1, 2), b], dim=1))
+    [rows] = [code_on_cpu.kernel_traffic(code, 48, batch_anywhere=True) for code in codes]
+    assert rows and {kernel_kind(r["kernel"]) for r in rows} == {"copy"}, rows
+    expected_mb = 2 * (a.numel() + b.numel()) * 2 / 1e6
+    assert sum(r["read_mb"] + r["written_mb"] for r in rows) == pytest.approx(expected_mb), rows
+    assert kernel_kind("triton_poi_fused__to_copy_permute_3") == "cast+copy"
+    assert kernel_kind("triton_per_fused_cat_mul_sum_view_1") == "compute"
+
+
 def _public_rows():
     """Four rows of the public suite's runner: one profiled model (A, training) and one not (B)."""
     base = {"preset": "production", "batch": 8192, "compile_mode": "reduce-overhead"}

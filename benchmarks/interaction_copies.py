@@ -1,0 +1,178 @@
+"""The copy kernels (cat, permute/transpose made contiguous, clone, expand) that Inductor's GPU code
+spends around the public suite's interaction layers, read on a CPU-only machine with
+`benchmarks.inductor_code_on_cpu`, for a training step's forward and backward.
+
+    python -m benchmarks.interaction_copies --models FiBiNET,AutoInt --out /tmp/copies.json
+    python -m benchmarks.interaction_copies --loka '{}'
+
+Each model is built as `benchmarks/public/models.py` builds it (production preset); its
+interaction layer is called as the model's own forward calls it, on the embeddings the model's
+lookups produce ([B, 1, d] per field, requiring grad), under bf16 autocast, and its output
+reaches the loss through a fixed random projection. A small batch generates the code; bytes are
+scaled per row to `--scale-batch`. A kernel is a copy when every op Inductor names it after moves
+data without arithmetic; its traffic is excess, since a GEMM or the producer could read or write
+the strided layout in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.inductor_code_on_cpu import gpu_codegen_on_cpu, kernel_traffic
+
+# ops that only move data: a kernel fused from nothing else is a copy
+_COPY_OPS = ("_unsafe_view", "permute", "transpose", "unsqueeze", "squeeze", "expand", "select", "clone",
+             "slice", "split", "stack", "repeat", "view", "copy", "cat", "t")
+_CAST_OPS = ("_to_copy",)
+
+
+def kernel_kind(name: str) -> str:
+    """'copy' (data movement only), 'cast+copy' (a dtype cast with data movement), 'cast', or
+    'compute', from the ops in Inductor's kernel name."""
+    ops = re.sub(r"^triton_(poi|red|per|tem)_fused_", "", name)
+    ops = re.sub(r"_\d+$", "", ops)
+    has_cast = "_to_copy" in ops
+    rest = "_" + ops.replace("_to_copy", "") + "_"
+    moved = False
+    for op in _COPY_OPS:
+        rest, n = re.subn(rf"_{op}(?=_)", "", rest)
+        moved |= n > 0
+    if rest.strip("_"):
+        return "compute"
+    return "cast+copy" if has_cast and moved else ("cast" if has_cast else "copy")
+
+
+class Interaction(nn.Module):
+    """The interaction part of one public model, as its forward calls it, from per-field embeddings."""
+
+    def __init__(self, name: str, model: nn.Module, dense_fields: int = 0):
+        super().__init__()
+        self.name, self.model, self.dense_fields = name, model, dense_fields
+
+    def forward(self, embeddings: list, dense: torch.Tensor | None = None) -> torch.Tensor:
+        m, name = self.model, self.name
+        if name == "deepctr_torch.FiBiNET":
+            x = torch.cat(embeddings, dim=1)
+            out = torch.cat((m.Bilinear(m.SE(x)), m.Bilinear(x)), dim=1)
+            return torch.flatten(torch.cat(torch.split(out, 1, dim=1), dim=-1), start_dim=1)
+        if name == "deepctr_torch.AutoInt":
+            x = torch.cat(embeddings, dim=1)
+            for layer in m.int_layers:
+                x = layer(x)
+            return torch.flatten(x, start_dim=1)
+        if name == "deepctr_torch.xDeepFM":
+            return m.cin(torch.cat(embeddings, dim=1))
+        if name == "deepctr_torch.PNN":
+            linear_signal = torch.flatten(torch.cat(embeddings, dim=1), start_dim=1)
+            inner = torch.flatten(m.innerproduct(embeddings), start_dim=1)
+            return torch.cat([linear_signal, inner], dim=1)
+        if name == "public_style.Wukong":
+            h = torch.cat([dense, torch.cat(embeddings, dim=1)], dim=1)
+            for layer in m.layers:
+                h = layer(h)
+            return h.flatten(1)
+        raise ValueError(f"no interaction layer known for {name!r}")
+
+
+MODELS = ("deepctr_torch.FiBiNET", "deepctr_torch.AutoInt", "deepctr_torch.xDeepFM", "deepctr_torch.PNN",
+          "public_style.Wukong")
+
+
+def study(name: str, batch: int, loka: dict | None, out_dir: Path | None) -> dict:
+    """Codegen one model's interaction step; per graph, each kernel's kind and [B, *] MB at `batch`."""
+    from benchmarks.public.models import build
+    bench = build(name, "production")
+    p = bench.preset
+    dense_fields = p.dense_fields if name == "public_style.Wukong" else 0
+    unit = Interaction(name, bench.model, dense_fields)
+    g = torch.Generator().manual_seed(1)
+    embeddings = [(torch.randn(batch, 1, p.embed_dim, generator=g) * p.embed_std).requires_grad_()
+                  for _ in range(p.num_sparse)]
+    dense = (torch.randn(batch, dense_fields, p.embed_dim, generator=g).requires_grad_() if dense_fields else None)
+    with torch.no_grad():
+        width = unit(embeddings, dense).shape[1]
+    projection = torch.randn(width, generator=g) / width ** 0.5
+
+    def step(embeddings, dense, projection):
+        with torch.autocast("cpu", torch.bfloat16):
+            y = unit(embeddings, dense)
+        return (y.float() @ projection).square().mean()
+
+    codes: list = []
+    start = time.time()
+    with gpu_codegen_on_cpu(codes) as inductor:
+        compiled = (torch.compile(step, backend=inductor) if loka is None else
+                    torch.compile(step, backend="loka", options={"probe_steps": 0, **loka}))
+        loss = compiled(embeddings, dense, projection)
+        loss.backward()
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"{name}: loss {loss.item()} is not finite")
+    graphs = []
+    for i, code in enumerate(codes):
+        if out_dir:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{name.split('.')[-1]}_{'loka' if loka is not None else 'inductor'}_graph{i}.py").write_text(code)
+        rows = [dict(row, kind=kernel_kind(row["kernel"])) for row in kernel_traffic(code, batch, batch_anywhere=True)]
+        graphs.append(rows)
+    return dict(model=name, config="inductor" if loka is None else "loka", batch=batch, graphs=graphs,
+                codegen_s=round(time.time() - start, 1))
+
+
+def summarize(result: dict, scale_batch: int) -> dict:
+    """MB per step at `scale_batch` by kind and pass (graph 0 forward, the last backward)."""
+    per_row = scale_batch / result["batch"]
+    passes = {0: "forward", len(result["graphs"]) - 1: "backward"}
+    summary: dict = {"copies": []}
+    for i, rows in enumerate(result["graphs"]):
+        which = passes.get(i, f"graph{i}")
+        for row in rows:
+            mb = (row["read_mb"] + row["written_mb"]) * per_row
+            key = f"{which}_{row['kind']}_mb"
+            summary[key] = summary.get(key, 0.0) + mb
+            summary["total_mb"] = summary.get("total_mb", 0.0) + mb
+            if row["kind"] != "compute":
+                summary["copies"].append(dict(pass_=which, kernel=row["kernel"], kind=row["kind"], mb=round(mb, 1)))
+    summary["excess_mb"] = sum(c["mb"] for c in summary["copies"] if c["kind"] in ("copy", "cast+copy"))
+    summary["excess_us_at_3tbs"] = summary["excess_mb"] / 3.0
+    return summary
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.interaction_copies", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(m.split(".")[-1] for m in MODELS))
+    p.add_argument("--batch", type=int, default=192, help="codegen batch (no other dim may equal it)")
+    p.add_argument("--scale-batch", type=int, default=8192)
+    p.add_argument("--loka", type=json.loads, default=None, help="JSON loka options (default: Inductor)")
+    p.add_argument("--code-dir", default=None)
+    p.add_argument("--out", default=None, help="JSON of every kernel and the summaries")
+    args = p.parse_args(argv)
+    import loka_compile  # noqa: F401  (registers the backend)
+
+    wanted = args.models.split(",")
+    results = []
+    for name in MODELS:
+        if name.split(".")[-1] not in wanted:
+            continue
+        result = study(name, args.batch, args.loka, Path(args.code_dir) if args.code_dir else None)
+        result["summary"] = summarize(result, args.scale_batch)
+        results.append(result)
+        s = result["summary"]
+        print(f"{name} [{result['config']}] codegen {result['codegen_s']} s: kernels' [B, *] traffic "
+              f"{s['total_mb']:.0f} MB, copies {s['excess_mb']:.0f} MB ({s['excess_us_at_3tbs']:.0f} us at 3 TB/s) "
+              f"at batch {args.scale_batch}", flush=True)
+        for c in s["copies"]:
+            print(f"  {c['pass_']:8s} {c['kind']:9s} {c['mb']:8.1f} MB  {c['kernel'][:100]}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
