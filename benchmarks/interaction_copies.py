@@ -65,7 +65,8 @@ class Interaction(nn.Module):
         if name == "deepctr_torch.AutoInt":
             x = torch.cat(embeddings, dim=1)
             for layer in m.int_layers:
-                x = layer(x)
+                # CPU autocast leaves tensordot's operands as they come: a bf16 layer output meets fp32 weights
+                x = layer(x.to(layer.W_Query.dtype))
             return torch.flatten(x, start_dim=1)
         if name == "deepctr_torch.xDeepFM":
             return m.cin(torch.cat(embeddings, dim=1))
@@ -144,6 +145,39 @@ def summarize(result: dict, scale_batch: int) -> dict:
     return summary
 
 
+def grouped_kernels(result: dict, scale_batch: int) -> list[dict]:
+    """One row per generated kernel (launches of it counted), per pass and kind, MB at `scale_batch`."""
+    per_row = scale_batch / result["batch"]
+    last = len(result["graphs"]) - 1
+    groups: dict = {}
+    for i, rows in enumerate(result["graphs"]):
+        which = "forward" if i == 0 else ("backward" if i == last else f"graph{i}")
+        for row in rows:
+            key = (which, row["kind"], re.sub(r"_\d+$", "", row["kernel"]))
+            g = groups.setdefault(key, dict(pass_=which, kind=row["kind"], kernel=key[2], launches=0, mb=0.0))
+            g["launches"] += 1
+            g["mb"] += (row["read_mb"] + row["written_mb"]) * per_row
+    return sorted(groups.values(), key=lambda g: (g["pass_"] != "forward", -g["mb"]))
+
+
+def markdown(results: list, scale_batch: int, min_mb: float = 1.0) -> str:
+    """Per model and config: the totals, then each kernel (grouped) moving at least `min_mb`, at `scale_batch`."""
+    lines = []
+    for result in results:
+        s = result["summary"]
+        lines += [f"### {result['model']}, {result['config']}", "",
+                  f"Kernels' [B, *] traffic {s['total_mb']:.0f} MB per step, copies {s['excess_mb']:.0f} MB "
+                  f"({s['excess_mb'] * 1e6 / scale_batch / 1e3:.1f} KB per sample, {s['excess_us_at_3tbs']:.0f} us at 3 TB/s).", "",
+                  "| pass | kind | kernel | launches | MB | KB/sample |", "|---|---|---|---|---|---|"]
+        for g in grouped_kernels(result, scale_batch):
+            if g["mb"] < min_mb:
+                continue
+            lines.append(f"| {g['pass_']} | {g['kind']} | `{g['kernel'][:90]}` | {g['launches']} | {g['mb']:.1f} | "
+                         f"{g['mb'] * 1e3 / scale_batch:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.interaction_copies", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(m.split(".")[-1] for m in MODELS))
@@ -152,7 +186,11 @@ def main(argv=None):
     p.add_argument("--loka", type=json.loads, default=None, help="JSON loka options (default: Inductor)")
     p.add_argument("--code-dir", default=None)
     p.add_argument("--out", default=None, help="JSON of every kernel and the summaries")
+    p.add_argument("--table", nargs="*", default=None, help="print the markdown of these JSON files and stop")
     args = p.parse_args(argv)
+    if args.table:
+        print(markdown([r for f in args.table for r in json.loads(Path(f).read_text())], args.scale_batch))
+        return None
     import loka_compile  # noqa: F401  (registers the backend)
 
     wanted = args.models.split(",")
@@ -167,8 +205,8 @@ def main(argv=None):
         print(f"{name} [{result['config']}] codegen {result['codegen_s']} s: kernels' [B, *] traffic "
               f"{s['total_mb']:.0f} MB, copies {s['excess_mb']:.0f} MB ({s['excess_us_at_3tbs']:.0f} us at 3 TB/s) "
               f"at batch {args.scale_batch}", flush=True)
-        for c in s["copies"]:
-            print(f"  {c['pass_']:8s} {c['kind']:9s} {c['mb']:8.1f} MB  {c['kernel'][:100]}")
+        for g in grouped_kernels(result, args.scale_batch):
+            print(f"  {g['pass_']:8s} {g['kind']:9s} x{g['launches']:<4d} {g['mb']:8.1f} MB  {g['kernel'][:90]}")
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
     return results
