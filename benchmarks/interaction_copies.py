@@ -119,7 +119,8 @@ def study(name: str, batch: int, loka: dict | None, out_dir: Path | None) -> dic
     for i, code in enumerate(codes):
         if out_dir:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"{name.split('.')[-1]}_{'loka' if loka is not None else 'inductor'}_graph{i}.py").write_text(code)
+            config = "inductor" if loka is None else "loka"
+            (out_dir / f"{name.split('.')[-1]}_{config}_graph{i}.py").write_text(code)
         rows = [dict(row, kind=kernel_kind(row["kernel"])) for row in kernel_traffic(code, batch, batch_anywhere=True)]
         graphs.append(rows)
     return dict(model=name, config="inductor" if loka is None else "loka", batch=batch, graphs=graphs,
@@ -167,7 +168,8 @@ def markdown(results: list, scale_batch: int, min_mb: float = 1.0) -> str:
         s = result["summary"]
         lines += [f"### {result['model']}, {result['config']}", "",
                   f"Kernels' [B, *] traffic {s['total_mb']:.0f} MB per step, copies {s['excess_mb']:.0f} MB "
-                  f"({s['excess_mb'] * 1e6 / scale_batch / 1e3:.1f} KB per sample, {s['excess_us_at_3tbs']:.0f} us at 3 TB/s).", "",
+                  f"({s['excess_mb'] * 1e3 / scale_batch:.1f} KB per sample, "
+                  f"{s['excess_us_at_3tbs']:.0f} us at 3 TB/s).", "",
                   "| pass | kind | kernel | launches | MB | KB/sample |", "|---|---|---|---|---|---|"]
         for g in grouped_kernels(result, scale_batch):
             if g["mb"] < min_mb:
