@@ -1,5 +1,5 @@
-"""linear_batchnorm: Linear -> BatchNorm1d in training -> ReLU (the MLP block of torch-rechub's
-`MLP`, deepctr-torch's `DNN(use_bn=True)`, public Wukong's MLPs) gets a BatchNorm backward of
+"""linear_batchnorm: Linear -> BatchNorm1d in training -> ReLU (the MLP block as recsys model
+libraries write it, a BatchNorm between each Linear and its activation) gets a BatchNorm backward of
 two passes over [B, N] instead of four. A Mod that is off unless named in `enabled_mods`
 (`LokaConfig`); it runs on the Dynamo graph (torch-level IR), after layernorm_backward.
 
