@@ -244,7 +244,13 @@ class _Attention(torch.nn.Module):
 
 
 @pytest.mark.parametrize("disabled", [(), ("aligned_gemms",)])
-def test_aligned_gemms_pads_bmms_off_the_alignment(disabled):
+def test_aligned_gemms_pads_bmms_off_the_alignment(disabled, monkeypatch):
+    """The Mod pads what Inductor's pad_mm leaves as memory-bound. Inductor's estimate of that
+    reads the GPU's peak FLOPs and bandwidth and calls every GEMM compute-bound when it cannot
+    (the Mod then leaves the choice to pad_mm's benchmark): fixed here, so the Mod's own path runs."""
+    from loka_compile.passes.mods import aligned_gemms
+
+    monkeypatch.setattr(aligned_gemms.pad_mm, "is_mm_compute_bound", lambda m, k, n, dtype: False)
     model = _Attention().to("cuda", torch.bfloat16)
     q, k, v = (torch.randn(64, 65, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "disabled_mods": list(disabled)})
@@ -280,8 +286,11 @@ def test_aligned_gemms_leaves_batched_mat_vec_products_unpadded():
     graphs = check_training_step(model, x, options={"probe_steps": 0}).graph_modules
     bmms = [n for gm in graphs.values() for n in gm.graph.nodes if n.target is torch.ops.aten.bmm.default]
     shapes = [(n.args[0].meta["val"].shape, n.args[1].meta["val"].shape) for n in bmms]
-    # forward: K = 4 experts; the gradient by the gate: N = 4 (padded they would be 8)
-    assert len(bmms) == 2 and all(4 in (a[-1], b[-1]) for a, b in shapes), shapes
+    # forward: K = 4 experts; the gradient by the gate: N = 4 (padded they would be 8); the
+    # gradient by the experts is an outer product (K = 1), a bmm where AOTAutograd keeps it as one
+    products = [(a, b) for a, b in shapes if a[-1] != 1]
+    assert len(products) == 2 and len(shapes) - len(products) <= 1, shapes
+    assert all(4 in (a[-1], b[-1]) for a, b in products), shapes
     assert not any(a.target is torch.ops.aten.constant_pad_nd.default for n in bmms for a in n.args)
 
 
