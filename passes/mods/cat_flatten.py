@@ -21,8 +21,8 @@ Matches, in a Dynamo graph, two forms of `torch.cat` (`torch.concat`, `torch.con
        pieces = split(x, s, d)               c == d:  y = x
        y = cat(pieces, c)              ->    c != d:  y = x.unflatten(d, (n, s)).movedim(d, c).flatten(c, c + 1)
 
-   The n pieces' values, side by side along c, are x's with its dim d cut into n blocks moved
-   next to c: a view where x's strides allow it (deepctr-torch's `combined_dnn_input` applies
+   A cat along c != d takes pieces of one size s along d. Their values, side by side along c,
+   are x's with its dim d cut into n blocks moved next to c: a view where x's strides allow it (deepctr-torch's `combined_dnn_input` applies
    `cat(split(x, 1, 1), -1)` to a contiguous [B, F, d]: the view [B, 1, F * d]), else one copy,
    the one the cat made. Unbind pieces are `x.movedim(d, u)` split in ones at u.
 
@@ -30,11 +30,14 @@ Declines a match (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
     inner_used_elsewhere every inner cat is also read by another node (its buffer is needed anyway)
     other_dim            every inner cat is along another dim, or its dim is unknown
+    shared_input         an inner cat's input, or the split's source, is read three times or more,
+                         or a piece of the split is read by another node: autograd sums its
+                         gradients in an order the rewrite would change (two terms add the same
+                         either way), so the backward would no longer be bit-exact
     mixed_dtypes         the inputs differ in dtype or device (cat promotes; nested cats promote
                          in steps)
     partial_split        the cat takes some of the split's pieces, or one twice, or other tensors
     pieces_out_of_order  the cat takes every piece once but not in order
-    uneven_pieces        c != d and the pieces differ in size along d (a shuffle, not a reshape)
     unknown_shape        the sizes along d or the dims are not known ints
     aliased_write        x's storage, or the cat's result, is written in place in the graph, or
                          the result leaves the graph with x (a view would share what the cat
@@ -88,6 +91,15 @@ def _cat_dim(node: torch.fx.Node):
     return dim % value.dim()
 
 
+def _reads(node) -> int:
+    """How many times other nodes read `node` (a list naming it twice reads it twice): the number of
+    gradients autograd sums for it, whose order a rewrite keeps only while there are at most two."""
+    reads = []
+    for user in node.users:
+        torch.fx.node.map_arg((user.args, user.kwargs), lambda n: reads.append(n) if n is node else None)
+    return len(reads)
+
+
 def _same_kind(values) -> bool:
     return all(isinstance(v, torch.Tensor) for v in values) \
         and len({(v.dtype, v.device) for v in values}) == 1
@@ -122,6 +134,9 @@ def _nested_decline(gm, found: _NestedCat, inputs: dict) -> "str | None":
     only_here = [c for c in same_dim if set(c.users) == {found.node}]
     if not only_here:
         return "inner_used_elsewhere"
+    only_here = [c for c in only_here if all(_reads(t) <= 2 for t in _tensors(c))]
+    if not only_here:
+        return "shared_input"
     values = [example_value(t) for t in _tensors(found.node)] + \
         [example_value(t) for c in only_here for t in _tensors(c)]
     if not _same_kind(values):
@@ -227,15 +242,21 @@ def _whole_split_decline(gm, found: _WholeSplit, inputs: dict) -> "str | None":
     piece_sizes = _sizes(x, d, keep=False) if found.unbind else _sizes(x, d)
     if any(_sizes(p, None if found.unbind else d) != piece_sizes for p in pieces):
         return "unknown_shape"  # the split's dim was not read as the one it cut
-    moved_to = _unsqueezed_dim(found, x) if found.unbind else d
-    if c != moved_to and len(set(sizes)) != 1:
-        return "uneven_pieces"
+    if _reads(found.source) > 2 or not all(_read_only_by_cat(t, found.node) for t in _tensors(found.node)):
+        return "shared_input"
     root = alias_root(found.source)
     source_written, source_returned = written_or_returned(root)
     cat_written, cat_returned = written_or_returned(found.node)
     if source_written or cat_written or (cat_returned and (source_returned or root.op in ("placeholder", "get_attr"))):
         return "aliased_write"
     return None
+
+
+def _read_only_by_cat(piece: torch.fx.Node, cat: torch.fx.Node) -> bool:
+    """Whether the cat alone reads this input (a getitem, or an unsqueeze of one) and its getitem."""
+    if set(piece.users) != {cat}:
+        return False
+    return piece.target is operator.getitem or set(piece.args[0].users) == {piece}
 
 
 def _sizes(value, dim=None, keep=True) -> list:
