@@ -25,7 +25,7 @@ from loka_compile.fallback import error_text
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.passes import Decision, graph_kind, mods, PassContext, Phase, Reason, run_passes
 from loka_compile.passes.find_sites import keep_gemm_provenance
-from loka_compile.passes.mods import fused_casts, saved_fp8, weight_both_layouts
+from loka_compile.passes.mods import fused_casts, pair_products, saved_fp8, weight_both_layouts
 from loka_compile.passes.mods.saved_fp8 import check_saves, find_operands, save_fp8_operands, SavedFp8
 from loka_compile.passes.mods.weight_both_layouts import (check_shared, find_shared_weights, share_weight_casts,
                                                           WeightLayouts)
@@ -137,6 +137,8 @@ class LokaJointPass(CustomGraphPass):
             return  # Inductor runs its joint-graph passes on inference graphs and on bodies too
         record, phase = self.post_grad.record, self.post_grad.phase
         inactive = record.config.inactive_mods
+        if phase is not Phase.PROBE and pair_products.MOD.on(inactive):
+            self._pair_products(graph)
         # What the forward saves is measured with saved_fp8 off too (the report compares it).
         saved = record.mod_results[saved_fp8.MOD.name] = SavedFp8.of_joint_graph(graph)
         record.mod_results.pop(weight_both_layouts.MOD.name, None)
@@ -172,6 +174,22 @@ class LokaJointPass(CustomGraphPass):
         ctx.decide = functools.partial(_decide, record=record, phase=phase, ctx=ctx, decided=self.post_grad.decided,
                                        high_precision=self.post_grad.high_precision)
         return ctx
+
+    def _pair_products(self, graph: torch.fx.Graph) -> None:
+        """The pair_products Mod (a failure leaves the joint graph as it was, and is logged,
+        unless fallback is off)."""
+        record = self.post_grad.record
+        try:
+            with all_or_nothing(graph.owning_module):
+                rewritten = pair_products.rewrite_pair_products(graph)
+        except Exception as error:
+            if not record.config.fallback:
+                raise
+            log.warning("loka: %s: the pair_products Mod failed on the joint graph (%s); the pairs stay "
+                        "concatenated", record.name, error_text(error))
+            return
+        record.mod_results[pair_products.MOD.name] = rewritten
+        log.info("%s: pair_products: %d", record.name, rewritten)
 
     def _share_weight_casts(self, graph: torch.fx.Graph) -> None:
         """The weight_both_layouts Mod (a failure leaves the joint graph as it was, and is
