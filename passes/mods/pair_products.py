@@ -40,7 +40,7 @@ import logging
 
 import torch
 
-from ..rewrite import replace_with_traced
+from ..rewrite import insert_traced, replace_with_traced
 from .mod import Mod, Stage
 
 aten = torch.ops.aten
@@ -123,11 +123,25 @@ def _sliced_products(cat: torch.fx.Node, product: torch.fx.Node) -> "list | None
     return found
 
 
-def _sliced_product(k: int, other_first: bool):
-    """Slice k of `g * e_k` (the backward's product of its gradient and p or q), from e_k itself."""
-    def product(g, e):
-        return g[:, k:k + 1] * e if other_first else e * g[:, k:k + 1]
-    return product
+def _replace_sliced_products(graph: torch.fx.Graph, pieces: list) -> None:
+    """Each backward slice k of `g * p` (or of `g * q`) replaced by `g[:, k:k+1] * p_k`, all traced
+    at once (one trace per graph, not per pair)."""
+    if not pieces:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    factors = list(dict.fromkeys(f for _, other, _, field, _ in pieces for f in (other, field)))
+    where = {f: i for i, f in enumerate(factors)}
+    spec = [(where[other], where[field], k, other_first) for _, other, other_first, field, k in pieces]
+
+    def products(*values):
+        return tuple(values[g][:, k:k + 1] * values[e] if other_first else values[e] * values[g][:, k:k + 1]
+                     for g, e, k, other_first in spec)
+
+    first = min((piece for piece, *_ in pieces), key=order.__getitem__)
+    _, results = insert_traced(first, products, factors, meta_from=first)
+    for (piece, *_), result in zip(pieces, results):
+        piece.replace_all_uses_with(result)
+        graph.erase_node(piece)
 
 
 def _per_run(runs: list):
@@ -163,9 +177,9 @@ def rewrite_pair_products(graph: torch.fx.Graph) -> int:
         if len(runs) > MAX_RUN_SHARE * len(left):
             log.debug("pair_products: %s declined: %d runs of %d pairs", node.name, len(runs), len(left))
             continue
-        for inputs, pieces in zip((left, right), sliced):
-            for piece, other, other_first, k in pieces:
-                replace_with_traced(piece, _sliced_product(k, other_first), [other, inputs[k]])
+        _replace_sliced_products(graph, [(piece, other, other_first, inputs[k], k)
+                                         for inputs, pieces in zip((left, right), sliced)
+                                         for piece, other, other_first, k in pieces])
         replace_with_traced(node, _per_run(runs), fields)
         for dead in dict.fromkeys([product, *(u for c in cats for u in c.users), *cats]):
             if not dead.users:  # the product, the backward's products, then p and q
