@@ -28,7 +28,8 @@ Matches, in a Dynamo graph, two forms of `torch.cat` (`torch.concat`, `torch.con
 
 Declines a match (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
-    inner_used_elsewhere every inner cat is also read by another node (its buffer is needed anyway)
+    inner_used_elsewhere every inner cat is also read by another node, or twice by this one (its buffer
+                         is needed anyway)
     other_dim            every inner cat is along another dim, or its dim is unknown
     shared_input         an inner cat's input, or the split's source, is read three times or more,
                          or a piece of the split is read by another node: autograd sums its
@@ -131,7 +132,7 @@ def _nested_decline(gm, found: _NestedCat, inputs: dict) -> "str | None":
     same_dim = [c for c in found.inner if dim is not None and _cat_dim(c) == dim]
     if not same_dim:
         return "other_dim"
-    only_here = [c for c in same_dim if set(c.users) == {found.node}]
+    only_here = [c for c in same_dim if set(c.users) == {found.node} and _reads(c) == 1]
     if not only_here:
         return "inner_used_elsewhere"
     only_here = [c for c in only_here if all(_reads(t) <= 2 for t in _tensors(c))]
