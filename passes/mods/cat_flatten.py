@@ -22,9 +22,9 @@ Matches, in a Dynamo graph, two forms of `torch.cat` (`torch.concat`, `torch.con
        y = cat(pieces, c)              ->    c != d:  y = x.unflatten(d, (n, s)).movedim(d, c).flatten(c, c + 1)
 
    A cat along c != d takes pieces of one size s along d. Their values, side by side along c,
-   are x's with its dim d cut into n blocks moved next to c: a view where x's strides allow it (deepctr-torch's `combined_dnn_input` applies
-   `cat(split(x, 1, 1), -1)` to a contiguous [B, F, d]: the view [B, 1, F * d]), else one copy,
-   the one the cat made. Unbind pieces are `x.movedim(d, u)` split in ones at u.
+   are x's with its dim d cut into n blocks moved next to c: a view where x's strides allow it
+   (deepctr-torch's `combined_dnn_input` applies `cat(split(x, 1, 1), -1)` to a contiguous
+   [B, F, d]: the view [B, 1, F * d]), else one copy, the one the cat made. Unbind pieces are `x.movedim(d, u)` split in ones at u.
 
 Declines a match (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)

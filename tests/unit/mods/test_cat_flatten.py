@@ -121,7 +121,8 @@ def test_cat_of_a_cat_of_a_whole_split_flattens_both():
             return torch.cat([torch.cat([inner, y], 1), torch.cat([z * 2, z * 3], 1)], 1).sum(-1)
 
     torch.manual_seed(0)
-    result, before, after = _rewrite_and_compare(Nested(), *(torch.randn(3, n, 5, requires_grad=True) for n in (4, 2, 2)))
+    inputs = [torch.randn(3, n, 5, requires_grad=True) for n in (4, 2, 2)]
+    result, before, after = _rewrite_and_compare(Nested(), *inputs)
     assert result.rewritten == 2 and not result.declined and (before, after) == (4, 1)
 
 
@@ -171,8 +172,8 @@ class MustStay(nn.Module):
         raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["inner_used_elsewhere", "inner_read_twice", "other_dim", "mixed_dtypes", "pieces_out_of_order",
-                                  "partial_split", "shared_input", "aliased_write"])
+@pytest.mark.parametrize("case", ["inner_used_elsewhere", "inner_read_twice", "other_dim", "mixed_dtypes",
+                                  "pieces_out_of_order", "partial_split", "shared_input", "aliased_write"])
 def test_leaves_cats_that_must_stay_alone(case):
     torch.manual_seed(0)
     x, y = torch.randn(4, 6, 8, requires_grad=True), torch.randn(4, 6, 8, requires_grad=True)
