@@ -13,7 +13,9 @@ Matches, in a Dynamo graph, two forms of `torch.cat` (`torch.concat`, `torch.con
 
    Inductor writes each input of a cat straight into the cat's buffer, but an input that is
    itself a cat has its own buffer, which the outer cat then copies (deepctr-torch's FiBiNET
-   concatenates its two bilinear layers' outputs, each a cat of 325 products).
+   concatenates its two bilinear layers' outputs, each a cat of 325 products). A `torch.stack`
+   along the cat's dim is a cat of its inputs unsqueezed there, and is absorbed the same way
+   (public Wukong code stacks its embedding lookups, then concatenates the dense fields before them).
 
 2. a cat of every piece of one `split`/`chunk`/`tensor_split` (or of every `unbind` piece,
    each unsqueezed at the same dim), in order, along dim c:
@@ -79,6 +81,11 @@ def _is_cat(node) -> bool:
         and node.kwargs.get("out") is None
 
 
+def _is_stack(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is torch.stack \
+        and node.kwargs.get("out") is None and isinstance(arg(node, 0, "tensors"), (list, tuple))
+
+
 def _tensors(node: torch.fx.Node) -> list:
     return list(arg(node, 0, "tensors"))
 
@@ -117,7 +124,7 @@ class _NestedCat:
 
 
 def _candidate_inners(node: torch.fx.Node) -> list:
-    return [t for t in dict.fromkeys(_tensors(node)) if _is_cat(t)]
+    return [t for t in dict.fromkeys(_tensors(node)) if _is_cat(t) or _is_stack(t)]
 
 
 def _nested_cat_of(gm, node, inputs: dict) -> "_NestedCat | None":
@@ -150,13 +157,25 @@ def _absorb_inner_cats(gm, found: _NestedCat) -> None:
     node = found.node
     flat = []
     for t in _tensors(node):  # read now: an inner cat may have absorbed its own inner cats first
-        flat.extend(_tensors(t) if t in found.inner else [t])
+        flat.extend(_pieces_of_inner(gm, t, node) if t in found.inner else [t])
     if "tensors" in node.kwargs:
         node.update_kwarg("tensors", flat)
     else:
         node.update_arg(0, flat)
     for inner in found.inner:
         gm.graph.erase_node(inner)
+
+
+def _pieces_of_inner(gm, inner: torch.fx.Node, before: torch.fx.Node) -> list:
+    """An inner cat's inputs; a stack's, each unsqueezed at its dim (a view), inserted before `before`."""
+    if _is_cat(inner):
+        return _tensors(inner)
+    dim = _cat_dim(inner)
+    with gm.graph.inserting_before(before):
+        pieces = [gm.graph.call_function(torch.unsqueeze, (t, dim)) for t in _tensors(inner)]
+    copy_provenance(inner, pieces)
+    set_example_values(gm, pieces, fake_mode([inner, before]))
+    return pieces
 
 
 # ------------------------------------------------------------ form 2: a cat of a whole split

@@ -126,6 +126,22 @@ def test_cat_of_a_cat_of_a_whole_split_flattens_both():
     assert result.rewritten == 2 and not result.declined and (before, after) == (4, 1)
 
 
+def test_a_stack_inside_a_cat_becomes_its_pieces():
+    """Public Wukong's input: the dense fields, then the embedding lookups stacked along the same dim."""
+    class WukongInput(nn.Module):
+        def forward(self, dense, *lookups):
+            return torch.cat([dense.view(-1, 2, 8), torch.stack(lookups, dim=1)], dim=1) * 2
+
+    torch.manual_seed(0)
+    lookups = [torch.randn(5, 8, requires_grad=True) for _ in range(4)]
+    gm, example_inputs = dynamo_graph(WukongInput(), torch.randn(5, 16, requires_grad=True), *lookups)
+    written = copy.deepcopy(gm)
+    result = flatten_cats(gm, example_inputs)
+    _assert_bit_exact(_run(written, example_inputs), _run(gm, example_inputs))
+    assert result.rewritten == 1 and not result.declined
+    assert not any(n.target is torch.stack for n in gm.graph.nodes) and _cats(gm) == 1
+
+
 def test_an_input_read_three_times_keeps_its_cats():
     """y is read by both inner cats and the outer one: autograd sums its three gradients in the
     order the cats' backward nodes run, which flattening would change (not bit-exact)."""
