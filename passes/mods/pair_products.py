@@ -8,7 +8,7 @@ concatenate the field embeddings [B, 1, d] of every pair (i, j), i < j: 325 pair
 
     p = cat([e_0, e_0, ..., e_1, ...], 1)        # [B, K, d]
     q = cat([e_1, e_2, ..., e_2, ...], 1)
-    y = sum(p * q, 2, keepdim=True)               # [B, K, 1]
+    y = sum(p * q, 2, keepdim=True)               # [B, K, 1] (or [B, K] without keepdim)
     backward: slice k of g * q (and of g * p), g = expand(dy), summed per field
       ->
     E = cat([e_0, ..., e_{F-1}], 1)               # [B, F, d], fields in order of first appearance
@@ -90,14 +90,14 @@ def _runs(left: list, right: list, fields: list) -> list:
 
 
 def _product_sum(node: torch.fx.Node) -> "torch.fx.Node | None":
-    """The product when `node` is sum(p * q, last dim, keepdim=True) of two different cats."""
+    """The product when `node` is sum(p * q, last dim) of two different tensors."""
     if node.target is not aten.sum.dim_IntList or len(node.args) < 2 or node.kwargs.get("dtype") is not None:
         return None
     product, dims = node.args[0], node.args[1]
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if not (isinstance(product, torch.fx.Node) and product.target is aten.mul.Tensor and len(product.users) == 1):
         return None
-    if list(dims or ()) not in ([2], [-1]) or keepdim is not True or product.args[0] is product.args[1]:
+    if list(dims or ()) not in ([2], [-1]) or not isinstance(keepdim, bool) or product.args[0] is product.args[1]:
         return None
     return product
 
@@ -114,6 +114,9 @@ def _sliced_products(cat: torch.fx.Node, product: torch.fx.Node) -> "list | None
             return None
         other_first = user.args[1] is cat
         other = user.args[0] if other_first else user.args[1]
+        if not (isinstance(_val(other), torch.Tensor) and _val(other).dim() == 3
+                and str(_val(other).shape[1]) == str(_val(cat).shape[1])):
+            return None  # a factor broadcast along the pairs has no slice k to take
         for piece in user.users:
             args = list(piece.args) + [1] * (5 - len(piece.args))
             if piece.target is not aten.slice.Tensor or piece.kwargs or args[1] % 3 != 1 or args[4] != 1 \
@@ -144,14 +147,14 @@ def _replace_sliced_products(graph: torch.fx.Graph, pieces: list) -> None:
         graph.erase_node(piece)
 
 
-def _per_run(runs: list):
+def _per_run(runs: list, keepdim: bool):
     """The pair products from the fields, one reduction per run of pairs, in the pairs' order."""
     def products(*fields):
         table = torch.cat(fields, 1)
         outs = []
         for fixed, start, n, on_left in runs:
             one, many = table[:, fixed:fixed + 1], table[:, start:start + n]
-            outs.append((one * many if on_left else many * one).sum(2, keepdim=True))
+            outs.append((one * many if on_left else many * one).sum(2, keepdim=keepdim))
         return torch.cat(outs, 1)
     return products
 
@@ -180,7 +183,8 @@ def rewrite_pair_products(graph: torch.fx.Graph) -> int:
         _replace_sliced_products(graph, [(piece, other, other_first, inputs[k], k)
                                          for inputs, pieces in zip((left, right), sliced)
                                          for piece, other, other_first, k in pieces])
-        replace_with_traced(node, _per_run(runs), fields)
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        replace_with_traced(node, _per_run(runs, keepdim), fields)
         for dead in dict.fromkeys([product, *(u for c in cats for u in c.users), *cats]):
             if not dead.users:  # the product, the backward's products, then p and q
                 graph.erase_node(dead)

@@ -69,6 +69,22 @@ def test_pnn_inner_products_are_bit_exact_and_save_no_copies():
     assert not any(t.dim() == 3 and t.shape[1] == pairs for t in saved_after)
 
 
+def test_without_keepdim():
+    torch.manual_seed(0)
+    embeddings = _embeddings(fields=5)
+
+    def inner_product(*fields):                  # InnerProductLayer's pairs, summed without keepdim
+        pairs = [(i, j) for i in range(len(fields)) for j in range(i + 1, len(fields))]
+        p = torch.cat([fields[i] for i, _ in pairs], 1)
+        q = torch.cat([fields[j] for _, j in pairs], 1)
+        return (p * q).sum(-1)
+
+    out, grads, _, _ = _run(inner_product, embeddings, rewrite=False)
+    got, got_grads, rewritten, _ = _run(inner_product, embeddings, rewrite=True)
+    assert rewritten == 1 and got.shape == (16, 10) and torch.equal(out, got)
+    assert all(torch.equal(a, b) for a, b in zip(grads, got_grads))
+
+
 def test_leaves_other_products_alone():
     torch.manual_seed(0)
     e = _embeddings(fields=4)
