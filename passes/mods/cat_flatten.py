@@ -26,7 +26,8 @@ Matches, in a Dynamo graph, two forms of `torch.cat` (`torch.concat`, `torch.con
    A cat along c != d takes pieces of one size s along d. Their values, side by side along c,
    are x's with its dim d cut into n blocks moved next to c: a view where x's strides allow it
    (deepctr-torch's `combined_dnn_input` applies `cat(split(x, 1, 1), -1)` to a contiguous
-   [B, F, d]: the view [B, 1, F * d]), else one copy, the one the cat made. Unbind pieces are `x.movedim(d, u)` split in ones at u.
+   [B, F, d]: the view [B, 1, F * d]), else one copy, the one the cat made (`.contiguous()`: the
+   cat's readers may view its result as contiguous). Unbind pieces are `x.movedim(d, u)` split in ones at u.
 
 Declines a match (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
@@ -42,6 +43,8 @@ Declines a match (the reason counted in `declined`, logged at DEBUG) when:
     partial_split        the cat takes some of the split's pieces, or one twice, or other tensors
     pieces_out_of_order  the cat takes every piece once but not in order
     unknown_shape        the sizes along d or the dims are not known ints
+    strided_result       the cat's result is not contiguous (a channels-last cat), which the
+                         view or its copy would not reproduce
     aliased_write        x's storage, or the cat's result, is written in place in the graph, or
                          the result leaves the graph with x (a view would share what the cat
                          copied)
@@ -63,6 +66,7 @@ import dataclasses
 import operator
 
 import torch
+from torch._prims_common import is_contiguous_or_false
 
 from ..dynamo_graph import (Rewrites, alias_root, arg, copy_provenance, example_value, fake_mode, module_of,
                             rewrite_matches, set_example_values, written_or_returned)
@@ -264,6 +268,8 @@ def _whole_split_decline(gm, found: _WholeSplit, inputs: dict) -> "str | None":
         return "unknown_shape"  # the split's dim was not read as the one it cut
     if _reads(found.source) > 2 or not all(_read_only_by_cat(t, found.node) for t in _tensors(found.node)):
         return "shared_input"
+    if not is_contiguous_or_false(example_value(found.node)):
+        return "strided_result"
     root = alias_root(found.source)
     source_written, source_returned = written_or_returned(root)
     cat_written, cat_returned = written_or_returned(found.node)
@@ -312,6 +318,11 @@ def _undo_split(gm, found: _WholeSplit) -> None:
             new += [x.args[0].args[0], x.args[0], x]
     copy_provenance(node, new)
     set_example_values(gm, new, fake_mode([found.source, node]))
+    if not is_contiguous_or_false(example_value(x)):  # readers may view the cat's contiguous result
+        with graph.inserting_before(node):
+            x = graph.call_method("contiguous", (x,))
+        copy_provenance(node, [x])
+        set_example_values(gm, [x], fake_mode([found.source, node]))
     node.replace_all_uses_with(x)
     graph.erase_node(node)
     for piece in _tensors_of_erased(found):

@@ -90,7 +90,7 @@ def test_fibinet_interaction_becomes_one_cat_and_a_view():
 
 
 @pytest.mark.parametrize("form", ["split_ones", "split_twos_same_dim", "chunk_method", "tensor_split", "unbind",
-                                  "unbind_other_dim", "split_before_cat_dim"])
+                                  "unbind_other_dim", "split_before_cat_dim", "transposed_source_viewed"])
 def test_each_whole_split_form_becomes_its_source(form):
     class WholeSplit(nn.Module):
         def forward(self, x):                              # x [4, 6, 8]
@@ -106,6 +106,8 @@ def test_each_whole_split_form_becomes_its_source(form):
                 return torch.cat([t.unsqueeze(1) for t in x.unbind(1)], dim=2) * 2
             if form == "unbind_other_dim":
                 return torch.cat([t.unsqueeze(0) for t in torch.unbind(x, 2)], dim=1) * 2
+            if form == "transposed_source_viewed":        # the cat's result is contiguous, x^T is not
+                return torch.cat(torch.split(x.transpose(1, 2), 1, dim=1), dim=1).view(4, -1) * 2
             return torch.cat(torch.split(x, 4, dim=2), dim=0) * 2  # cat before the split's dim
 
     torch.manual_seed(0)
