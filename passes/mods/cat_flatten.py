@@ -12,10 +12,10 @@ Matches, in a Dynamo graph, two forms of `torch.cat` (`torch.concat`, `torch.con
        y = cat([a, b, c], d)
 
    Inductor writes each input of a cat straight into the cat's buffer, but an input that is
-   itself a cat has its own buffer, which the outer cat then copies (deepctr-torch's FiBiNET
-   concatenates its two bilinear layers' outputs, each a cat of 325 products). A `torch.stack`
-   along the cat's dim is a cat of its inputs unsqueezed there, and is absorbed the same way
-   (public Wukong code stacks its embedding lookups, then concatenates the dense fields before them).
+   itself a cat has its own buffer, which the outer cat then copies (two interaction layers'
+   outputs, each a cat of pairwise products, concatenated). A `torch.stack` along the cat's dim
+   is a cat of its inputs unsqueezed there, and is absorbed the same way (embedding lookups
+   stacked, then concatenated after the dense fields).
 
 2. a cat of every piece of one `split`/`chunk`/`tensor_split` (or of every `unbind` piece,
    each unsqueezed at the same dim), in order, along dim c:
@@ -25,8 +25,8 @@ Matches, in a Dynamo graph, two forms of `torch.cat` (`torch.concat`, `torch.con
 
    A cat along c != d takes pieces of one size s along d. Their values, side by side along c,
    are x's with its dim d cut into n blocks moved next to c: a view where x's strides allow it
-   (deepctr-torch's `combined_dnn_input` applies `cat(split(x, 1, 1), -1)` to a contiguous
-   [B, F, d]: the view [B, 1, F * d]), else one copy, the one the cat made (`.contiguous()`: the
+   (`cat(split(x, 1, 1), -1)` of a contiguous [B, F, d], the fields put side by side for a
+   DNN: the view [B, 1, F * d]), else one copy, the one the cat made (`.contiguous()`: the
    cat's readers may view its result as contiguous). Unbind pieces are `x.movedim(d, u)` split in ones at u.
 
 Declines a match (the reason counted in `declined`, logged at DEBUG) when:

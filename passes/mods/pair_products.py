@@ -3,8 +3,8 @@ concatenations of repeated fields, read the fields from one [B, F, d] tensor ins
 Mod (`enabled_mods=["pair_products"]`) on the joint graph of training compiles past the probe
 window (`LokaJointPass`), before the partitioner decides what the forward saves.
 
-Matches, in a joint graph, deepctr-torch's PNN inner product layer (`InnerProductLayer`: p and q
-concatenate the field embeddings [B, 1, d] of every pair (i, j), i < j: 325 pairs of 26 fields):
+Matches, in a joint graph, an inner-product layer that concatenates the field embeddings
+[B, 1, d] of every pair (i, j), i < j, into p and q (F fields, K = F (F - 1) / 2 pairs):
 
     p = cat([e_0, e_0, ..., e_1, ...], 1)        # [B, K, d]
     q = cat([e_1, e_2, ..., e_2, ...], 1)
@@ -15,15 +15,15 @@ concatenate the field embeddings [B, 1, d] of every pair (i, j), i < j: 325 pair
     y = cat([sum(E[:, i:i+1] * E[:, i+1:F], 2, keepdim) for each run of pairs (i, i+1..F-1)], 1)
     backward: g[:, k:k+1] * q_k (and * p_k), the same products of the same values, summed alike
 
-As written the forward writes p and q (2 x 1.36 GB at batch 8192 in fp32, 2 x 325 cat inputs),
-reads them back once for the product and saves them for the backward, whose cat gradient
+As written the forward writes p and q (two [B, K, d] copies, from 2 K cat inputs), reads
+them back once for the product and saves them for the backward, whose cat gradient
 slices them again. After: the forward reads E and writes [B, K, 1]; the backward reads the
 embeddings it already had. The backward's values and their order of summation are unchanged
 (each slice of an elementwise product is the product of the slices). The forward's outputs are
 the same products summed over d by the same kind of reduction (r = d) over shorter rows;
 whether Inductor's reduction sums them in the same tree is its choice of block shape, as it is
 between batch sizes, so the Mod is opt-in: bit-exact on CPU in the tests, not proven so on a GPU.
-`bmm(E, E^T)` would sum in a GEMM's order instead (the model is fp32).
+`bmm(E, E^T)` would sum in a GEMM's order instead, a different rounding.
 
 Runs are the pairs in which p repeats one field and q takes consecutive fields of E (or the
 other way round). Declines (logged at DEBUG) when p or q is read by anything but the product and
@@ -46,8 +46,9 @@ from .mod import Mod, Stage
 aten = torch.ops.aten
 log = logging.getLogger("loka.passes")
 
-# Each run is one reduction launch; the cats it replaces took one launch per 2.5 inputs in the
-# H100 plan of PNN (129 for 650, benchmarks/results/2026-11-28_cpu_interaction_copies.md).
+# Each run is one reduction launch; past one run per two pairs the runs would launch more
+# kernels than the cats they replace (Inductor's plan packs several cat inputs per launch;
+# docs/mods/pair_products.md has the count).
 MAX_RUN_SHARE = 0.5
 
 
