@@ -87,6 +87,9 @@ class LokaPostGradPass(CustomGraphPass):
             ctx.amax_guard_prefix, ctx.window_amax = record.amax_guards.prefix, record.amax_guards.window_amax
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
+        if kind is passes.GraphKind.INFERENCE and self.phase is not Phase.PROBE \
+                and pair_products.MOD.on(record.config.inactive_mods):
+            _rewrite_pair_products(graph, record)  # a training graph's is the joint graph's (LokaJointPass)
         saved, layouts = (record.mod_results.get(mod.name) for mod in (saved_fp8.MOD, weight_both_layouts.MOD))
         if kind is passes.GraphKind.FORWARD and saved is not None:
             check_saves(graph, saved)  # as partitioned, before lower renames what it rewrites
@@ -138,7 +141,7 @@ class LokaJointPass(CustomGraphPass):
         record, phase = self.post_grad.record, self.post_grad.phase
         inactive = record.config.inactive_mods
         if phase is not Phase.PROBE and pair_products.MOD.on(inactive):
-            self._pair_products(graph)
+            _rewrite_pair_products(graph, record)
         # What the forward saves is measured with saved_fp8 off too (the report compares it).
         saved = record.mod_results[saved_fp8.MOD.name] = SavedFp8.of_joint_graph(graph)
         record.mod_results.pop(weight_both_layouts.MOD.name, None)
@@ -175,22 +178,6 @@ class LokaJointPass(CustomGraphPass):
                                        high_precision=self.post_grad.high_precision)
         return ctx
 
-    def _pair_products(self, graph: torch.fx.Graph) -> None:
-        """The pair_products Mod (a failure leaves the joint graph as it was, and is logged,
-        unless fallback is off)."""
-        record = self.post_grad.record
-        try:
-            with all_or_nothing(graph.owning_module):
-                rewritten = pair_products.rewrite_pair_products(graph)
-        except Exception as error:
-            if not record.config.fallback:
-                raise
-            log.warning("loka: %s: the pair_products Mod failed on the joint graph (%s); the pairs stay "
-                        "concatenated", record.name, error_text(error))
-            return
-        record.mod_results[pair_products.MOD.name] = rewritten
-        log.info("%s: pair_products: %d", record.name, rewritten)
-
     def _share_weight_casts(self, graph: torch.fx.Graph) -> None:
         """The weight_both_layouts Mod (a failure leaves the joint graph as it was, and is
         logged, unless fallback is off)."""
@@ -212,6 +199,22 @@ class LokaJointPass(CustomGraphPass):
 
     def uuid(self) -> str:
         return hashlib.sha256(f"joint|{self.post_grad.uuid()}".encode()).hexdigest()
+
+
+def _rewrite_pair_products(graph: torch.fx.Graph, record: GraphRecord) -> None:
+    """The pair_products Mod on a joint or inference graph (a failure leaves the graph as it
+    was, and is logged, unless fallback is off)."""
+    try:
+        with all_or_nothing(graph.owning_module):
+            rewritten = pair_products.rewrite_pair_products(graph)
+    except Exception as error:
+        if not record.config.fallback:
+            raise
+        log.warning("loka: %s: the pair_products Mod failed (%s); the pairs stay concatenated", record.name,
+                    error_text(error))
+        return
+    record.mod_results[pair_products.MOD.name] = rewritten
+    log.info("%s: pair_products: %d", record.name, rewritten)
 
 
 class DecidedOnce:

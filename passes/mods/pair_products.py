@@ -1,7 +1,8 @@
 """pair_products: inner products of pairs of fields, written as the sum of the product of two
 concatenations of repeated fields, read the fields from one [B, F, d] tensor instead. An opt-in
 Mod (`enabled_mods=["pair_products"]`) on the joint graph of training compiles past the probe
-window (`LokaJointPass`), before the partitioner decides what the forward saves.
+window (`LokaJointPass`), before the partitioner decides what the forward saves, and on
+inference graphs (`LokaPostGradPass`, before loka's pipeline), where p and q have no backward.
 
 Matches, in a joint graph, an inner-product layer that concatenates the field embeddings
 [B, 1, d] of every pair (i, j), i < j, into p and q (F fields, K = F (F - 1) / 2 pairs):
@@ -162,7 +163,7 @@ def _per_run(runs: list, keepdim: bool):
 
 def rewrite_pair_products(graph: torch.fx.Graph) -> int:
     """Rewrite each product-sum of two concatenations of fields in a joint graph (module
-    docstring), forward and backward; return how many."""
+    docstring), forward and backward, or in an inference graph; return how many."""
     rewritten = 0
     for node in list(graph.nodes):
         product = _product_sum(node)

@@ -140,3 +140,23 @@ def test_pnn_under_loka_is_bit_exact_with_the_mod_on_and_off():
     assert report.mods["pair_products"] == 1 and report_off.mods["pair_products"] == 0
     assert torch.isfinite(got).all() and torch.equal(out, got)
     assert all(torch.equal(a, b) for a, b in zip(grads, got_grads))
+
+
+@pytest.mark.slow
+def test_pnn_inference_under_loka_is_bit_exact_with_the_mod_on_and_off():
+    """Inference graphs have no backward to save p and q for: the forward rewrite alone."""
+    torch.manual_seed(0)
+    model, embeddings = PNNInteraction().eval(), _embeddings(batch=32, dim=16)
+    outs = {}
+    for enabled in ((), ("pair_products",)):
+        loka_compile.reset()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="loka", options=dict(probe_steps=0, speed_check=False,
+                                                                     enabled_mods=list(enabled)))
+        with torch.no_grad():
+            outs[enabled] = compiled(embeddings), loka_compile.report(compiled)
+    (out, report_off), (got, report) = outs[()], outs[("pair_products",)]
+    assert report.mods["pair_products"] == 1 and report_off.mods["pair_products"] == 0
+    assert torch.isfinite(got).all() and torch.equal(out, got)
+    graph = next(gm for name, gm in report.graph_modules.items() if name.endswith("inference"))
+    assert max(len(n.args[0]) for n in graph.graph.nodes if n.target is torch.ops.aten.cat.default) < 15
