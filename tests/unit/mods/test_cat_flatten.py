@@ -247,3 +247,29 @@ def test_fibinet_under_loka_is_bit_exact_with_the_mod_on_and_off():
     assert report.mods["cat_flatten"] == 2 and report_off.mods.get("cat_flatten", 0) == 0
     assert any(s.fp8 for s in report.sites), report.table()
     _assert_bit_exact((out_off, grads_off), (out_on, grads_on))
+
+
+@needs_deepctr
+def test_fibinet_copy_kernels_of_inductors_gpu_plan_are_gone():
+    """Inductor's GPU kernel plan for the interaction's training step, read on CPU
+    (benchmarks.interaction_copies' harness): with the Mod, the only copy kernels left are the
+    embeddings' own cat (one per field: they are graph inputs here); without it, the products are
+    copied into the outer cat and again by the split-and-cat."""
+    from benchmarks import inductor_code_on_cpu as code_on_cpu
+    from benchmarks.interaction_copies import kernel_kind, with_mods
+    torch.manual_seed(0)
+    fields, batch = 4, 24                                   # no other dim of the graph is 24
+    model, embeddings = FiBiNETInteraction(fields=fields, dim=16), _embeddings(fields=fields, batch=batch, dim=16)
+    copies = {}
+    for mods in ((), ("cat_flatten",)):
+        torch._dynamo.reset()
+        codes = []
+        with code_on_cpu.gpu_codegen_on_cpu(codes) as inductor:
+            out = torch.compile(copy.deepcopy(model), backend=with_mods(inductor, mods))(embeddings)
+            out.sum().backward()
+        rows = [r for code in codes for r in code_on_cpu.kernel_traffic(code, batch, batch_anywhere=True)]
+        copies[mods] = [r for r in rows if kernel_kind(r["kernel"]) in ("copy", "cast+copy")]
+    kept = copies[("cat_flatten",)]
+    assert len(kept) == fields and all(r["kernel"].startswith("triton_poi_fused_cat_") for r in kept), kept
+    mb = {mods: sum(r["read_mb"] + r["written_mb"] for r in rows) for mods, rows in copies.items()}
+    assert len(copies[()]) > 4 * fields and mb[()] > 10 * mb[("cat_flatten",)], mb
