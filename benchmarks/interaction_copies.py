@@ -4,6 +4,7 @@ spends around the public suite's interaction layers, read on a CPU-only machine 
 
     python -m benchmarks.interaction_copies --models FiBiNET,AutoInt --out /tmp/copies.json
     python -m benchmarks.interaction_copies --loka '{}'
+    python -m benchmarks.interaction_copies --mods cat_flatten       # Inductor after loka's Dynamo-graph Mod
 
 Each model is built as `benchmarks/public/models.py` builds it (production preset); its
 interaction layer is called as the model's own forward calls it, on the embeddings the model's
@@ -86,7 +87,21 @@ MODELS = ("deepctr_torch.FiBiNET", "deepctr_torch.AutoInt", "deepctr_torch.xDeep
           "public_style.Wukong")
 
 
-def study(name: str, batch: int, loka: dict | None, out_dir: Path | None) -> dict:
+def with_mods(backend, mods: tuple):
+    """`backend` after the named Dynamo-graph Mods of loka (their defaults' config) rewrite its graph."""
+    from loka_compile import LokaConfig
+    from loka_compile.passes.mods import BY_NAME
+    config = LokaConfig(probe_steps=0)
+
+    def rewritten(gm, example_inputs):
+        for name in mods:
+            print(f"  {name}: {BY_NAME[name].run(gm, example_inputs, config)}", flush=True)
+        gm.recompile()
+        return backend(gm, example_inputs)
+    return rewritten
+
+
+def study(name: str, batch: int, loka: dict | None, out_dir: Path | None, mods: tuple = ()) -> dict:
     """Codegen one model's interaction step; per graph, each kernel's kind and [B, *] MB at `batch`."""
     from benchmarks.public.models import build
     bench = build(name, "production")
@@ -109,7 +124,7 @@ def study(name: str, batch: int, loka: dict | None, out_dir: Path | None) -> dic
     codes: list = []
     start = time.time()
     with gpu_codegen_on_cpu(codes) as inductor:
-        compiled = (torch.compile(step, backend=inductor) if loka is None else
+        compiled = (torch.compile(step, backend=with_mods(inductor, mods)) if loka is None else
                     torch.compile(step, backend="loka", options={"probe_steps": 0, **loka}))
         loss = compiled(embeddings, dense, projection)
         loss.backward()
@@ -119,12 +134,18 @@ def study(name: str, batch: int, loka: dict | None, out_dir: Path | None) -> dic
     for i, code in enumerate(codes):
         if out_dir:
             out_dir.mkdir(parents=True, exist_ok=True)
-            config = "inductor" if loka is None else "loka"
+            config = _config_name(loka, mods)
             (out_dir / f"{name.split('.')[-1]}_{config}_graph{i}.py").write_text(code)
         rows = [dict(row, kind=kernel_kind(row["kernel"])) for row in kernel_traffic(code, batch, batch_anywhere=True)]
         graphs.append(rows)
-    return dict(model=name, config="inductor" if loka is None else "loka", batch=batch, graphs=graphs,
+    return dict(model=name, config=_config_name(loka, mods), batch=batch, graphs=graphs,
                 codegen_s=round(time.time() - start, 1))
+
+
+def _config_name(loka: dict | None, mods: tuple) -> str:
+    if loka is not None:
+        return "loka" + ("" if not loka else " " + json.dumps(loka, sort_keys=True))
+    return "+".join(["inductor", *mods])
 
 
 def summarize(result: dict, scale_batch: int) -> dict:
@@ -186,6 +207,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=192, help="codegen batch (no other dim may equal it)")
     p.add_argument("--scale-batch", type=int, default=8192)
     p.add_argument("--loka", type=json.loads, default=None, help="JSON loka options (default: Inductor)")
+    p.add_argument("--mods", default="", help="Inductor after these loka Dynamo-graph Mods (comma-separated)")
     p.add_argument("--code-dir", default=None)
     p.add_argument("--out", default=None, help="JSON of every kernel and the summaries")
     p.add_argument("--table", nargs="*", default=None, help="print the markdown of these JSON files and stop")
@@ -200,7 +222,8 @@ def main(argv=None):
     for name in MODELS:
         if name.split(".")[-1] not in wanted:
             continue
-        result = study(name, args.batch, args.loka, Path(args.code_dir) if args.code_dir else None)
+        result = study(name, args.batch, args.loka, Path(args.code_dir) if args.code_dir else None,
+                       tuple(m for m in args.mods.split(",") if m))
         result["summary"] = summarize(result, args.scale_batch)
         results.append(result)
         s = result["summary"]

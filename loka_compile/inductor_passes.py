@@ -25,7 +25,7 @@ from loka_compile.fallback import error_text
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.passes import Decision, graph_kind, mods, PassContext, Phase, Reason, run_passes
 from loka_compile.passes.find_sites import keep_gemm_provenance
-from loka_compile.passes.mods import fused_casts, saved_fp8, weight_both_layouts
+from loka_compile.passes.mods import fused_casts, pair_products, saved_fp8, weight_both_layouts
 from loka_compile.passes.mods.saved_fp8 import check_saves, find_operands, save_fp8_operands, SavedFp8
 from loka_compile.passes.mods.weight_both_layouts import (check_shared, find_shared_weights, share_weight_casts,
                                                           WeightLayouts)
@@ -87,6 +87,9 @@ class LokaPostGradPass(CustomGraphPass):
             ctx.amax_guard_prefix, ctx.window_amax = record.amax_guards.prefix, record.amax_guards.window_amax
         # Recorded first, so that the sites of a graph whose passes fail are reported.
         record.contexts[(self.phase, kind)] = ctx
+        if kind is passes.GraphKind.INFERENCE and self.phase is not Phase.PROBE \
+                and pair_products.MOD.on(record.config.inactive_mods):
+            _rewrite_pair_products(graph, record)  # a training graph's is the joint graph's (LokaJointPass)
         saved, layouts = (record.mod_results.get(mod.name) for mod in (saved_fp8.MOD, weight_both_layouts.MOD))
         if kind is passes.GraphKind.FORWARD and saved is not None:
             check_saves(graph, saved)  # as partitioned, before lower renames what it rewrites
@@ -137,6 +140,8 @@ class LokaJointPass(CustomGraphPass):
             return  # Inductor runs its joint-graph passes on inference graphs and on bodies too
         record, phase = self.post_grad.record, self.post_grad.phase
         inactive = record.config.inactive_mods
+        if phase is not Phase.PROBE and pair_products.MOD.on(inactive):
+            _rewrite_pair_products(graph, record)
         # What the forward saves is measured with saved_fp8 off too (the report compares it).
         saved = record.mod_results[saved_fp8.MOD.name] = SavedFp8.of_joint_graph(graph)
         record.mod_results.pop(weight_both_layouts.MOD.name, None)
@@ -194,6 +199,22 @@ class LokaJointPass(CustomGraphPass):
 
     def uuid(self) -> str:
         return hashlib.sha256(f"joint|{self.post_grad.uuid()}".encode()).hexdigest()
+
+
+def _rewrite_pair_products(graph: torch.fx.Graph, record: GraphRecord) -> None:
+    """The pair_products Mod on a joint or inference graph (a failure leaves the graph as it
+    was, and is logged, unless fallback is off)."""
+    try:
+        with all_or_nothing(graph.owning_module):
+            rewritten = pair_products.rewrite_pair_products(graph)
+    except Exception as error:
+        if not record.config.fallback:
+            raise
+        log.warning("loka: %s: the pair_products Mod failed (%s); the pairs stay concatenated", record.name,
+                    error_text(error))
+        return
+    record.mod_results[pair_products.MOD.name] = rewritten
+    log.info("%s: pair_products: %d", record.name, rewritten)
 
 
 class DecidedOnce:

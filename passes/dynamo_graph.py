@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +141,55 @@ def set_example_values(gm, nodes, mode) -> None:
                 node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
             else:
                 node.meta["example_value"] = node.target(*args, **kwargs)
+
+
+IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+# torch functions that may return a view of their input (call_method users are followed anyway)
+MAY_ALIAS = {"view", "reshape", "flatten", "unflatten", "transpose", "permute", "t", "squeeze", "unsqueeze",
+             "narrow", "select", "split", "chunk", "unbind", "expand", "movedim", "moveaxis", "swapaxes", "swapdims",
+             "diagonal", "as_strided", "view_as", "contiguous", "detach", "alias", "split_with_sizes",
+             "unsafe_split", "unsafe_split_with_sizes", "tensor_split", "unfold"}
+
+
+def _name(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def _may_alias_input(node: torch.fx.Node) -> bool:
+    return node.op == "call_method" or node.target is operator.getitem or _name(node) in MAY_ALIAS
+
+
+def written_or_returned(node: torch.fx.Node) -> tuple[bool, bool]:
+    """(whether node's value, or a value that may alias it (views, getitem, in-place results),
+    is written in place in the graph: `mul_`, `x[i] = v`, `inplace=True`, `out=`, a module
+    call; whether one leaves the graph, as an output the caller may write)."""
+    written = returned = False
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            name = _name(user)
+            if user.op == "output":
+                returned = True
+                continue
+            if user.op == "call_module" or user.target in IN_PLACE_OPERATORS \
+                    or (name.endswith("_") and not name.endswith("__")) or user.kwargs.get("inplace") is True \
+                    or user.kwargs.get("out") is current:
+                written = True
+            if _may_alias_input(user):
+                stack.append(user)
+    return written, returned
+
+
+def alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage `node` may share, followed up through views and getitems."""
+    while _may_alias_input(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
 
 
 def called_module(gm: torch.fx.GraphModule, node: torch.fx.Node, kind: type):

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import torch
 
-from . import (aligned_gemms, batched_matvec, benchmarked_reductions, blocknorm, cached_weights, cat_casts, conv1x1,
-               fused_casts, gemm_epilogue, gemm_norm, hardswish, horizontal, layernorm_backward, linear_batchnorm,
-               no_bias, pad, saved_fp8, transposed_linear, weight_both_layouts)
+from . import (aligned_gemms, batched_matvec, benchmarked_reductions, blocknorm, cached_weights, cat_casts, cat_flatten,
+               conv1x1, fused_casts, gemm_epilogue, gemm_norm, hardswish, horizontal, layernorm_backward,
+               linear_batchnorm, no_bias, pad, pair_products, saved_fp8, transposed_linear, weight_both_layouts)
 from .mod import Evidence, Mod, Stage
 
 STAGES: dict = {
     Stage.POST_GRAD: (fused_casts.MOD, pad.MOD, cat_casts.MOD, aligned_gemms.MOD),
     Stage.INFERENCE: (cached_weights.MOD, gemm_epilogue.MOD, gemm_norm.MOD),
-    Stage.JOINT_GRAPH: (weight_both_layouts.MOD, saved_fp8.MOD),
+    Stage.JOINT_GRAPH: (pair_products.MOD, weight_both_layouts.MOD, saved_fp8.MOD),
     Stage.DYNAMO_GRAPH: (blocknorm.MOD, no_bias.MOD, hardswish.MOD, linear_batchnorm.MOD, horizontal.MOD, conv1x1.MOD,
-                         batched_matvec.MOD, transposed_linear.MOD, layernorm_backward.MOD),
+                         batched_matvec.MOD, transposed_linear.MOD, cat_flatten.MOD, layernorm_backward.MOD),
     Stage.INDUCTOR: (benchmarked_reductions.MOD,),
 }
 

@@ -69,7 +69,8 @@ import operator
 import torch
 
 from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, fake_mode, fetch_attr, graph_inputs,
-                            matches_to_rewrite, module_of, module_stack, set_example_values, tensor_of)
+                            matches_to_rewrite, module_of, module_stack, set_example_values, tensor_of,
+                            written_or_returned)
 from ..rewrite import all_or_nothing
 from .mod import Evidence, Mod, Stage, total
 
@@ -233,39 +234,9 @@ def _first_calls(lins: list, repeats: list, decline) -> list:
             kept.append(lin)
             continue
         decline([lin], "repeated_call")
-        if not (_may_be_written(lin.node) or _may_be_written(first[key].node)):
+        if not any(written_or_returned(lin.node) + written_or_returned(first[key].node)):
             repeats.append((lin, first[key]))
     return kept
-
-
-_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
-
-
-def _may_be_written(node: torch.fx.Node) -> bool:
-    """Whether node's value, or a value that may alias it (views, getitem, in-place
-    results), is written in place in the graph (`mul_`, `x[i] = v`, `inplace=True`, `out=`,
-    a module call) or leaves it (a graph output the caller may write)."""
-    stack, seen = [node], set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        for user in current.users:
-            name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
-            if user.op in ("output", "call_module") or user.target in _IN_PLACE_OPERATORS \
-                    or (name.endswith("_") and not name.endswith("__")) or user.kwargs.get("inplace") is True \
-                    or user.kwargs.get("out") is current:
-                return True
-            if user.op == "call_method" or user.target is operator.getitem or name in _MAY_ALIAS:
-                stack.append(user)
-    return False
-
-
-# torch functions that may return a view of their input (call_method users are followed anyway)
-_MAY_ALIAS = {"view", "reshape", "flatten", "unflatten", "transpose", "permute", "t", "squeeze", "unsqueeze",
-              "narrow", "select", "split", "chunk", "unbind", "expand", "movedim", "swapaxes", "diagonal",
-              "as_strided", "view_as", "contiguous", "detach", "alias"}
 
 
 def _bodies(gm: torch.fx.GraphModule, inputs: dict) -> list:

@@ -68,10 +68,10 @@ BAD_OPTIONS = [
     ({"fallback": "no"}, "fallback must be a bool"),
     ({"mode": "turbo"}, "valid modes"),
     ({"mode": None}, "valid modes"),
-    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cat_casts', 'aligned_gemms', 'cached_weights', 'gemm_epilogue', 'gemm_norm', 'weight_both_layouts', 'saved_fp8', 'horizontal', 'conv1x1', 'batched_matvec', 'transposed_linear', 'benchmarked_reductions'\]"),
+    ({"disabled_mods": ["fusion"]}, r"valid disabled_mods: \['fused_casts', 'pad', 'cat_casts', 'aligned_gemms', 'cached_weights', 'gemm_epilogue', 'gemm_norm', 'weight_both_layouts', 'saved_fp8', 'horizontal', 'conv1x1', 'batched_matvec', 'transposed_linear', 'cat_flatten', 'benchmarked_reductions'\]"),
     ({"disabled_mods": "pad"}, r"disabled_mods must be a list or tuple of names from \['fused_casts'"),
     ({"disabled_mods": None}, "disabled_mods must be a list or tuple"),
-    ({"enabled_mods": ["pad"]}, r"valid enabled_mods: \['linear_batchnorm', 'layernorm_backward'\]"),
+    ({"enabled_mods": ["pad"]}, r"valid enabled_mods: \['pair_products', 'linear_batchnorm', 'layernorm_backward'\]"),
     ({"enabled_mods": "layernorm_backward"}, "enabled_mods must be a list or tuple"),
     ({"enabled_mods": ["layernorm_backward"], "disabled_mods": ["layernorm_backward"]},
      r"valid disabled_mods"),  # an opt-in Mod is switched off by leaving it out of enabled_mods
@@ -118,7 +118,7 @@ def test_good_values_are_normalized():
     assert set(LokaConfig(disabled_mods=loka_compile.passes.MODS).disabled_mods) == \
         {"fused_casts", "pad", "cached_weights", "horizontal", "benchmarked_reductions", "cat_casts",
          "conv1x1", "batched_matvec", "transposed_linear", "aligned_gemms", "saved_fp8", "gemm_epilogue", "gemm_norm",
-         "weight_both_layouts"}
+         "weight_both_layouts", "cat_flatten"}
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
