@@ -27,7 +27,7 @@ After the gather, the weight is dequantized to the compute dtype (one elementwis
 the compiled graph casts it again as it casts any weight: the row's (tensor's) largest value
 maps to the format's maximum again and every other value to the same FP8 value, so the GEMM's
 FP8 operand has the gathered bits and, up to one rounding of the compute dtype, the gathered
-scale (`tests/unit/test_weight_gather.py` proves it, non-finite values included: the cast's
+scale (`tests/unit/test_weight_gather_casts.py` proves it, non-finite values included: the cast's
 policy is idempotent). Feeding the gathered FP8 bytes to the GEMM directly would save that pass
 and the second cast but needs the compiled graph to take a quantized weight as its input
 (docs/guide.md, "FP8 all-gather of the weights").
@@ -54,7 +54,7 @@ from tabulate import tabulate
 
 from loka_compile.kernels import triton_quant
 from loka_compile.kernels.quantize import Fp8Format, amax_along, cast_with_scale, dequantize, scale_from_amax
-from loka_compile.passes import GraphKind, Phase, Reason, Role
+from loka_compile.passes import GraphKind, Reason, Role
 
 log = logging.getLogger("loka")
 
@@ -215,7 +215,9 @@ class _Route:
     # -- the decision
 
     def _read_plan(self):
-        """(scaling, format, reason, detail) of this weight's forward site(s) in the running plan."""
+        """(scaling, format, reason, detail) of this weight's forward site(s) in the running plan:
+        those of the training forward graphs and of the inference (no grad) graphs. (FSDP2 gathers
+        under no_grad, so which of them runs next is not known here.)"""
         from loka_compile.state import state_of
 
         try:
@@ -295,15 +297,19 @@ class _Route:
 
 
 def _judge(path: str, decisions: list):
-    """(scaling, format, reason, detail) from a weight's forward sites and their decisions."""
+    """(scaling, format, reason, detail) from a weight's forward sites and their decisions: FP8
+    where every decided site runs FP8 in one scaling the gather reproduces. A site in its probe
+    window does not count while another is decided (an eval graph's window opening after the
+    training forward's closed), and leaves no plan when none is."""
     if not decisions:
-        return None, None, GatherReason.NO_SITE, f"no forward GEMM site of {path!r} reads it as its weight"
+        return None, None, GatherReason.NO_SITE, f"no forward GEMM site of {path!r} in the compiled graphs"
+    decided = [(site, d) for site, d in decisions if d is not None and d.reason is not Reason.PROBING]
+    if not decided:
+        return None, None, GatherReason.NO_PLAN, f"{decisions[0][0].name}: {Reason.PROBING.value}"
     kinds = set()
-    for site, decision in decisions:
-        if decision is None or not decision.fp8:
-            why = decision.reason if decision is not None else Reason.PROBING
-            reason = GatherReason.NO_PLAN if why is Reason.PROBING else GatherReason.SITE_HIGH_PRECISION
-            return None, None, reason, f"{site.name}: {why.value}"
+    for site, decision in decided:
+        if not decision.fp8:
+            return None, None, GatherReason.SITE_HIGH_PRECISION, f"{site.name}: {decision.reason.value}"
         if decision.scaling == "tensorwise" and not site.b_is_weight:
             return None, None, GatherReason.SCALING, f"{site.name}: its tensorwise scale is not this weight's alone"
         kinds.add((decision.scaling, decision.b_format))
@@ -312,7 +318,7 @@ def _judge(path: str, decisions: list):
     scaling, fmt = kinds.pop()
     if scaling not in GATHER_SCALINGS or fmt not in (f.value for f in Fp8Format):
         return None, None, GatherReason.SCALING, f"{scaling} {fmt} (the gather reproduces {list(GATHER_SCALINGS)})"
-    names = ", ".join(site.name for site, _ in decisions)
+    names = ", ".join(site.name for site, _ in decided)
     return scaling, Fp8Format(fmt), GatherReason.FP8, f"{names}: {scaling} {fmt}"
 
 
