@@ -126,13 +126,17 @@ class WeightGather:
                 "high_precision": sum(p.bytes_per_gather(fp8=False) for p in self.params.values()),
                 "bf16": sum(p.bytes_per_gather(fp8=False, dtype=torch.bfloat16) for p in self.params.values())}
 
-    def table(self) -> str:
+    def table(self, everything: bool = False) -> str:
+        """One row per parameter (without `everything`: not those that are no nn.Linear weight)."""
+        shown = [p for p in self.params.values() if everything or p.reason is not GatherReason.NOT_LINEAR_WEIGHT]
         rows = [(p.name, "x".join(map(str, p.shape)), f"fp8 {p.scaling} {p.format}" if p.fp8 else
                  f"high precision ({p.high_precision_dtype})", p.reason.value, p.bytes_per_gather(),
                  p.bytes_per_gather(fp8=False, dtype=torch.bfloat16), p.fp8_gathers, p.high_precision_gathers,
-                 p.detail) for p in self.params.values()]
+                 p.detail) for p in shown]
+        hidden = len(self.params) - len(shown)
+        note = f"\n({hidden} parameters that are no nn.Linear weight gather in high precision)" if hidden else ""
         return tabulate(rows, headers=["parameter", "shape", "forward all-gather", "reason", "bytes", "bf16 bytes",
-                                       "fp8 gathers", "hp gathers", "detail"])
+                                       "fp8 gathers", "hp gathers", "detail"]) + note
 
     def __str__(self) -> str:
         total = self.bytes_per_forward()
@@ -232,10 +236,8 @@ class _Route:
             for kind, ctx in record.contexts_of().items():
                 if kind not in (GraphKind.FORWARD, GraphKind.INFERENCE):
                     continue
-                # an nn.Linear's forward GEMM reads its weight as B: directly, through
-                # weight_both_layouts' cast, or with siblings' rows (horizontal) appended
                 decisions += [(site, ctx.decisions.get(site.id)) for site in ctx.sites
-                              if site.role is Role.FWD and site.module == self.path]
+                              if site.role is Role.FWD and self.path in _modules_of(site.module)]
         self._plan_seen, self._plan = seen, _judge(self.path, decisions)
         return self._plan
 
@@ -296,6 +298,14 @@ class _Route:
             return None
 
 
+def _modules_of(site_module: str) -> tuple:
+    """The module paths a site's GEMM belongs to: one, or those a Mod fused ("a.{b,c}": a.b, a.c)."""
+    if not site_module.endswith("}") or "{" not in site_module:
+        return (site_module,)
+    prefix, names = site_module[:-1].split("{", 1)
+    return tuple(prefix + name for name in names.split(","))
+
+
 def _judge(path: str, decisions: list):
     """(scaling, format, reason, detail) from a weight's forward sites and their decisions: FP8
     where every decided site runs FP8 in one scaling the gather reproduces. A site in its probe
@@ -310,6 +320,8 @@ def _judge(path: str, decisions: list):
     for site, decision in decided:
         if not decision.fp8:
             return None, None, GatherReason.SITE_HIGH_PRECISION, f"{site.name}: {decision.reason.value}"
+        if len(_modules_of(site.module)) > 1:  # its scales may span the other weights' rows or columns
+            return None, None, GatherReason.SCALING, f"{site.name}: the GEMM reads it fused with other weights"
         if decision.scaling == "tensorwise" and not site.b_is_weight:
             return None, None, GatherReason.SCALING, f"{site.name}: its tensorwise scale is not this weight's alone"
         kinds.add((decision.scaling, decision.b_format))
@@ -318,7 +330,7 @@ def _judge(path: str, decisions: list):
     scaling, fmt = kinds.pop()
     if scaling not in GATHER_SCALINGS or fmt not in (f.value for f in Fp8Format):
         return None, None, GatherReason.SCALING, f"{scaling} {fmt} (the gather reproduces {list(GATHER_SCALINGS)})"
-    names = ", ".join(site.name for site, _ in decided)
+    names = ", ".join(dict.fromkeys(site.name for site, _ in decided))  # a site of several graphs once
     return scaling, Fp8Format(fmt), GatherReason.FP8, f"{names}: {scaling} {fmt}"
 
 
