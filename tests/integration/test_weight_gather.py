@@ -1,5 +1,6 @@
 """FP8 all-gather of FSDP2's weights (`loka_compile.fp8_all_gather`), two ranks: FSDP2 training of
-loka-compiled blocks with the FP8 all-gather against the same training without it, the weight
+loka-compiled blocks with the FP8 all-gather against the same training without it (both against
+eager training without FP8), the weight
 each forward gathered against the GEMM's own cast of the master weight, a weight whose site runs
 in high precision gathered in high precision, the reasons and bytes each parameter reports, and
 the NaN policy across shards. On CPU over gloo (FP8 emulated), and, marked `cuda`, over NCCL on
@@ -29,13 +30,15 @@ PROBE_STEPS = 1  # forwards 0 and 1 gather in high precision (no plan, then the 
 FP8_FORWARDS = STEPS - PROBE_STEPS - 1
 BATCH = 16  # per rank
 # The gathered weight is the GEMM's own FP8 operand (tests/unit/test_weight_gather_casts.py), so the
-# forward is the same; what differs is the FP8 dgrad's copy of the weight, which
+# forward is the same; what differs is the rowwise block's FP8 dgrad, whose copy of the weight
 # weight_both_layouts casts (along N) from the gathered, already e4m3-rounded weight: a second
-# rounding of some elements. Measured on CPU: losses within 5e-5 relative, parameter updates within
-# 2e-4. The floors are a tenth of one e4m3 rounding (2^-4 relative), far below what an unscaled
-# or wrongly scaled gather would give (every weight off by its scale).
+# rounding. Judged against eager fp32 training (no FP8 at all): each parameter's update error with
+# the FP8 all-gather is at most UPDATE_ERROR_GROWTH times loka's error without it (plus a floor for
+# updates FP8 barely touches). Measured on CPU: loka's errors 0.002-0.27, the FP8 all-gather's at
+# most 1.012 times them (only the parameters upstream of the rowwise dgrad differ); losses equal.
 LOSS_REL_FLOOR = 5e-3
-UPDATE_REL_FLOOR = 5e-3
+UPDATE_ERROR_GROWTH = 1.25
+UPDATE_ERROR_FLOOR = 5e-3
 
 
 class Block(nn.Module):
@@ -48,41 +51,42 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """rowwise: a block with the rowwise recipe; tensorwise: the tensorwise recipe; excluded: its
-    site kept in high precision by `exclude_modules`; uneven: 33 rows (17 and 16 a rank); head:
-    not compiled."""
+    """tensorwise: a block with the tensorwise recipe; rowwise: the rowwise recipe (its input needs
+    a gradient: an FP8 dgrad, whose copy of the weight weight_both_layouts casts in the forward);
+    excluded: its site kept in high precision by `exclude_modules`; uneven: 33 rows (17 and 16 a
+    rank); head: not compiled."""
 
     def __init__(self):
         super().__init__()
-        self.rowwise, self.tensorwise, self.excluded = Block(32, 64), Block(64, 64), Block(64, 64)
+        self.tensorwise, self.rowwise, self.excluded = Block(32, 64), Block(64, 64), Block(64, 64)
         self.uneven, self.head = Block(64, 33), nn.Linear(33, 16)
 
     def forward(self, x):
-        return self.head(self.uneven(self.excluded(self.tensorwise(self.rowwise(x)))))
+        return self.head(self.uneven(self.excluded(self.rowwise(self.tensorwise(x)))))
 
 
 BLOCK_OPTIONS = {"rowwise": {"recipe": "rowwise"}, "tensorwise": {"recipe": "tensorwise"},
                  "excluded": {"recipe": "rowwise", "exclude_modules": ["fc"]}, "uneven": {"recipe": "rowwise"}}
 
 
-def build(device, seen):
-    """The model, its blocks compiled and sharded, and hooks (before the compiles: a hook added
-    later makes Dynamo recompile) keeping each block's weight as its GEMM reads it in `seen`."""
+def build(device, seen, compiled=True):
+    """The model, its blocks compiled and sharded, each with a hook that keeps the weight its GEMM
+    reads (the all-gathered one, after FSDP2's own pre-forward hook) in `seen`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = Net().to(device)
-    seen.update(dict.fromkeys(BLOCK_OPTIONS))  # all keys at once: Dynamo guards the dict's length
-    for name in BLOCK_OPTIONS:
-        getattr(model, name).fc.register_forward_pre_hook(
-            lambda m, args, name=name: seen.__setitem__(name, m.weight.detach().cpu().clone()))
     initial = [p.detach().cpu().clone() for p in model.parameters()]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device.type == "cuda" else MixedPrecisionPolicy()
     extra = {"speed_check": False} if device.type == "cuda" else {}  # tiny GEMMs: FP8 all the same
     for name, options in BLOCK_OPTIONS.items():
         block = getattr(model, name)
-        block.compile(backend="loka", options={"probe_steps": PROBE_STEPS, **options, **extra})
+        if compiled:
+            block.compile(backend="loka", options={"probe_steps": PROBE_STEPS, **options, **extra})
         fully_shard(block, mp_policy=policy)
+        # run, not traced, as FSDP2's hooks are: a traced one would make Dynamo guard `seen`
+        block.register_forward_pre_hook(torch._dynamo.disable(
+            lambda m, args, name=name: seen.__setitem__(name, m.fc.weight.detach().cpu().clone())))
     fully_shard(model, mp_policy=policy)
     return model, initial
 
@@ -97,11 +101,11 @@ def full_weights(model):
     return {name: getattr(model, name).fc.weight.full_tensor().detach().cpu().clone() for name in BLOCK_OPTIONS}
 
 
-def _run(rank, device, fp8):
+def _run(rank, device, fp8, compiled=True):
     torch._dynamo.reset()
     loka_compile.reset()
     seen = {}
-    model, initial = build(device, seen)
+    model, initial = build(device, seen, compiled)
     handle = loka_compile.fp8_all_gather(model) if fp8 else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, masters = [], None
@@ -137,19 +141,14 @@ def _non_finite(model, device, rank, seen):
         else:
             local[5, 2] = float("inf")
     masters = weight.full_tensor().detach().cpu().clone()
-    output = model.rowwise(torch.randn(BATCH, 32, device=device))  # a training forward: its plan is FP8
+    output = model.rowwise(torch.randn(BATCH, 64, device=device))  # a training forward: its plan is FP8
     return {"master": masters, "gathered": seen["rowwise"].clone(), "output": output.detach().float().cpu()}
-
-
-# The blocks share Block.forward's code, whose Dynamo cache holds an entry per block (shapes,
-# options, hook, whether x requires grad) and per grad mode: more than Dynamo's default 8.
-RECOMPILE_LIMIT = 32
 
 
 def _rank(rank, backend):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-        return {"reference": _run(rank, device, False), "fp8": _run(rank, device, True)}
+    return {"reference": _run(rank, device, False), "fp8": _run(rank, device, True),
+            "high_precision": _run(rank, device, False, compiled=False)}
 
 
 @pytest.fixture(scope="module")
@@ -178,11 +177,12 @@ def gemm_cast_dequantized(master, scaling, dtype):
 
 def check_trains_like_high_precision_gather(ranks):
     for r in ranks:
-        ref, fp8 = r["reference"], r["fp8"]
+        ref, fp8, exact = r["reference"], r["fp8"], r["high_precision"]
         for a, b in zip(ref["losses"], fp8["losses"]):
             assert math.isfinite(b) and abs(b / a - 1) <= LOSS_REL_FLOOR, (ref["losses"], fp8["losses"])
-        for before, a, b in zip(ref["initial"], ref["params"], fp8["params"]):
-            assert rel_error(a - before, b - before) <= UPDATE_REL_FLOOR
+        for before, hp, a, b in zip(exact["initial"], exact["params"], ref["params"], fp8["params"]):
+            loka_error, gather_error = rel_error(hp - before, a - before), rel_error(hp - before, b - before)
+            assert gather_error <= UPDATE_ERROR_GROWTH * loka_error + UPDATE_ERROR_FLOOR, (loka_error, gather_error)
     for a, b in zip(ranks[0]["fp8"]["params"], ranks[1]["fp8"]["params"]):
         assert torch.equal(a, b)  # one model on every rank
 
@@ -215,8 +215,8 @@ def check_reasons_and_bytes(ranks):
         assert rec["bytes_gathered"] == rec["fp8_gathers"] * rec["bytes_fp8"] + \
             rec["high_precision_gathers"] * rec["bytes_hp"]
     assert tensorwise["amax_all_reduces"] == FP8_FORWARDS and rowwise["amax_all_reduces"] == 0
-    assert rowwise["bytes_fp8"] == 64 * 32 + 4 * 64 and rowwise["bytes_bf16"] == 2 * 64 * 32  # e4m3 + row scales
-    assert tensorwise["bytes_fp8"] == 64 * 64  # its scale travels in the metadata, all-reduced
+    assert rowwise["bytes_fp8"] == 64 * 64 + 4 * 64 and rowwise["bytes_bf16"] == 2 * 64 * 64  # e4m3 + row scales
+    assert tensorwise["bytes_fp8"] == 64 * 32  # its scale travels in the metadata, all-reduced
     excluded = records["excluded.fc.weight"]
     assert (excluded["fp8"], excluded["reason"], excluded["fp8_gathers"]) == \
         (False, GatherReason.SITE_HIGH_PRECISION, 0)
