@@ -426,7 +426,8 @@ def markdown(env: dict, rows: list[dict]) -> str:
              f"{env['steps']} steps, {env['device']}", "",
              "| GPUs | config | ms/step | speedup vs bf16 | scaling eff. | all-gather MB | reduce-scatter MB | "
              "all-reduce MB | all-to-all MB | wire MB/rank | FP8 grad buckets (plan MB/step) | "
-             "FP8 all-gather params (MB/forward vs high precision) | held-out NE | NE vs DDP bf16 | FP8 sites | first steps s |",
+             "FP8 all-gather params (MB/forward vs high precision) | held-out NE | NE vs DDP bf16 | FP8 sites | "
+             "first steps s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["world_size"], r["config"])):
         if "error" in r:

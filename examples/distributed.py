@@ -308,12 +308,14 @@ def parse_args(argv=None):
     parser.add_argument("--fp8-comm", action="store_true",
                         help="FP8 gradient communication (loka_compile.fp8_gradient_comm), decided per bucket")
     parser.add_argument("--fp8-all-gather", action="store_true",
-                        help="FSDP2 only: all-gather the weights the plan runs in FP8 in FP8 (loka_compile.fp8_all_gather)")
+                        help="FSDP2 only: the weights the plan runs in FP8 all-gathered in FP8 "
+                             "(loka_compile.fp8_all_gather)")
     parser.add_argument("--probe-steps", type=int, default=loka_compile.LokaConfig().probe_steps,
                         help="loka's probe window (calls in high precision before the plan)")
     args = parser.parse_args(argv)
     if args.fp8_all_gather and (args.strategy != "fsdp2" or args.backend != "loka"):
-        parser.error("--fp8-all-gather needs --strategy fsdp2 and --backend loka (it gathers what loka's plan runs in FP8)")
+        parser.error("--fp8-all-gather needs --strategy fsdp2 and --backend loka "
+                     "(it gathers in FP8 what loka's plan runs in FP8)")
     return args
 
 

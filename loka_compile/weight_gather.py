@@ -368,7 +368,7 @@ def _static_reason(fsdp_param, module: torch.nn.Module, param_name: str, owner) 
     if fsdp_param.post_forward_mesh_info not in (None, fsdp_param.mesh_info):  # reshard_after_forward=int
         return GatherReason.UNSUPPORTED_SHARDING, "resharded to a smaller mesh after the forward"
     if hasattr(fsdp_param, "_unsharded_param"):
-        return GatherReason.UNSUPPORTED_SHARDING, "already all-gathered before fp8_all_gather (call it before the first step)"
+        return GatherReason.UNSUPPORTED_SHARDING, "gathered before fp8_all_gather (call it before the first step)"
     return None, ""
 
 
@@ -401,8 +401,8 @@ def fp8_all_gather(model: torch.nn.Module) -> WeightGather:
             module_name = names.get(id(info.module), "")
             name = f"{module_name}.{info.param_name}" if module_name else info.param_name
             owner, path = _compiled_owner(model, module_name)
-            record = ParamGather(name, tuple(fsdp_param._orig_size),
-                                 str(fsdp_param.mp_policy.param_dtype or fsdp_param.sharded_param.dtype).replace("torch.", ""))
+            gather_dtype = fsdp_param.mp_policy.param_dtype or fsdp_param.sharded_param.dtype
+            record = ParamGather(name, tuple(fsdp_param._orig_size), str(gather_dtype).replace("torch.", ""))
             gather.params[name] = record
             reason, detail = _static_reason(fsdp_param, info.module, info.param_name, owner)
             if reason is not None:
