@@ -18,12 +18,15 @@ reason (`GatherReason`): a parameter that is not such a weight, a shard layout t
 cannot take (uneven shards: FSDP2 requires every all-gather input of a padded shard to have the
 padded shard's size, which the scales do not; CPU offload; resharding to a smaller mesh after
 the forward), a site the plan keeps in high precision or has not decided yet (no call, probe
-window open), or another scaling. The backward's re-gather (FSDP2 frees the gathered weight
+window open), another scaling, or an FP8 GEMM that reads the weight fused with others (a Mod's
+`a.{b,c}` site, whose scales may span them). The sites of the training forward and of the
+inference graphs both count (FSDP2 gathers under no_grad: which runs next is not known there);
+one still in its probe window does not, while another is decided. The backward's re-gather (FSDP2 frees the gathered weight
 after the forward) is always high precision: the dgrad then reads the same weight as without
 this option. A weight FSDP2 keeps gathered after the forward (the root's, or
 `reshard_after_forward=False`) is read by the backward as the forward gathered it.
 
-After the gather, the weight is dequantized to the compute dtype (one elementwise pass) and
+After the gather, the weight is dequantized to the compute dtype (eager elementwise ops) and
 the compiled graph casts it again as it casts any weight: the row's (tensor's) largest value
 maps to the format's maximum again and every other value to the same FP8 value, so the GEMM's
 FP8 operand has the gathered bits and, up to one rounding of the compute dtype, the gathered
