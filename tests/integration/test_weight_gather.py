@@ -126,8 +126,23 @@ def _run(rank, device, fp8, compiled=True):
                           for name, rec in handle.params.items()}
         out["per_forward"] = handle.bytes_per_forward()
         out["text"] = str(handle)
+        out["checkpoint"] = _checkpoint(model)
         out["nan"] = _non_finite(model, device, rank, seen)
     return out
+
+
+def _checkpoint(model):
+    """A state dict saved and loaded: each shard's local tensor type, and whether it kept the values."""
+    import io
+
+    state = model.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    return {name: (type(value._local_tensor).__name__,
+                   torch.equal(value._local_tensor.cpu(), state[name]._local_tensor.cpu()))
+            for name, value in loaded.items()}
 
 
 def _non_finite(model, device, rank, seen):
@@ -228,6 +243,8 @@ def check_reasons_and_bytes(ranks):
     assert per_forward["plan"] == sum(r["bytes_fp8"] if r["fp8"] else r["bytes_hp"] for r in records.values())
     assert per_forward["plan"] < per_forward["high_precision"] and per_forward["bf16"] <= per_forward["high_precision"]
     text = ranks[0]["fp8"]["text"]
+    # a checkpoint holds the plain shards
+    assert ranks[0]["fp8"]["checkpoint"] == {name: ("Tensor", True) for name in records}
     assert "2 of 10 parameters in FP8" in text and "fp8 rowwise e4m3" in text and "site_high_precision" in text
 
 
