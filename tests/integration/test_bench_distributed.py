@@ -141,3 +141,31 @@ def test_fp8_all_gather_flag_and_column():
     lines = [line for line in table.splitlines() if line.startswith("|")]
     assert len({line.count("|") for line in lines}) == 1, lines
     assert "| 3/9 (1.25 vs 2.50) |" in table
+
+
+def _weight_gather_rows(rank):
+    from benchmarks import weight_gather
+
+    return weight_gather.measure(64, 32, torch.device("cpu"), repeats=1, warmup=0)
+
+
+# One e4m3 rounding with a scale per row (or per weight) leaves ~0.025 relative error (measured
+# 0.025-0.027 on CPU); twice that is the floor.
+WEIGHT_GATHER_ERROR_FLOOR = 0.05
+
+
+def test_weight_gather_benchmark_rows(tmp_path):
+    """benchmarks/weight_gather.py on two gloo ranks: the FP8 forms gather fewer bytes than bf16
+    (e4m3 plus a scale a row), and what they deliver is the weight within one e4m3 rounding."""
+    from benchmarks import weight_gather
+
+    rows = run_ranks(_weight_gather_rows, (), WORLD_SIZE, 120, tmp_path)[0]
+    by_form = {r["form"]: r for r in rows}
+    assert by_form["bf16 all-gather"]["gathered_bytes"] == 2 * 64 * 32
+    assert by_form["fp8 rowwise: cast, all-gather, dequantize"]["gathered_bytes"] == 64 * 32 + 4 * 64
+    for form in ("fp8 rowwise: cast, all-gather, dequantize",
+                 "fp8 tensorwise: amax all-reduce, cast, all-gather, dequantize"):
+        assert 0 < by_form[form]["rel_error"] <= WEIGHT_GATHER_ERROR_FLOOR, by_form[form]
+    assert all(r["us"] > 0 for r in rows)
+    table = weight_gather.markdown({"world_size": WORLD_SIZE, "device": "CPU"}, rows)
+    assert table.count("| 64x32 |") == len(rows) == 6
