@@ -2,7 +2,8 @@
 `fp8_all_gather(model)` after `fully_shard`.
 
 Which weights. The weight of an `nn.Linear` inside a module compiled with loka, whose forward
-site(s) the running plan runs in FP8 with a weight scaling the gather can reproduce:
+site(s) the running plan runs in FP8 with a weight scaling the gather can reproduce (the
+backward: below):
 
 - rowwise: FSDP2 shards W [N, K] along N, so each row's scale (its amax along K) is local to
   the shard. Each rank casts its rows to the site's weight format with one fp32 scale per row
@@ -21,17 +22,22 @@ the forward), a site the plan keeps in high precision or has not decided yet (no
 window open), another scaling, or an FP8 GEMM that reads the weight fused with others (a Mod's
 `a.{b,c}` site, whose scales may span them). The sites of the training forward and of the
 inference graphs both count (FSDP2 gathers under no_grad: which runs next is not known there);
-one still in its probe window does not, while another is decided. The backward's re-gather (FSDP2 frees the gathered weight
-after the forward) is always high precision: the dgrad then reads the same weight as without
-this option. A weight FSDP2 keeps gathered after the forward (the root's, or
-`reshard_after_forward=False`) is read by the backward as the forward gathered it.
+one still in its probe window does not, while another is decided.
+
+The backward's re-gather (FSDP2 frees the gathered weight after the forward) feeds the dgrad, the
+backward's one reader of W: where the dgrad runs FP8, it is cast as the dgrad casts W:
+columnwise for a rowwise dgrad (one scale per column k, the amax along N: K amaxes all-reduced,
+NaN-aware; N K bytes, the scales in the metadata), tensorwise for a tensorwise one; otherwise (a
+high-precision dgrad, or none: a first layer) high precision. A weight FSDP2 keeps gathered after
+the forward (the root's, or `reshard_after_forward=False`) is read by the backward as the forward
+gathered it, and so is the dgrad's FP8 copy that weight_both_layouts casts in the forward.
 
 After the gather, the weight is dequantized to the compute dtype (eager elementwise ops) and
 the compiled graph casts it again as it casts any weight: the row's (tensor's) largest value
 maps to the format's maximum again and every other value to the same FP8 value, so the GEMM's
 FP8 operand has the gathered bits and, up to one rounding of the compute dtype, the gathered
-scale (`tests/unit/test_weight_gather_casts.py` proves it, non-finite values included: the cast's
-policy is idempotent). Feeding the gathered FP8 bytes to the GEMM directly would save that pass
+scale (`tests/unit/test_weight_gather_casts.py` proves it for the three casts, non-finite values
+included: the casts' policy is idempotent). Feeding the gathered FP8 bytes to the GEMM directly would save that pass
 and the second cast but needs the compiled graph to take a quantized weight as its input
 (docs/guide.md, "FP8 all-gather of the weights").
 
@@ -64,6 +70,9 @@ log = logging.getLogger("loka")
 # Weight scalings the gather reproduces on a shard of rows, and the compute dtypes whose one
 # rounding of a dequantized e4m3/e5m2 value the next cast undoes (fp16's subnormal range would not).
 GATHER_SCALINGS = ("rowwise", "tensorwise")
+# What the dgrad's cast of W [N, K] is, per the site's scaling: a rowwise GEMM scales each column
+# of its B = W (the amax along N, across the shards: all-reduced); tensorwise is the forward's.
+DGRAD_GATHER = {"rowwise": "columnwise", "tensorwise": "tensorwise"}
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 _SCALE_BYTES = 4  # one fp32 scale per row (rowwise) or per weight (tensorwise, all-reduced)
 
@@ -96,7 +105,9 @@ class ParamGather:
     detail: str = ""
     scaling: str = ""
     format: str = ""
-    fp8_gathers: int = 0
+    backward: str = ""        # the latest backward re-gather: its form, or why high precision
+    fp8_gathers: int = 0      # forward and backward
+    backward_fp8_gathers: int = 0
     high_precision_gathers: int = 0
     bytes_gathered: int = 0
     amax_all_reduces: int = 0
@@ -135,11 +146,11 @@ class WeightGather:
         rows = [(p.name, "x".join(map(str, p.shape)), f"fp8 {p.scaling} {p.format}" if p.fp8 else
                  f"high precision ({p.high_precision_dtype})", p.reason.value, p.bytes_per_gather(),
                  p.bytes_per_gather(fp8=False, dtype=torch.bfloat16), p.fp8_gathers, p.high_precision_gathers,
-                 p.detail) for p in shown]
+                 p.detail, p.backward) for p in shown]
         hidden = len(self.params) - len(shown)
         note = f"\n({hidden} parameters that are no nn.Linear weight gather in high precision)" if hidden else ""
         return tabulate(rows, headers=["parameter", "shape", "forward all-gather", "reason", "bytes", "bf16 bytes",
-                                       "fp8 gathers", "hp gathers", "detail"]) + note
+                                       "fp8 gathers", "hp gathers", "detail", "backward all-gather"]) + note
 
     def __str__(self) -> str:
         total = self.bytes_per_forward()
@@ -152,15 +163,26 @@ class WeightGather:
 # ------------------------------------------------------------------ the casts
 
 
+def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
+    """The max over the ranks (when distributed), NaN wherever a rank's is NaN (a collective's max
+    need not propagate NaN)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return amax
+    both = torch.stack([amax.nan_to_num(nan=0.0), amax.isnan().to(amax.dtype)])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
+
+
 def quantize_shard(shard: torch.Tensor, scaling: str, fmt: Fp8Format, group=None):
-    """(FP8 shard [n, K], fp32 scale: [n, 1] rowwise, 0-d tensorwise) as the GEMM's cast of the
-    whole weight would make these rows: tensorwise all-reduces the shards' finite amaxes over
-    `group` (when distributed) first."""
+    """(FP8 shard [n, K], fp32 scale) as the GEMM's cast of the whole weight would make these rows:
+    rowwise [n, 1] (local); columnwise [1, K] (a rowwise dgrad's cast of W: each column's amax
+    all-reduced over `group`, NaN-aware); tensorwise 0-d (the shards' finite amaxes all-reduced)."""
     if scaling == "rowwise":
         return triton_quant.quantize_rowwise(shard, fmt.value)
-    amax = amax_along(shard, finite_only=True)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    if scaling == "columnwise":
+        scale = scale_from_amax(_all_reduce_max(amax_along(shard, 0), group), fmt)
+        return cast_with_scale(shard, scale, fmt), scale
+    amax = _all_reduce_max(amax_along(shard, finite_only=True), group)
     scale = scale_from_amax(amax, fmt)
     return cast_with_scale(shard, scale, fmt, non_finite_to_nan=True, infinities=True), scale
 
@@ -203,11 +225,13 @@ class _RoutedShard(torch.Tensor):
         return self.as_subclass(torch.Tensor).clone()
 
 
-def _is_forward(group) -> bool:
-    """Whether FSDP2 gathers this parameter group for a forward (its own, or a prefetch for one)."""
+def _pass_of(group) -> str:
+    """"forward" or "backward": what FSDP2 gathers this parameter group for (its own pass, or a
+    prefetch for one); "" otherwise (an explicit unshard)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    return getattr(group, "_training_state", None) == TrainingState.FORWARD
+    state = getattr(group, "_training_state", None)
+    return {TrainingState.FORWARD: "forward", TrainingState.PRE_BACKWARD: "backward"}.get(state, "")
 
 
 class _Route:
@@ -217,14 +241,15 @@ class _Route:
         self.record, self.fsdp_param, self.group, self.owner, self.path = record, fsdp_param, group, owner, path
         self._last_inputs = None        # (format, dtype) of the last all-gather's inputs
         self._plan_seen = None          # the owner's records when `_plan` was read
-        self._plan = (None, None, GatherReason.NO_PLAN, "")
+        self._plan = {}                 # "forward" / "backward" -> (scaling, format, reason, detail)
 
     # -- the decision
 
-    def _read_plan(self):
-        """(scaling, format, reason, detail) of this weight's forward site(s) in the running plan:
-        those of the training forward graphs and of the inference (no grad) graphs. (FSDP2 gathers
-        under no_grad, so which of them runs next is not known here.)"""
+    def _read_plan(self, gather_pass: str):
+        """(scaling, format, reason, detail) of this weight's gather for `gather_pass` from the
+        running plan: the forward's from the forward sites of the training forward graphs and of
+        the inference (no grad) graphs (FSDP2 gathers under no_grad, so which of them runs next is
+        not known here); the backward's from the dgrad sites, the backward's only reader of W."""
         from loka_compile.state import state_of
 
         try:
@@ -232,25 +257,28 @@ class _Route:
         except ValueError:
             return None, None, GatherReason.NO_PLAN, "its compiled module has not run yet"
         seen = tuple((id(r), r.phase, len(r.contexts), len(r.verdict_amendments), r.fallback) for r in state.records)
-        if seen == self._plan_seen:
-            return self._plan
-        decisions = []
-        for record in state.records:
-            for kind, ctx in record.contexts_of().items():
-                if kind not in (GraphKind.FORWARD, GraphKind.INFERENCE):
-                    continue
-                decisions += [(site, ctx.decisions.get(site.id)) for site in ctx.sites
-                              if site.role is Role.FWD and self.path in _modules_of(site.module)]
-        self._plan_seen, self._plan = seen, _judge(self.path, decisions)
-        return self._plan
+        if seen != self._plan_seen:
+            sites = {Role.FWD: [], Role.DGRAD: []}
+            for record in state.records:
+                for kind, ctx in record.contexts_of().items():
+                    role = Role.DGRAD if kind is GraphKind.BACKWARD else Role.FWD
+                    sites[role] += [(site, ctx.decisions.get(site.id)) for site in ctx.sites
+                                    if site.role is role and self.path in _modules_of(site.module)]
+            self._plan_seen = seen
+            self._plan = {"forward": _judge(self.path, sites[Role.FWD], Role.FWD),
+                          "backward": _judge(self.path, sites[Role.DGRAD], Role.DGRAD)}
+        return self._plan[gather_pass]
 
-    def _format(self, compute_dtype: torch.dtype):
-        """(scaling, Fp8Format) of this forward's gather, or (None, None); the record updated."""
-        scaling, fmt, reason, detail = self._read_plan()
+    def _format(self, gather_pass: str, compute_dtype: torch.dtype):
+        """(scaling, Fp8Format) of this gather, or (None, None); the record updated."""
+        scaling, fmt, reason, detail = self._read_plan(gather_pass)
         if scaling is not None and compute_dtype not in COMPUTE_DTYPES:
             scaling, fmt, reason = None, None, GatherReason.UNSUPPORTED_DTYPE
             detail = f"compute dtype {compute_dtype} (the FP8 gather takes {[str(d) for d in COMPUTE_DTYPES]})"
         rec = self.record
+        if gather_pass == "backward":
+            rec.backward = f"fp8 {scaling} {fmt.value}" if scaling is not None else f"high precision: {detail}"
+            return scaling, fmt
         rec.fp8, rec.reason, rec.detail = scaling is not None, reason, detail
         if scaling is not None:
             rec.scaling, rec.format = scaling, fmt.value
@@ -260,23 +288,25 @@ class _Route:
 
     def pre_all_gather(self, shard: torch.Tensor, mesh, mp_policy):
         compute_dtype = mp_policy.param_dtype or shard.dtype
-        scaling, fmt = self._format(compute_dtype) if _is_forward(self.group) else (None, None)
+        gather_pass = _pass_of(self.group)
+        scaling, fmt = self._format(gather_pass, compute_dtype) if gather_pass else (None, None)
         rec = self.record
         rec.high_precision_dtype = str(compute_dtype).replace("torch.", "")
         weight = shard.to(compute_dtype)
         if scaling is None:
             inputs, metadata = (weight,), ("high_precision",)
             rec.high_precision_gathers += 1
-            rec.bytes_gathered += rec.bytes_per_gather(fp8=False)
         else:
             q, scale = quantize_shard(weight, scaling, fmt, self.fsdp_param.mesh_info.shard_process_group)
             if scaling == "rowwise":
                 inputs, metadata = (q.view(torch.uint8), scale), (scaling, fmt, None)
-            else:
+            else:  # the scale is the same on every rank: it rides in the metadata
                 inputs, metadata = (q.view(torch.uint8),), (scaling, fmt, scale)
                 rec.amax_all_reduces += 1
             rec.fp8_gathers += 1
-            rec.bytes_gathered += rec.bytes_per_gather(fp8=True)
+            rec.backward_fp8_gathers += gather_pass == "backward"
+        rec.bytes_gathered += self.fsdp_param.mesh_info.shard_mesh_size * sum(t.numel() * t.element_size()
+                                                                              for t in inputs)
         layout = (metadata[0], tuple(t.dtype for t in inputs))
         if layout != self._last_inputs and self.fsdp_param.all_gather_outputs:
             # FSDP2 sizes its all-gather buffers at the first all-gather and reuses them
@@ -309,13 +339,14 @@ def _modules_of(site_module: str) -> tuple:
     return tuple(prefix + name for name in names.split(","))
 
 
-def _judge(path: str, decisions: list):
-    """(scaling, format, reason, detail) from a weight's forward sites and their decisions: FP8
-    where every decided site runs FP8 in one scaling the gather reproduces. A site in its probe
-    window does not count while another is decided (an eval graph's window opening after the
-    training forward's closed), and leaves no plan when none is."""
+def _judge(path: str, decisions: list, role: Role = Role.FWD):
+    """(scaling, format, reason, detail) from a weight's forward (or dgrad) sites and their
+    decisions: FP8 where every decided site runs FP8 in one scaling the gather reproduces (for a
+    dgrad, its cast of W: `DGRAD_GATHER`). A site in its probe window does not count while another
+    is decided (an eval graph's window opening after the training forward's closed), and leaves
+    no plan when none is."""
     if not decisions:
-        return None, None, GatherReason.NO_SITE, f"no forward GEMM site of {path!r} in the compiled graphs"
+        return None, None, GatherReason.NO_SITE, f"no {role.value} GEMM site of {path!r} in the compiled graphs"
     decided = [(site, d) for site, d in decisions if d is not None and d.reason is not Reason.PROBING]
     if not decided:
         return None, None, GatherReason.NO_PLAN, f"{decisions[0][0].name}: {Reason.PROBING.value}"
@@ -325,7 +356,7 @@ def _judge(path: str, decisions: list):
             return None, None, GatherReason.SITE_HIGH_PRECISION, f"{site.name}: {decision.reason.value}"
         if len(_modules_of(site.module)) > 1:  # its scales may span the other weights' rows or columns
             return None, None, GatherReason.SCALING, f"{site.name}: the GEMM reads it fused with other weights"
-        if decision.scaling == "tensorwise" and not site.b_is_weight:
+        if role is Role.FWD and decision.scaling == "tensorwise" and not site.b_is_weight:
             return None, None, GatherReason.SCALING, f"{site.name}: its tensorwise scale is not this weight's alone"
         kinds.add((decision.scaling, decision.b_format))
     if len(kinds) != 1:
@@ -334,7 +365,8 @@ def _judge(path: str, decisions: list):
     if scaling not in GATHER_SCALINGS or fmt not in (f.value for f in Fp8Format):
         return None, None, GatherReason.SCALING, f"{scaling} {fmt} (the gather reproduces {list(GATHER_SCALINGS)})"
     names = ", ".join(dict.fromkeys(site.name for site, _ in decided))  # a site of several graphs once
-    return scaling, Fp8Format(fmt), GatherReason.FP8, f"{names}: {scaling} {fmt}"
+    gathered = scaling if role is Role.FWD else DGRAD_GATHER[scaling]
+    return gathered, Fp8Format(fmt), GatherReason.FP8, f"{names}: {scaling} {fmt}"
 
 
 # ------------------------------------------------------------------ the user's door

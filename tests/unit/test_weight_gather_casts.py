@@ -1,6 +1,7 @@
 """The FP8 weight all-gather's casts (`loka_compile.weight_gather`), one process: a weight cast
 shard by shard, gathered, dequantized to the compute dtype and cast again by the GEMM's own
-weight cast gives back the gathered FP8 bits, and the gathered scale up to one rounding of the
+weight cast (the forward's rowwise or tensorwise, the dgrad's columnwise) gives back the gathered
+FP8 bits, and the gathered scale up to one rounding of the
 compute dtype; non-finite values included (the casts' policy is idempotent). Plus the errors
 `fp8_all_gather` gives a model it cannot take. The two-rank behaviour is
 tests/integration/test_weight_gather.py."""
@@ -30,18 +31,21 @@ def weight(rows=64, cols=48, seed=0):
 
 
 def gemm_weight_cast(w, scaling, fmt):
-    """The cast an nn.Linear's forward GEMM makes of its weight B = W^T: one scale per column of
-    B (per row of W) rowwise, one for all tensorwise."""
+    """The cast an nn.Linear's GEMMs make of its weight: the forward's B = W^T one scale per column
+    of B (per row of W) rowwise, one for all tensorwise; a rowwise dgrad's B = W one per column
+    of W (columnwise)."""
     if scaling == "rowwise":
         q, scale = quantize_along(w.t(), -2, fmt)
         return q.t(), scale.t()
+    if scaling == "columnwise":
+        return quantize_along(w, -2, fmt)
     return quantize_tensorwise(w, fmt)
 
 
 def gathered(w, scaling, fmt):
     """What the all-gather delivers: each shard of rows cast alone (rowwise), or the whole
-    (tensorwise: its scale is all-reduced over the shards, so equal to the whole's)."""
-    if scaling == "tensorwise":
+    (tensorwise, columnwise: their scales are all-reduced over the shards, so the whole's)."""
+    if scaling != "rowwise":
         return quantize_shard(w, scaling, fmt)
     parts = [quantize_shard(shard, scaling, fmt) for shard in w.chunk(SHARDS)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
@@ -55,7 +59,7 @@ def same_fp8_values(a, b):
 
 @pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise", "columnwise"])
 def test_recast_of_gathered_weight_gives_the_gathered_fp8_operand(scaling, dtype, fmt):
     w = weight().to(dtype)
     q, scale = gathered(w, scaling, fmt)
@@ -81,7 +85,7 @@ def test_out_receives_the_dequantized_weight():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise", "columnwise"])
 def test_non_finite_weights_keep_the_casts_policy(scaling, dtype):
     """A NaN and an infinity in the weight: the gathered, dequantized and re-cast operand is the
     GEMM's own cast of the raw weight (rowwise: the NaN's row NaN, the infinity's row its sign
@@ -102,6 +106,9 @@ def test_non_finite_weights_keep_the_casts_policy(scaling, dtype):
     if scaling == "rowwise":
         assert value[3].isnan().all() and value[40, 2] == float("inf") and value[41, 0] == -float("inf")
         assert (value[40, 3:] == 0).all()
+    elif scaling == "columnwise":
+        assert value[:, 7].isnan().all() and value[40, 2] == float("inf") and value[41, 0] == -float("inf")
+        assert (value[:40, 2] == 0).all() and torch.isfinite(value[:, 1]).all()
     else:
         assert value[40, 2].isnan() and torch.isfinite(value[0]).all()
 
