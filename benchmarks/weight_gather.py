@@ -16,6 +16,8 @@ lined up by a barrier first), on fresh random weights (rows over 4 binades):
   packed as one uint8 buffer (as FSDP2 packs a group's inputs), then the dequantization to bf16:
   what `fp8_all_gather` runs; "no dequantize" stops after the gather (a GEMM fed the FP8 bytes);
 - fp8 tensorwise: the shards' amax all-reduced, the cast, the all-gather, the dequantization;
+- fp8 columnwise (the backward's re-gather for a rowwise dgrad): the K column amaxes all-reduced,
+  the cast, the all-gather, the dequantization;
 - dequantize alone, and the GEMM's own rowwise cast of the gathered bf16 weight alone (what a
   direct feed would also save).
 
@@ -81,18 +83,23 @@ def measure(rows: int, cols: int, device: torch.device, repeats: int, warmup: in
             return dequantize_into(q_all, scales, DTYPE, out)
         return run
 
-    def fp8_tensorwise():
-        q, scale = quantize_shard(shard, "tensorwise", FMT)
-        gathered = torch.empty(rows * cols, dtype=torch.uint8, device=device)
-        comm._all_gather(gathered, q.view(torch.uint8).reshape(-1), None)
-        return dequantize_into(gathered.view(FMT.dtype).view(rows, cols), scale, DTYPE, out)
+    def fp8_scaled_in_metadata(scaling):
+        def run():
+            q, scale = quantize_shard(shard, scaling, FMT)
+            gathered = torch.empty(rows * cols, dtype=torch.uint8, device=device)
+            comm._all_gather(gathered, q.view(torch.uint8).reshape(-1), None)
+            return dequantize_into(gathered.view(FMT.dtype).view(rows, cols), scale, DTYPE, out)
+        return run
 
     q_full, scale_full = quantize_shard(full, "rowwise", FMT)
     cases = {
         "bf16 all-gather": (bf16_gather, 2 * rows * cols),
         "fp8 rowwise: cast, all-gather, dequantize": (fp8_rowwise(), rows * cols + 4 * rows),
         "fp8 rowwise: cast, all-gather (no dequantize)": (fp8_rowwise(dequantize=False), rows * cols + 4 * rows),
-        "fp8 tensorwise: amax all-reduce, cast, all-gather, dequantize": (fp8_tensorwise, rows * cols),
+        "fp8 tensorwise: amax all-reduce, cast, all-gather, dequantize": (fp8_scaled_in_metadata("tensorwise"),
+                                                                          rows * cols),
+        "fp8 columnwise (a rowwise dgrad's): column amax all-reduce, cast, all-gather, dequantize": (
+            fp8_scaled_in_metadata("columnwise"), rows * cols),
         "dequantize alone": (lambda: dequantize_into(q_full, scale_full, DTYPE, out), 0),
         "the GEMM's rowwise cast of the gathered weight alone": (
             lambda: triton_quant.quantize_rowwise(full, FMT.value), 0),

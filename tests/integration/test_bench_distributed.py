@@ -164,8 +164,9 @@ def test_weight_gather_benchmark_rows(tmp_path):
     assert by_form["bf16 all-gather"]["gathered_bytes"] == 2 * 64 * 32
     assert by_form["fp8 rowwise: cast, all-gather, dequantize"]["gathered_bytes"] == 64 * 32 + 4 * 64
     for form in ("fp8 rowwise: cast, all-gather, dequantize",
-                 "fp8 tensorwise: amax all-reduce, cast, all-gather, dequantize"):
+                 "fp8 tensorwise: amax all-reduce, cast, all-gather, dequantize",
+                 "fp8 columnwise (a rowwise dgrad's): column amax all-reduce, cast, all-gather, dequantize"):
         assert 0 < by_form[form]["rel_error"] <= WEIGHT_GATHER_ERROR_FLOOR, by_form[form]
     assert all(r["us"] > 0 for r in rows)
     table = weight_gather.markdown({"world_size": WORLD_SIZE, "device": "CPU"}, rows)
-    assert table.count("| 64x32 |") == len(rows) == 6
+    assert table.count("| 64x32 |") == len(rows) == 7
