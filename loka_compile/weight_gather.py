@@ -93,9 +93,10 @@ class GatherReason(str, enum.Enum):
 
 @dataclasses.dataclass
 class ParamGather:
-    """One sharded parameter: how its latest forward all-gather went and why, and what its
-    all-gathers moved so far. Bytes are the whole gathered tensor's (every rank's shards);
-    a rank sends (W - 1) / W of them in a ring."""
+    """One sharded parameter: how its latest forward all-gather went and why (`fp8`, `reason`,
+    `detail`, `scaling`, `format`), its latest backward re-gather (`backward`), and what its
+    all-gathers moved so far. Bytes are the whole gathered tensor's (every rank's shards); a rank
+    sends (W - 1) / W of them in a ring."""
 
     name: str
     shape: tuple
@@ -188,7 +189,7 @@ def quantize_shard(shard: torch.Tensor, scaling: str, fmt: Fp8Format, group=None
 
 
 def dequantize_into(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None):
-    """The gathered weight in the compute dtype (into `out` when given): one elementwise pass."""
+    """The gathered weight in the compute dtype (into `out` when given), through fp32 (one rounding)."""
     value = dequantize(q, scale)
     if out is None:
         return value.to(dtype)
