@@ -1,12 +1,14 @@
 """Data-parallel training on 1, 2 and 4 GPUs of one host: DDP and FSDP2 in bf16, torchao
 float8 under FSDP2 with its FP8 all-gather, and loka under both, without and with FP8 gradient
 communication (`loka_compile.fp8_gradient_comm`: each gradient bucket measured for
---comm-window steps, then FP8 where its error is within budget and it is faster).
+--comm-window steps, then FP8 where its error is within budget and it is faster), and loka under
+FSDP2 with the FP8 all-gather of the weights its plan runs in FP8 (`loka_compile.fp8_all_gather`).
 
     python -m benchmarks.distributed --out "$OUT"                       # defaults below, 1/2/4 GPUs
     python -m benchmarks.distributed --gpus 1,2 --steps 100 --out /tmp/d   # a shorter run
     python -m benchmarks.distributed --device cpu --gpus 2 --preset tiny --steps 4 --batch 32  # CPU smoke
     python -m benchmarks.distributed --merge a.json b.json --out DIR   # one table from several calls
+    python -m benchmarks.distributed --gpus 4 --fp8-all-gather --out "$OUT"   # FSDP2 bf16, loka, loka + FP8 all-gather
     python -m benchmarks.distributed --gpus 1,2,4 --configs ddp_bf16,ddp_loka --reuse-plan --profile
         # the 2- and 4-GPU ddp_loka rows run the plan of the 1-GPU row; cProfile phases of the first steps
 
@@ -62,6 +64,7 @@ class Config:
     backend: str
     torchao_float8: bool = False
     fp8_comm: bool = False  # loka_compile.fp8_gradient_comm on the wrapped model
+    fp8_all_gather: bool = False  # loka_compile.fp8_all_gather on the sharded model
 
 
 CONFIGS = {c.name: c for c in (
@@ -73,7 +76,10 @@ CONFIGS = {c.name: c for c in (
     Config("ddp_loka_fp8_comm", "ddp", "loka", fp8_comm=True),
     Config("fsdp2_loka_fp8_comm", "fsdp2", "loka", fp8_comm=True),
     Config("ddp_bf16_fp8_comm", "ddp", "inductor", fp8_comm=True),  # FP8 gradients alone, bf16 GEMMs
+    Config("fsdp2_loka_fp8_all_gather", "fsdp2", "loka", fp8_all_gather=True),
 )}
+# --fp8-all-gather: what the FP8 weight all-gather is read against
+FP8_ALL_GATHER_CONFIGS = ("fsdp2_bf16", "fsdp2_loka", "fsdp2_loka_fp8_all_gather")
 # The bf16 row each config's speed is read against (same strategy, same world size).
 BASELINE = {"ddp": "ddp_bf16", "fsdp2": "fsdp2_bf16"}
 NE_REFERENCE = "ddp_bf16"
@@ -242,6 +248,20 @@ def fp8_comm_row(gradient_comm) -> dict:
                                     "fp8_us": d.fp8_us, "detail": d.detail} for d in decisions]}
 
 
+def fp8_all_gather_row(weight_gather) -> dict:
+    """What the FP8 weight all-gather decided and moves: bytes of one forward's all-gathers."""
+    per_forward = weight_gather.bytes_per_forward()
+    params = weight_gather.params.values()
+    return {"fp8_all_gather_params": f"{sum(p.fp8 for p in params)}/{len(params)}",
+            "all_gather_bytes_per_forward": per_forward["plan"],
+            "all_gather_high_precision_bytes_per_forward": per_forward["high_precision"],
+            "all_gather_bf16_bytes_per_forward": per_forward["bf16"],
+            "fp8_all_gather": [{"param": p.name, "fp8": p.fp8, "reason": p.reason.value, "scaling": p.scaling,
+                                "bytes": p.bytes_per_gather(), "high_precision_bytes": p.bytes_per_gather(fp8=False),
+                                "fp8_gathers": p.fp8_gathers, "high_precision_gathers": p.high_precision_gathers}
+                               for p in params]}
+
+
 def gathered_bytes(config: Config, device: torch.device, part, param) -> int:
     """Bytes per element FSDP2 all-gathers (the wrapping in examples/distributed.py): tables in
     their own dtype, GEMM parts in bf16 on CUDA, torchao's float8 Linear weights in FP8."""
@@ -285,6 +305,7 @@ def run_config(config: Config, args, device: torch.device) -> dict:
         else:
             count_fsdp2([*task.parts, task.model], counter)  # loka's reduce-scatter replaces the counted one
         gradient_comm = loka_compile.fp8_gradient_comm(forward, **comm_options(args)) if config.fp8_comm else None
+        weight_gather = loka_compile.fp8_all_gather(forward) if config.fp8_all_gather else None
         on_step = torchao_scales(task.model) if config.torchao_float8 else None
         warmup = max(args.warmup, example.warmup_steps(config.backend, {"probe_steps": args.probe_steps}))
         if gradient_comm is not None:  # its window, after a warm-up call (and DDP's rebuilt buckets' one)
@@ -298,6 +319,8 @@ def run_config(config: Config, args, device: torch.device) -> dict:
             counter.add_sent(gradient_comm.sent)
             row.update(fp8_comm_row(gradient_comm))
         row.update(counter.per_step(args.steps))
+        if weight_gather is not None:
+            row.update(fp8_all_gather_row(weight_gather))
         row.update(example.evaluate(task, forward, device, args.eval_batches, args.probe_steps + 1))
         if args.save_plans and plans and rank == 0:  # after evaluation: the held-out graphs' sites are in it too
             try:
@@ -402,12 +425,13 @@ def markdown(env: dict, rows: list[dict]) -> str:
     lines = [f"# Distributed training: {env['model']} ({env['preset']}), batch {env['batch_per_rank']} per rank, "
              f"{env['steps']} steps, {env['device']}", "",
              "| GPUs | config | ms/step | speedup vs bf16 | scaling eff. | all-gather MB | reduce-scatter MB | "
-             "all-reduce MB | all-to-all MB | wire MB/rank | FP8 grad buckets (plan MB/step) | held-out NE | "
-             "NE vs DDP bf16 | FP8 sites | first steps s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "all-reduce MB | all-to-all MB | wire MB/rank | FP8 grad buckets (plan MB/step) | "
+             "FP8 all-gather params (MB/forward vs high precision) | held-out NE | NE vs DDP bf16 | FP8 sites | "
+             "first steps s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["world_size"], r["config"])):
         if "error" in r:
-            lines.append(f"| {r['world_size']} | {r['config']} | error: {r['error']} |" + " |" * 12)
+            lines.append(f"| {r['world_size']} | {r['config']} | error: {r['error']} |" + " |" * 13)
             continue
         mb = lambda key: fmt(r.get(key, 0) / 1e6, ".1f")  # noqa: E731
         planned = f" (plan of the {r['plan_from_world']}-GPU row)" if r.get("plan_from_world") else ""
@@ -416,7 +440,7 @@ def markdown(env: dict, rows: list[dict]) -> str:
             f"{fmt(r.get('speedup_vs_bf16'), '.2f')} | "
             f"{fmt(r.get('scaling_efficiency'), '.2f')} | {mb('all_gather_payload')} | {mb('reduce_scatter_payload')} | "
             f"{mb('all_reduce_payload')} | {mb('all_to_all_payload')} | {mb('wire_bytes_per_rank')} | "
-            f"{fp8_comm_cell(r)} | {fmt(r['ne'], '.4f')} | "
+            f"{fp8_comm_cell(r)} | {fp8_all_gather_cell(r)} | {fmt(r['ne'], '.4f')} | "
             f"{fmt(100 * r['ne_rel_change_vs_ddp_bf16'], '+.2f') + '%' if 'ne_rel_change_vs_ddp_bf16' in r else ''} | "
             f"{r.get('fp8_sites', '')}{'/' + str(r['sites']) if 'sites' in r else ''} | "
             f"{fmt(r.get('first_steps_s'), '.1f')} |")
@@ -429,6 +453,15 @@ def markdown(env: dict, rows: list[dict]) -> str:
         lines.append("A row marked with a plan ran the loka plan its config decided at the world size named (same "
                      "model, shapes and batch per rank): no probe window, speed check or output budget of its own.")
     return "\n".join(lines) + "\n"
+
+
+def fp8_all_gather_cell(row: dict) -> str:
+    """"8/40 (1.2 vs 2.2)": parameters gathered in FP8, and one forward's all-gather MB against the
+    same all-gathers in high precision (FSDP2's param_dtype: bf16 for the GEMM parts on CUDA)."""
+    if "fp8_all_gather_params" not in row:
+        return ""
+    return (f"{row['fp8_all_gather_params']} ({row['all_gather_bytes_per_forward'] / 1e6:.2f} vs "
+            f"{row['all_gather_high_precision_bytes_per_forward'] / 1e6:.2f})")
 
 
 def fp8_comm_cell(row: dict) -> str:
@@ -553,6 +586,9 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank")
     parser.add_argument("--probe-steps", type=int, default=2)
+    parser.add_argument("--fp8-all-gather", action="store_true",
+                        help=f"run the configs {', '.join(FP8_ALL_GATHER_CONFIGS)} (the FP8 weight all-gather and "
+                             "what it is read against)")
     parser.add_argument("--comm-window", type=int, default=4, help="FP8 gradient communication: measured steps")
     parser.add_argument("--comm-max-error", type=float, default=0.1, help="its budget on a bucket's relative error")
     parser.add_argument("--comm-gather", default="e4m3", choices=("e4m3", "bf16"), help="its all-gather's format")
@@ -578,6 +614,8 @@ def parse_args(argv=None):
                         help="loka configs run the plans --save-plans left in DIR (an earlier run, same model, "
                              "shapes and batch per rank): no probe window, speed check or output budget")
     args = parser.parse_args(argv)
+    if args.fp8_all_gather:
+        args.configs = ",".join(FP8_ALL_GATHER_CONFIGS)
     if args.reuse_plan and (args.save_plans or args.load_plans):
         parser.error("--reuse-plan chooses the plans' directory itself: leave out --save-plans and --load-plans")
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]

@@ -5,6 +5,7 @@ data, and print the step time and the held-out NE on rank 0.
     torchrun --nproc-per-node 4 examples/distributed.py --strategy fsdp2 --steps 500
     torchrun --nproc-per-node 4 examples/distributed.py --backend inductor   # the bf16 baseline
     torchrun --nproc-per-node 4 examples/distributed.py --fp8-comm   # gradients in FP8 where measured safe and faster
+    torchrun --nproc-per-node 4 examples/distributed.py --strategy fsdp2 --fp8-all-gather   # weights gathered in FP8
 
 A model is cut into parts (a zoo model: its embedding tables and its dense arch; a public
 model: its top-level submodules). The parts with GEMMs are compiled one by one (a zoo
@@ -265,6 +266,7 @@ def run(name: str, args, device: torch.device) -> dict:
     if args.fp8_comm:
         gradient_comm = loka_compile.fp8_gradient_comm(forward)
         warmup = max(warmup, gradient_comm.options.window_steps + 3)  # a warm-up call (two: DDP rebuilds buckets)
+    weight_gather = loka_compile.fp8_all_gather(forward) if args.fp8_all_gather else None
     row = {"model": name, "strategy": args.strategy, "backend": args.backend, "world_size": dist.get_world_size(),
            "batch_per_rank": args.batch, "steps": args.steps}
     row.update(train(task, forward, device, args.steps, args.lr, warmup))
@@ -272,6 +274,9 @@ def run(name: str, args, device: torch.device) -> dict:
     row.update(fp8_sites(task, args.backend))
     if gradient_comm is not None:
         row["gradient_comm"] = str(gradient_comm)
+    if weight_gather is not None:
+        row["weight_gather"] = str(weight_gather)
+        row["all_gather_bytes_per_forward"] = weight_gather.bytes_per_forward()
     return row
 
 
@@ -302,9 +307,16 @@ def parse_args(argv=None):
     parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank")
     parser.add_argument("--fp8-comm", action="store_true",
                         help="FP8 gradient communication (loka_compile.fp8_gradient_comm), decided per bucket")
+    parser.add_argument("--fp8-all-gather", action="store_true",
+                        help="FSDP2 only: the weights the plan runs in FP8 all-gathered in FP8 "
+                             "(loka_compile.fp8_all_gather)")
     parser.add_argument("--probe-steps", type=int, default=loka_compile.LokaConfig().probe_steps,
                         help="loka's probe window (calls in high precision before the plan)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.fp8_all_gather and (args.strategy != "fsdp2" or args.backend != "loka"):
+        parser.error("--fp8-all-gather needs --strategy fsdp2 and --backend loka "
+                     "(it gathers in FP8 what loka's plan runs in FP8)")
+    return args
 
 
 def run_models(args, device: torch.device) -> list[dict]:
@@ -322,6 +334,8 @@ def run_models(args, device: torch.device) -> list[dict]:
                   f"AUC {row['auc']:.4f}, loss {row['loss_first']:.4f} -> {row['loss_last']:.4f}{fp8}", flush=True)
             if "gradient_comm" in row:
                 print(row["gradient_comm"], flush=True)
+            if "weight_gather" in row:
+                print(row["weight_gather"], flush=True)
     return rows
 
 

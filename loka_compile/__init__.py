@@ -27,9 +27,11 @@ from loka_compile.calibrate import calibrate
 from loka_compile.export import InferencePackage, export_inference
 from loka_compile.modules import BlockNorm, apply_arch_mods
 from loka_compile.comm import GradientComm, fp8_gradient_comm
+from loka_compile.weight_gather import WeightGather, fp8_all_gather
 
 __all__ = ["LokaConfig", "Recipe", "RECIPES", "MODES", "Reason", "Role", "loka_backend", "report", "Report",
            "SiteRecord", "reset", "LokaState", "state_of",
            "Plan", "save_plan", "load_plan", "plan_summary", "plan_table", "calibrate",
-           "export_inference", "InferencePackage", "BlockNorm", "apply_arch_mods", "fp8_gradient_comm", "GradientComm"]
+           "export_inference", "InferencePackage", "BlockNorm", "apply_arch_mods", "fp8_gradient_comm", "GradientComm",
+           "fp8_all_gather", "WeightGather"]
 __version__ = "0.1.0"

@@ -120,3 +120,53 @@ def test_plan_reuse_flags_and_rows(capsys):
     assert "| 2 | ddp_loka (plan of the 1-GPU row) | 9.00 | 1.39 |" in table
     assert "no probe window, speed check or output budget of its own" in table
     assert "| 2 | ddp_bf16 (plan" not in table and "of its own" not in bench.markdown(env, rows[:1])
+
+
+def test_fp8_all_gather_flag_and_column():
+    """--fp8-all-gather runs FSDP2 bf16, loka and loka with the FP8 weight all-gather; the row of
+    the last says how many parameters went FP8 and one forward's all-gather MB against high
+    precision, in a column of its own (every row has the header's cells)."""
+    from benchmarks import distributed as bench
+
+    args = bench.parse_args(["--fp8-all-gather", "--gpus", "4"])
+    assert args.configs.split(",") == list(bench.FP8_ALL_GATHER_CONFIGS)
+    assert f"--configs={args.configs}" in args.passthrough
+    assert bench.CONFIGS["fsdp2_loka_fp8_all_gather"].fp8_all_gather
+    gathered = {"fp8_all_gather_params": "3/9", "all_gather_bytes_per_forward": 1.25e6,
+                "all_gather_high_precision_bytes_per_forward": 2.5e6, "all_gather_bf16_bytes_per_forward": 2.5e6}
+    rows = [_row("fsdp2_bf16", 4, 10.0, 0.8, "fsdp2"), {**_row("fsdp2_loka_fp8_all_gather", 4, 8.0, 0.8, "fsdp2"),
+                                                        **gathered}]
+    bench.fill_derived(rows)
+    table = bench.markdown({"model": "m", "preset": "p", "batch_per_rank": 4, "steps": 3, "device": "H100"}, rows)
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in lines}) == 1, lines
+    assert "| 3/9 (1.25 vs 2.50) |" in table
+
+
+def _weight_gather_rows(rank):
+    from benchmarks import weight_gather
+
+    return weight_gather.measure(64, 32, torch.device("cpu"), repeats=1, warmup=0)
+
+
+# One e4m3 rounding with a scale per row (or per weight) leaves ~0.025 relative error (measured
+# 0.025-0.027 on CPU); twice that is the floor.
+WEIGHT_GATHER_ERROR_FLOOR = 0.05
+
+
+def test_weight_gather_benchmark_rows(tmp_path):
+    """benchmarks/weight_gather.py on two gloo ranks: the FP8 forms gather fewer bytes than bf16
+    (e4m3 plus a scale a row), and what they deliver is the weight within one e4m3 rounding."""
+    from benchmarks import weight_gather
+
+    rows = run_ranks(_weight_gather_rows, (), WORLD_SIZE, 120, tmp_path)[0]
+    by_form = {r["form"]: r for r in rows}
+    assert by_form["bf16 all-gather"]["gathered_bytes"] == 2 * 64 * 32
+    assert by_form["fp8 rowwise: cast, all-gather, dequantize"]["gathered_bytes"] == 64 * 32 + 4 * 64
+    for form in ("fp8 rowwise: cast, all-gather, dequantize",
+                 "fp8 tensorwise: amax all-reduce, cast, all-gather, dequantize",
+                 "fp8 columnwise (a rowwise dgrad's): column amax all-reduce, cast, all-gather, dequantize"):
+        assert 0 < by_form[form]["rel_error"] <= WEIGHT_GATHER_ERROR_FLOOR, by_form[form]
+    assert all(r["us"] > 0 for r in rows)
+    table = weight_gather.markdown({"world_size": WORLD_SIZE, "device": "CPU"}, rows)
+    assert table.count("| 64x32 |") == len(rows) == 7

@@ -1,0 +1,186 @@
+"""The FP8 all-gather of one sharded weight alone (`loka_compile.weight_gather`, what
+`fp8_all_gather` runs in FSDP2's hooks) against FSDP2's bf16 all-gather, at LRM weight shapes:
+what the gather saves, what the cast before it and the dequantization after it cost, and what
+feeding the gathered FP8 weight straight to the GEMM would save (the dequantization, and the cast
+the compiled graph makes of the gathered weight).
+
+    python -m benchmarks.weight_gather --gpus 4 --out "$OUT"            # launches torchrun
+    python -m benchmarks.weight_gather --gpus 2 --device cpu --shapes 256x128 --out /tmp/x   # gloo smoke
+
+Per weight shape N x K (sharded along N over the ranks, bf16 as FSDP2's param_dtype gathers it),
+the median of --repeats CUDA-event timings on rank 0 (each after --warmup untimed calls, the ranks
+lined up by a barrier first), on fresh random weights (rows over 4 binades):
+
+- bf16 all-gather: FSDP2's default (one all-gather of the bf16 shards);
+- fp8 rowwise: cast the shard (one scale per row), one all-gather of the FP8 bytes and the scales
+  packed as one uint8 buffer (as FSDP2 packs a group's inputs), then the dequantization to bf16:
+  what `fp8_all_gather` runs; "no dequantize" stops after the gather (a GEMM fed the FP8 bytes);
+- fp8 tensorwise: the shards' amax all-reduced, the cast, the all-gather, the dequantization;
+- fp8 columnwise (the backward's re-gather for a rowwise dgrad): the K column amaxes all-reduced,
+  the cast, the all-gather, the dequantization;
+- dequantize alone, and the GEMM's own rowwise cast of the gathered bf16 weight alone (what a
+  direct feed would also save).
+
+Each row has the bytes the all-gather moves (the whole gathered tensor) and the relative error
+of the gathered weight against the bf16 one. Results: <out>/<name>.json and .md. NVLink multicast
+is left off (NCCL_NVLS_ENABLE=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.comm_exchange import _timed_us
+from loka_compile import comm
+from loka_compile.kernels import triton_quant
+from loka_compile.kernels.metrics import rel_error
+from loka_compile.kernels.quantize import Fp8Format
+from loka_compile.weight_gather import dequantize_into, quantize_shard
+
+DTYPE = torch.bfloat16
+FMT = Fp8Format.E4M3
+
+
+def fresh_weight(rows: int, cols: int, seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 10.0 ** (torch.rand(rows, 1, generator=g) * 4 - 2)
+    return w.to(device=device, dtype=DTYPE)
+
+
+def measure(rows: int, cols: int, device: torch.device, repeats: int, warmup: int) -> list[dict]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if rows % world:
+        raise ValueError(f"{rows} rows do not split evenly over {world} ranks")
+    n = rows // world
+    full = fresh_weight(rows, cols, 0, device)  # every rank makes the same weight
+    shard = full[rank * n:(rank + 1) * n].contiguous()
+    out = torch.empty(rows, cols, dtype=DTYPE, device=device)
+
+    def bf16_gather():
+        comm._all_gather(out.view(-1), shard.view(-1), None)
+        return out
+
+    def fp8_rowwise(dequantize=True):
+        def run():
+            q, scale = quantize_shard(shard, "rowwise", FMT)
+            packed = torch.cat([q.view(torch.uint8).reshape(-1), scale.view(torch.uint8).reshape(-1)])
+            flat = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
+            comm._all_gather(flat, packed, None)
+            gathered = flat.view(world, -1)
+            if not dequantize:
+                return None
+            q_all = gathered[:, :n * cols].reshape(rows, cols).view(FMT.dtype)
+            scales = gathered[:, n * cols:].contiguous().view(torch.float32).reshape(rows, 1)
+            return dequantize_into(q_all, scales, DTYPE, out)
+        return run
+
+    def fp8_scaled_in_metadata(scaling):
+        def run():
+            q, scale = quantize_shard(shard, scaling, FMT)
+            gathered = torch.empty(rows * cols, dtype=torch.uint8, device=device)
+            comm._all_gather(gathered, q.view(torch.uint8).reshape(-1), None)
+            return dequantize_into(gathered.view(FMT.dtype).view(rows, cols), scale, DTYPE, out)
+        return run
+
+    q_full, scale_full = quantize_shard(full, "rowwise", FMT)
+    cases = {
+        "bf16 all-gather": (bf16_gather, 2 * rows * cols),
+        "fp8 rowwise: cast, all-gather, dequantize": (fp8_rowwise(), rows * cols + 4 * rows),
+        "fp8 rowwise: cast, all-gather (no dequantize)": (fp8_rowwise(dequantize=False), rows * cols + 4 * rows),
+        "fp8 tensorwise: amax all-reduce, cast, all-gather, dequantize": (fp8_scaled_in_metadata("tensorwise"),
+                                                                          rows * cols),
+        "fp8 columnwise (a rowwise dgrad's): column amax all-reduce, cast, all-gather, dequantize": (
+            fp8_scaled_in_metadata("columnwise"), rows * cols),
+        "dequantize alone": (lambda: dequantize_into(q_full, scale_full, DTYPE, out), 0),
+        "the GEMM's rowwise cast of the gathered weight alone": (
+            lambda: triton_quant.quantize_rowwise(full, FMT.value), 0),
+    }
+    results = []
+    for form, (run, gathered_bytes) in cases.items():
+        value = run()
+        error = rel_error(full, value) if form != "bf16 all-gather" and value is out else None
+        if form == "bf16 all-gather":
+            assert torch.equal(value, full)
+        results.append({"shape": f"{rows}x{cols}", "form": form, "us": _timed_us(run, device, repeats, warmup),
+                        "gathered_bytes": gathered_bytes, "rel_error": error})
+    return results
+
+
+def worker(args) -> None:
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        rows = []
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            rows += measure(n, k, device, args.repeats, args.warmup)
+        if dist.get_rank() == 0:
+            Path(args.rows_file).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def markdown(env: dict, rows: list[dict]) -> str:
+    lines = [f"# FP8 weight all-gather vs bf16: {env['world_size']} ranks, {env['device']}", "",
+             "| weight N x K | form | us (median) | vs bf16 all-gather | gathered MB | rel. error |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        bf16 = next(x["us"] for x in rows if x["shape"] == r["shape"] and x["form"] == "bf16 all-gather")
+        error = "" if r["rel_error"] is None else f"{r['rel_error']:.2e}"
+        lines.append(f"| {r['shape']} | {r['form']} | {r['us']:.1f} | {bf16 / r['us']:.2f}x | "
+                     f"{r['gathered_bytes'] / 1e6:.2f} | {error} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=4, help="ranks (one GPU each on CUDA)")
+    parser.add_argument("--shapes", default="1024x512,2048x2048,4096x4096,8192x4096",
+                        help="weights N x K, comma-separated; N a multiple of the ranks")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--name", default=None, help="file stem instead of <date>_weight_gather_<N>ranks")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rows-file", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"{time.strftime('%Y-%m-%d')}_weight_gather_{args.gpus}ranks"
+    rows_file = out / f"{stem}.rows.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
+               "-m", "benchmarks.weight_gather", "--worker", "--rows-file", str(rows_file), f"--shapes={args.shapes}",
+               f"--repeats={args.repeats}", f"--warmup={args.warmup}", f"--device={args.device}"]
+    subprocess.run(command, env=dict(os.environ, NCCL_NVLS_ENABLE="0"), check=True)
+    rows = json.loads(rows_file.read_text())
+    rows_file.unlink()
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else "CPU"
+    env = {"world_size": args.gpus, "device": device, "torch": torch.__version__, "dtype": "bfloat16",
+           "format": FMT.value, "nccl_nvls_enable": "0", "repeats": args.repeats}
+    (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    table = markdown(env, rows)
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+    return out / f"{stem}.json"
+
+
+if __name__ == "__main__":
+    main()
