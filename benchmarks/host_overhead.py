@@ -109,6 +109,8 @@ class HostReads:
             counts[(name, _callers(sys._getframe(1)))] += 1
             return original(*args, **kwargs)
 
+        torch.compiler.disable(counted, recursive=False)  # called from a compiled frame's eager code: not traced
+
         self._saved.append((owner, name, original))
         setattr(owner, name, counted)
 

@@ -50,6 +50,9 @@ Per row:
   timings predicted, each variant's measured step and the one kept, or why it did not time;
 - `graph_breaks`: Dynamo's graph breaks while the row ran (library code it cannot trace),
   with the reasons, and `graphs` (Dynamo's unique graphs).
+- `host_reads` (with `--host-reads N`): over N more steps after the timed ones, each host
+  read of a tensor value and each synchronization (on CUDA, a wait for the device), by the
+  code that made it (`benchmarks.host_overhead.HostReads`), and `host_reads_per_step`.
 
 Each row runs inside try/except: a failure (crash, missing library, budget) becomes a row
 with `error` (and `traceback`), never an abort. Results: `<out>/<stem>.json` (rows merged
@@ -214,6 +217,7 @@ def _base_row(setup: Setup, mode: str, cfg_name: str, args) -> dict:
             "loka_summary": None, "graph_speed": None, "graph_breaks": None, "graph_break_reasons": None, "graphs": None,
             "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
             "gemm_gflops_per_sample": setup.train_gflops if mode == "train" else setup.infer_gflops,
+            "host_reads": None, "host_reads_per_step": None,
             "skipped": False, "error": None, "traceback": None, "wall_s": None}
 
 
@@ -306,6 +310,8 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
         row.update(step_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, min_ms=t.min_ms,
                    tflops=row["gemm_gflops_per_sample"] * args.batch / t.median_ms)
         log(f"  {setup.name}/{mode}/{cfg_name}: {t.median_ms:.3f} ms (p10 {t.p10_ms:.3f}, p90 {t.p90_ms:.3f})")
+        if args.host_reads:
+            row.update(_host_reads(call, setup, args.host_reads, cudagraphs))
         try:  # a failed error measurement costs the error columns, not the row's timing
             row.update(_measure_error(setup, mode, model, fn, cudagraphs))
         except Exception as e:  # noqa: BLE001
@@ -332,6 +338,17 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
         del model, unit, fn, opt
         release_config(row, f"{setup.name}/{mode}/{cfg_name}", cuda)
     return row
+
+
+def _host_reads(call, setup: Setup, steps: int, cudagraphs: bool) -> dict:
+    """The host reads and synchronizations of `steps` more steps, by caller."""
+    from benchmarks.host_overhead import HostReads
+    with HostReads() as reads:
+        for i in range(steps):
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            call(*setup.pool[i % len(setup.pool)])
+    return {"host_reads": reads.by_caller(), "host_reads_per_step": reads.total() / steps}
 
 
 def _save_plan(compiled, path: Path) -> dict:
@@ -605,6 +622,8 @@ def parse_args(argv=None):
                    help="whole-run budget: rows not started by then are skipped rows")
     p.add_argument("--out", default="benchmarks/results", help="directory of the JSON and markdown")
     p.add_argument("--name", default=None, help="file stem instead of <date>_<device>_public_<preset>")
+    p.add_argument("--host-reads", type=int, default=0, metavar="N",
+                   help="count host reads and syncs by caller over N steps after the timed ones")
     p.add_argument("--profile", action="store_true",
                    help="profile one step per row: GEMM share, ceiling at 1.6x, largest non-GEMM kernels")
     p.add_argument("--list", action="store_true", help="print the registry and exit")
