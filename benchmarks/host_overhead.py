@@ -17,14 +17,16 @@ other round, to cancel drift):
   time is not host time alone);
 - loka_tensorwise: loka's tensorwise recipe, whose sites carry the amax guard read between calls.
 
-Per config: the median step time, wall and the thread's CPU time (on a shared machine the
-CPU time is the steadier measure of host work), per graph call (step / (2 x graphs)), and the
-difference per graph call against Inductor. Per loka config also the CPU time of loka's own
-per-call Python: the config timed again with its wrappers reduced to calling the variant
-(`bare_dispatch`), in the same rounds. And the host reads made during steady-state steps
-(`HostReads`: `.item()`, `.tolist()`, `bool()`, `.cpu()`, `.numpy()`, synchronizations), by
-the code that made them. On CUDA each of those waits for the device; on CPU they are counted
-all the same, so a read that would sync on a GPU shows on a CPU machine.
+Per config: the median step's wall time, and the thread's CPU time of the forward graph calls
+and of the backward, per graph call (on a shared machine CPU time is the steadier measure of
+host work; on CUDA without CUDA graphs the backward's includes launching its kernels), and
+their difference against Inductor's. Per loka config also the CPU time of loka's own Python
+around a forward and a backward graph call, timed alone on the model's graph objects
+(`wrapper_costs`: the variant a no-op), which no noise of the machine hides. And the host
+reads made during steady-state steps (`HostReads`: `.item()`, `.tolist()`, `bool()`, `.cpu()`,
+`.numpy()`, synchronizations), by the code that made them. On CUDA each of those waits for the
+device; on CPU they are counted all the same, so a read that would sync on a GPU shows on a
+CPU machine.
 
     python -m benchmarks.host_overhead --out benchmarks/results/2026-11-28_cpu_host_overhead
     python -m benchmarks.host_overhead --device cuda --mode reduce-overhead --out $OUT/host_overhead
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
+import gc
 import json
 import platform
 import statistics
@@ -152,21 +154,57 @@ def build(config: str, width: int, mode: str, device: torch.device, seed: int):
     return compiled, model
 
 
-@contextlib.contextmanager
-def bare_dispatch():
-    """loka's per-call wrappers reduced to what any backend's must do: call the running variant
-    (`LokaCompiledGraph`), the compiled backward (`BackwardFirstRun`). Only for timing a model
-    whose variants have all run once: it skips the window, re-checks, guards and fallbacks."""
+def _noop(*args):
+    return None
+
+
+def _per_call_us(fn, args: tuple, calls: int) -> float:
+    start = time.thread_time()
+    for _ in range(calls):
+        fn(*args)
+    return (time.thread_time() - start) / calls * 1e6
+
+
+def wrapper_costs(compiled, calls: int) -> dict:
+    """loka's own Python around each graph call of `compiled`, timed alone in CPU us per call:
+    every forward graph (`LokaCompiledGraph`) with its running variant replaced by a no-op that
+    AOTAutograd's `disable` wraps, as it wraps a compiled graph, called through `disable` as
+    Dynamo calls it; every compiled backward's first-run wrapper (`BackwardFirstRun`) around a
+    no-op, called through `disable` as AOTAutograd calls it. Each less the same no-op called
+    through one `disable` (what Inductor's call costs besides the graph). Restores what it
+    replaced."""
     from loka_compile.compiled_graph import LokaCompiledGraph
     from loka_compile.inductor_compile import BackwardFirstRun
+    from loka_compile.state import state_of
 
-    saved = LokaCompiledGraph.__call__, BackwardFirstRun.__call__
-    LokaCompiledGraph.__call__ = lambda self, *args: self.variants[self.record.phase](*args)
-    BackwardFirstRun.__call__ = lambda self, inputs: self.compiled(inputs)
-    try:
-        yield
-    finally:
-        LokaCompiledGraph.__call__, BackwardFirstRun.__call__ = saved
+    records = {id(record) for record in state_of(compiled).records}
+    baseline = _per_call_us(torch._dynamo.disable(_noop), (), calls)
+    forward, backward = [], []
+    for graph in [o for o in gc.get_objects() if type(o) is LokaCompiledGraph and id(o.record) in records]:
+        saved, variants, first_runs = dict(graph.__dict__), dict(graph.variants), set(graph._first_runs)
+        variant = torch._dynamo.disable(_noop)
+        graph.variants[graph.record.phase] = variant
+        graph._first_runs.add(id(variant))
+        if "_steady" in saved:
+            graph._steady = None
+        try:
+            called = torch._dynamo.disable(graph)
+            called()  # the first call may settle (`LokaCompiledGraph._settle`)
+            forward.append(_per_call_us(called, (), calls) - baseline)
+        finally:
+            graph.__dict__.clear()
+            graph.__dict__.update(saved)
+            graph.variants, graph._first_runs = variants, first_runs
+    for wrapper in [o for o in gc.get_objects() if type(o) is BackwardFirstRun and id(o._record) in records]:
+        kept = wrapper.compiled
+        wrapper.compiled = _noop
+        try:
+            backward.append(_per_call_us(torch._dynamo.disable(wrapper), ([],), calls) - baseline)
+        finally:
+            wrapper.compiled = kept
+    mean = statistics.fmean
+    return {"forward_us": mean(forward) if forward else None, "backward_us": mean(backward) if backward else None,
+            "forward_graphs": len(forward), "backward_graphs": len(backward), "disable_us": baseline}
 
 
 def train_step(compiled, x: torch.Tensor, cudagraphs: bool) -> None:
@@ -199,62 +237,69 @@ def measure(configs: list, args) -> dict:
             for _ in range(args.read_steps):
                 train_step(compiled, x, cudagraphs)
         reads[name] = {"per_step": counter.total() / args.read_steps, "by_caller": counter.by_caller()}
-    # Each loka config is timed twice: as it runs, and with its wrappers reduced to the dispatch
-    # they must do (`bare_dispatch`); the difference is loka's own Python per call.
-    entries = [(name, False) for name in configs] + [(name, True) for name in configs if name != "inductor"]
-    wall = {entry: [] for entry in entries}
-    cpu = {entry: [] for entry in entries}
+    wall = {name: [] for name in configs}
+    forward_cpu = {name: [] for name in configs}
+    backward_cpu = {name: [] for name in configs}
     for round_ in range(args.rounds):
-        for entry in (entries if round_ % 2 == 0 else entries[::-1]):
-            name, bare = entry
+        for name in (configs if round_ % 2 == 0 else configs[::-1]):
             compiled = models[name]
+            forward = backward = 0.0
             _sync(device)
-            with bare_dispatch() if bare else contextlib.nullcontext():
-                start, start_cpu = time.perf_counter(), time.thread_time()
-                for _ in range(args.steps):
-                    train_step(compiled, x, cudagraphs)
-                _sync(device)
-                end, end_cpu = time.perf_counter(), time.thread_time()
-            wall[entry].append((end - start) / args.steps * 1e6)
-            cpu[entry].append((end_cpu - start_cpu) / args.steps * 1e6)
-    calls = 2 * BrokenChain.GRAPHS
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                began = time.thread_time()
+                out = compiled(x)
+                between = time.thread_time()
+                out.sum().backward()
+                forward, backward = forward + between - began, backward + time.thread_time() - between
+            _sync(device)
+            wall[name].append((time.perf_counter() - start) / args.steps * 1e6)
+            forward_cpu[name].append(forward / args.steps / BrokenChain.GRAPHS * 1e6)
+            backward_cpu[name].append(backward / args.steps / BrokenChain.GRAPHS * 1e6)
     median = statistics.median
-    base = (median(wall[("inductor", False)]), median(cpu[("inductor", False)])) if "inductor" in configs else None
     rows = []
     for name in configs:
-        step_us, step_cpu_us = median(wall[(name, False)]), median(cpu[(name, False)])
-        row = {"config": name, "loka_options": loka_options(name, args.width),
-               "step_us": step_us, "step_cpu_us": step_cpu_us, "us_per_graph_call": step_us / calls,
-               "cpu_us_per_graph_call": step_cpu_us / calls,
-               "extra_us_per_graph_call_vs_inductor": None if base is None else (step_us - base[0]) / calls,
-               "extra_cpu_us_per_graph_call_vs_inductor": None if base is None else (step_cpu_us - base[1]) / calls,
-               "loka_wrapper_cpu_us_per_graph_call": None,
+        row = {"config": name, "loka_options": loka_options(name, args.width), "step_us": median(wall[name]),
+               "forward_cpu_us_per_graph": median(forward_cpu[name]),
+               "backward_cpu_us_per_graph": median(backward_cpu[name]),
+               "extra_forward_cpu_us_vs_inductor": None, "extra_backward_cpu_us_vs_inductor": None,
+               "loka_wrappers": None if name == "inductor" else wrapper_costs(models[name], args.wrapper_calls),
                "host_reads_per_step": reads[name]["per_step"], "host_reads": reads[name]["by_caller"]}
-        if name != "inductor":
-            row["loka_wrapper_cpu_us_per_graph_call"] = (step_cpu_us - median(cpu[(name, True)])) / calls
+        if "inductor" in configs:
+            row["extra_forward_cpu_us_vs_inductor"] = row["forward_cpu_us_per_graph"] - median(forward_cpu["inductor"])
+            row["extra_backward_cpu_us_vs_inductor"] = \
+                row["backward_cpu_us_per_graph"] - median(backward_cpu["inductor"])
         rows.append(row)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "mode": args.mode, "width": args.width, "batch": args.batch,
-            "graph_calls_per_step": calls, "steps_per_round": args.steps, "rounds": args.rounds,
+            "graphs": BrokenChain.GRAPHS, "steps_per_round": args.steps, "rounds": args.rounds,
             "threads": torch.get_num_threads(), "rows": rows}
 
 
+def _wrapper_cell(costs) -> str:
+    if costs is None:
+        return ""
+    return " / ".join("" if costs[key] is None else f"{costs[key]:+.2f}" for key in ("forward_us", "backward_us"))
+
+
 def markdown(result: dict) -> str:
-    lines = [f"Host time per graph call: BrokenChain ({BrokenChain.GRAPHS} forward + {BrokenChain.GRAPHS} backward "
-             f"graphs per step), width {result['width']}, batch {result['batch']}, {result['device']}, torch "
+    lines = [f"Host time per graph call: BrokenChain ({result['graphs']} forward + {result['graphs']} backward graphs "
+             f"per step), width {result['width']}, batch {result['batch']}, {result['device']}, torch "
              f"{result['torch']}, mode {result['mode']}, {result['threads']} thread(s); medians of {result['rounds']} "
-             f"rounds of {result['steps_per_round']} steps", "",
-             "| config | step us (wall) | step us (thread CPU) | us per graph call (wall / CPU) | "
-             "extra us per graph call vs Inductor (wall / CPU) | loka wrappers, CPU us per graph call | "
+             f"rounds of {result['steps_per_round']} steps. CPU: the thread's CPU time. A backward call's time "
+             "includes the autograd engine's share of the step's backward.", "",
+             "| config | step us (wall) | CPU us per forward / backward graph call | extra CPU us per forward / "
+             "backward call vs Inductor | loka's wrappers alone, CPU us per forward / backward call | "
              "host reads per step |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        extra, extra_cpu = row["extra_us_per_graph_call_vs_inductor"], row["extra_cpu_us_per_graph_call_vs_inductor"]
-        wrappers = row["loka_wrapper_cpu_us_per_graph_call"]
-        lines.append(f"| {row['config']} | {row['step_us']:.1f} | {row['step_cpu_us']:.1f} | "
-                     f"{row['us_per_graph_call']:.2f} / {row['cpu_us_per_graph_call']:.2f} | "
-                     f"{'' if extra is None else f'{extra:+.2f} / {extra_cpu:+.2f}'} | "
-                     f"{'' if wrappers is None else f'{wrappers:+.2f}'} | {row['host_reads_per_step']:g} |")
+        extra = row["extra_forward_cpu_us_vs_inductor"], row["extra_backward_cpu_us_vs_inductor"]
+        lines.append(f"| {row['config']} | {row['step_us']:.1f} | {row['forward_cpu_us_per_graph']:.2f} / "
+                     f"{row['backward_cpu_us_per_graph']:.2f} | "
+                     f"{'' if extra[0] is None else f'{extra[0]:+.2f} / {extra[1]:+.2f}'} | "
+                     f"{_wrapper_cell(row['loka_wrappers'])} | {row['host_reads_per_step']:g} |")
     reads = [(row["config"], what, n) for row in result["rows"] for what, n in row["host_reads"].items()]
     if reads:
         lines += ["", "Host reads in steady-state steps, by caller:", ""]
@@ -272,6 +317,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=10, help="untimed steps (loka's window closes at step 3)")
     p.add_argument("--steps", type=int, default=300, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--wrapper-calls", type=int, default=20000, help="calls per graph timing loka's wrappers alone")
     p.add_argument("--read-steps", type=int, default=20, help="steady-state steps whose host reads are counted")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (tiny tensors: 1 is fastest)")
     p.add_argument("--seed", type=int, default=0)
