@@ -294,6 +294,8 @@ def markdown(result: dict) -> str:
              "backward call vs Inductor | loka's wrappers alone, CPU us per forward / backward call | "
              "host reads per step |",
              "|---|---|---|---|---|---|"]
+    if result.get("note"):
+        lines[1:1] = ["", result["note"]]
     for row in result["rows"]:
         extra = row["extra_forward_cpu_us_vs_inductor"], row["extra_backward_cpu_us_vs_inductor"]
         lines.append(f"| {row['config']} | {row['step_us']:.1f} | {row['forward_cpu_us_per_graph']:.2f} / "
@@ -322,9 +324,11 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (tiny tensors: 1 is fastest)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="path stem: writes STEM.json and STEM.md")
+    p.add_argument("--note", default="", help="a line for the results (which code was measured)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = measure([c for c in args.configs.split(",") if c], args)
+    result["note"] = args.note
     table = markdown(result)
     print(table)
     if args.out:
