@@ -652,9 +652,13 @@ class _Fp8Build:
 
 
 def _without_disable(fn):
-    """`fn` out of the `torch._dynamo.disable` wrappers around it (only those: a wrapper that
-    compiles is kept)."""
-    while getattr(fn, "_torchdynamo_disable", False) and callable(getattr(fn, "_torchdynamo_orig_callable", None)):
+    """`fn` out of the recursive `torch._dynamo.disable` wrappers around it: only those (a
+    wrapper that compiles, or lets the functions it calls compile, is kept), and only a
+    wrapper's own marks (`functools.wraps` copies them onto a function that wraps one, whose
+    wrapper id is then not its own)."""
+    while getattr(fn, "_torchdynamo_disable", False) and getattr(fn, "_torchdynamo_disable_recursive", True) \
+            and callable(getattr(fn, "_torchdynamo_orig_callable", None)) \
+            and getattr(fn, "_torchdynamo_wrapper_id", id(fn)) == id(fn):
         fn = fn._torchdynamo_orig_callable
     return fn
 

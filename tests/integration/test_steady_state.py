@@ -82,3 +82,21 @@ def test_ranks_merge_guards_every_few_calls(monkeypatch, distributed):
     due = [call for call in range(1, 3 * amax_guard.RANK_MERGE_EVERY + 1) if amax_guard.AmaxGuards.due(call)]
     every = amax_guard.RANK_MERGE_EVERY if distributed else 1
     assert due == list(range(every, 3 * amax_guard.RANK_MERGE_EVERY + 1, every))
+
+
+def test_only_recursive_disable_wrappers_are_skipped():
+    """The steady call skips AOTAutograd's `disable` around a variant, and nothing else: not a
+    compiling wrapper, not a non-recursive disable, not a function that wraps one."""
+    import functools
+
+    from loka_compile.compiled_graph import _without_disable
+
+    def graph():
+        return 1
+
+    disabled = torch._dynamo.disable(graph)
+    assert _without_disable(disabled) is graph
+    assert _without_disable(torch._dynamo.disable(disabled)) is graph
+    wrapping = functools.wraps(disabled)(lambda: disabled())
+    for kept in (wrapping, torch.compiler.disable(graph, recursive=False), torch.compile(graph, backend="eager")):
+        assert _without_disable(kept) is kept
