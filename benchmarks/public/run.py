@@ -50,6 +50,8 @@ Per row:
   timings predicted, each variant's measured step and the one kept, or why it did not time;
 - `graph_breaks`: Dynamo's graph breaks while the row ran (library code it cannot trace),
   with the reasons, and `graphs` (Dynamo's unique graphs).
+- `cudagraph_skips`: graphs Inductor compiled without CUDA graphs in a CUDA-graph mode, by
+  Inductor's reason (its `cudagraphs` log; a skipped graph launches every kernel at every call);
 - `host_reads` (with `--host-reads N`): over N more steps after the timed ones, each host
   read of a tensor value and each synchronization (on CUDA, a wait for the device), by the
   code that made it (`benchmarks.host_overhead.HostReads`), and `host_reads_per_step`.
@@ -69,6 +71,7 @@ import dataclasses
 import datetime as _dt
 import gc
 import json
+import logging
 import math
 import sys
 import time
@@ -217,7 +220,7 @@ def _base_row(setup: Setup, mode: str, cfg_name: str, args) -> dict:
             "loka_summary": None, "graph_speed": None, "graph_breaks": None, "graph_break_reasons": None, "graphs": None,
             "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
             "gemm_gflops_per_sample": setup.train_gflops if mode == "train" else setup.infer_gflops,
-            "host_reads": None, "host_reads_per_step": None,
+            "cudagraph_skips": None, "host_reads": None, "host_reads_per_step": None,
             "skipped": False, "error": None, "traceback": None, "wall_s": None}
 
 
@@ -228,6 +231,7 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
     cuda = setup.device.type == "cuda"
     start = time.perf_counter()
     model = unit = fn = opt = None
+    skips = _CudagraphSkips()
     try:
         cfg, planned_from = resolve_row_config(cfg_name)
         row["compile_mode"] = cfg.mode
@@ -334,10 +338,34 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
             # the failed row's decisions: loading its plan elsewhere (a CPU) makes the same graphs
             row.update(_save_plan(fn, plan_path(args.out, setup.name, args.preset, args.batch, mode, cfg_name)))
     finally:
+        row["cudagraph_skips"] = skips.close()
+        if row["cudagraph_skips"]:
+            log(f"  {setup.name}/{mode}/{cfg_name}: graphs without CUDA graphs: {row['cudagraph_skips']}")
         row["wall_s"] = round(time.perf_counter() - start, 2)
         del model, unit, fn, opt
         release_config(row, f"{setup.name}/{mode}/{cfg_name}", cuda)
     return row
+
+
+class _CudagraphSkips(logging.Handler):
+    """Collects Inductor's reasons for compiling a graph without CUDA graphs while installed
+    (from `__init__` to `close`), on its `cudagraphs` log."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.reasons: dict = {}
+        from torch._inductor import cudagraph_utils
+        self._log = cudagraph_utils.cudagraphs_log
+        self._log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        reason = record.getMessage().splitlines()[0][:200]
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def close(self):
+        self._log.removeHandler(self)
+        super().close()
+        return self.reasons or None
 
 
 def _host_reads(call, setup: Setup, steps: int, cudagraphs: bool) -> dict:
