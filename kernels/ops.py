@@ -422,6 +422,9 @@ class AmaxGuardBuffer:
 
 _guard_lock = threading.Lock()
 _guard_buffers: dict = {}  # name -> AmaxGuardBuffer
+# prefix -> its buffers, as `amax_guard_buffers` found them: the backend asks twice per graph
+# call, and the table only grows; emptied whenever a buffer is made.
+_guard_selections: dict = {}
 
 
 def register_amax_guards(name: str, entries: tuple, device) -> AmaxGuardBuffer:
@@ -431,13 +434,18 @@ def register_amax_guards(name: str, entries: tuple, device) -> AmaxGuardBuffer:
         buffer = _guard_buffers.get(name)
         if buffer is None or buffer.entries != entries or buffer.worst.device != device:
             buffer = _guard_buffers[name] = AmaxGuardBuffer(entries, device)
+            _guard_selections.clear()
         return buffer
 
 
 def amax_guard_buffers(prefix: str) -> list:
     """The buffers whose name starts with `prefix`."""
     with _guard_lock:
-        return [buffer for name, buffer in _guard_buffers.items() if name.startswith(prefix)]
+        found = _guard_selections.get(prefix)
+        if found is None:
+            found = _guard_selections[prefix] = [buffer for name, buffer in _guard_buffers.items()
+                                                 if name.startswith(prefix)]
+        return list(found)
 
 
 # Defined through torch.library.Library, as `triton_fp8_gemm` is, rather than custom_op, whose

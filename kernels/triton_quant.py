@@ -827,7 +827,15 @@ def _(x, block_rows, block_cols, fmt, power_of_two=False):
     return _empty_fp8_like(x, fmt), x.new_empty((n_rb, n_cb), dtype=torch.float32)
 
 
-@torch.library.custom_op("loka::quantize_dual_axis", mutates_args=())
+# Defined through torch.library.Library rather than custom_op, as `triton_fp8_gemm` is: the
+# weight_both_layouts Mod puts this op in every FP8 training forward, and custom_op's Python
+# autograd layer costs about 30 us of host time per call (docs/kernels.md), which a graph run
+# without CUDA graphs pays at every call. It has no autograd formula: FP8 copies carry no gradient.
+_DUAL_AXIS_LIB = torch.library.Library("loka", "FRAGMENT")
+_DUAL_AXIS_LIB.define("quantize_dual_axis(Tensor x, str fmt, bool power_of_two=False) "
+                      "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
 def quantize_dual_axis(x: torch.Tensor, fmt: str, power_of_two: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] row-major -> (q_row row-major, scale [M, 1], q_col column-major, scale [1, K])."""
@@ -839,7 +847,11 @@ def quantize_dual_axis(x: torch.Tensor, fmt: str, power_of_two: bool = False
     return quantize_dual_axis_reference(x, fmt, power_of_two)
 
 
-@quantize_dual_axis.register_fake
+for _key in ("CPU", "CUDA"):
+    _DUAL_AXIS_LIB.impl("quantize_dual_axis", quantize_dual_axis, _key)
+
+
+@torch.library.register_fake("loka::quantize_dual_axis", lib=_DUAL_AXIS_LIB)
 def _(x, fmt, power_of_two=False):
     fmt = parse_format(fmt)
     check_input(x, "quantize_dual_axis")

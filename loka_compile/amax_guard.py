@@ -29,8 +29,11 @@ the FP8 variant is switched to a build with the new verdicts. The call that met 
 outlier has run already (its outputs are what FP8 made of it): the next call runs rowwise.
 On CUDA each call's amaxes are copied back without a sync (`copy_back`) and read at the
 first call after the copy landed: the next one where the host waited for the GPU (a loss
-read back, say), a later one where it runs ahead. Graphs with a loaded plan (no window)
-have no guard.
+read back, say), a later one where it runs ahead (a training step's backward guards, which run
+after the forward's copy, show a step later); CPU buffers are read at the next call. Under
+torch.distributed the ranks' trips are merged by a collective that waits for the device, so
+they are copied and read every RANK_MERGE_EVERY calls (`due`): a trip acts up to that many
+calls later than in one process. Graphs with a loaded plan (no window) have no guard.
 """
 
 from __future__ import annotations
@@ -42,12 +45,19 @@ from typing import Optional
 
 import torch
 
-from loka_compile import probe
+from loka_compile import probe, ranks
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.kernels.quantize import Fp8Format
 from loka_compile.kernels.scaled_gemm import amax_jump
 
 _tokens = itertools.count()
+
+# Under torch.distributed, the calls between two merges of the ranks' trips (`AmaxGuards.due`).
+# A merge is an object all-gather: a collective round trip, and on CUDA a wait for the work
+# queued on the device, which for a host-bound model costs about the lead the host had (up to
+# a step); at one per 64 calls of a graph it stays within a few percent of a step, and a trip
+# still acts within 64 calls.
+RANK_MERGE_EVERY = 64
 
 
 @dataclasses.dataclass
@@ -85,15 +95,19 @@ class AmaxGuards:
                 amaxes, name, keys, operands, limits = node.args
                 loka_ops.register_amax_guards(name, tuple(zip(keys, operands, limits)), amaxes.meta["val"].device)
 
+    @staticmethod
+    def due(calls: int) -> bool:
+        """Whether the guards are copied back after call `calls` and read at the next: always in
+        one process; every RANK_MERGE_EVERY calls under torch.distributed, where every rank
+        counts the same calls."""
+        return calls % RANK_MERGE_EVERY == 0 or not ranks.distributed()
+
     def trips(self) -> dict:
         """site id -> why its guard tripped, from the buffers as last read: CPU ones now,
         CUDA ones from the copy `copy_back` issued if it has landed (no sync)."""
         tripped = {}
         for buffer in loka_ops.amax_guard_buffers(self.prefix + "/"):
-            if buffer.worst.device.type != "cuda":
-                values = buffer.worst.tolist()
-            else:
-                values = self._landed(buffer)
+            values = buffer.worst.tolist() if buffer.worst.device.type != "cuda" else self._landed(buffer)
             for (key, operand, limit), value in zip(buffer.entries, values):
                 if not value <= limit:  # NaN and inf trip too
                     tripped.setdefault(key[len(self.prefix) + 1:], {})[operand] = value
@@ -101,26 +115,25 @@ class AmaxGuards:
 
     def _landed(self, buffer) -> list:
         copy = self._copies.get(id(buffer))
-        if copy is None or not copy.in_flight or not copy.event.query():
+        if copy is None or not copy.in_flight or not copy.landed():
             return []  # none, or still in flight: read at a later call
         copy.in_flight = False
-        return copy.host.tolist()
+        return copy.host.tolist()  # a pinned host copy that has landed: no sync
 
     def copy_back(self) -> None:
         """After a call: copy each CUDA buffer to its pinned host copy (one device-to-host
-        copy each, no sync), unless the last one is still in flight. The next call's
-        `trips` reads it once it has landed."""
+        copy each, no sync), unless the last one is still in flight (a landed one not read
+        yet is replaced: the running max only grows). The next call's `trips` reads it once
+        it has landed."""
         for buffer in loka_ops.amax_guard_buffers(self.prefix + "/"):
             if buffer.worst.device.type != "cuda":
                 continue
             copy = self._copies.get(id(buffer))
             if copy is None:
                 copy = self._copies[id(buffer)] = _HostCopy(buffer.worst)
-            elif copy.in_flight:
+            elif copy.in_flight and not copy.landed():
                 continue
-            copy.host.copy_(buffer.worst, non_blocking=True)
-            copy.event.record()
-            copy.in_flight = True
+            copy.fill(buffer.worst)
 
     def _why(self, sid: str, operands: dict) -> str:
         parts = []
@@ -147,12 +160,21 @@ class AmaxGuards:
 
 
 class _HostCopy:
-    """A CUDA buffer's pinned host copy and the event of the copy in flight, made once."""
+    """A CUDA buffer's pinned host copy and the event of the copy in flight, made once.
+    `in_flight`: copied and not read yet."""
 
     def __init__(self, worst: torch.Tensor):
         self.host = torch.empty(worst.shape, dtype=worst.dtype, pin_memory=True)
         self.event = torch.cuda.Event()
         self.in_flight = False
+
+    def fill(self, worst: torch.Tensor) -> None:
+        self.host.copy_(worst, non_blocking=True)
+        self.event.record()
+        self.in_flight = True
+
+    def landed(self) -> bool:
+        return self.event.query()
 
 
 def _finite(value) -> Optional[float]:

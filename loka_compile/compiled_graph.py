@@ -133,6 +133,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         self._graph_speed_pending = record.config.graph_speed_check != "off"
         self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
         self._first_runs = set()  # ids of variants that have run once
+        self._steady = None  # the callable each call runs once nothing else is left to do (`_settle`)
 
     def _compile(self, gm, example_inputs, phase: Phase, codegen: Optional[bool] = None):
         """A variant of the graph; `codegen` None: Inductor generates the FP8 variant's code, and
@@ -158,6 +159,13 @@ class LokaCompiledGraph(OutputBudgetWindow):
             return compile_fx(gm, example_inputs, config_patches=inductor_patches(record.config, None))
 
     def __call__(self, *args):
+        steady = self._steady
+        if steady is not None:  # nothing but the variant runs per call (`_settle`)
+            self.calls += 1
+            return steady(*args)
+        return self._call(args)
+
+    def _call(self, args: tuple):
         record = self.record
         if record.phase is Phase.PROBE and self.calls >= record.config.probe_steps:
             if self._close_probe_window(args) == "wait":  # no finite output to budget on: not observed either
@@ -167,7 +175,8 @@ class LokaCompiledGraph(OutputBudgetWindow):
         if self._rechecking:  # the re-check call's backward has run by now, observers and all
             self._rechecking = False
             self._close_recheck()
-        if record.amax_guards is not None and record.phase is Phase.FP8 and self._builds:
+        if record.amax_guards is not None and record.phase is Phase.FP8 and self._builds \
+                and record.amax_guards.due(self.calls):  # the call that copied them back
             self._check_amax_guards()
         self.calls += 1
         every = record.config.recheck_every
@@ -185,8 +194,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
         variant = self.variants[record.phase]
         if id(variant) in self._first_runs:
             out = variant(*args)
-            if record.amax_guards is not None:
+            if record.amax_guards is not None and record.amax_guards.due(self.calls):
                 record.amax_guards.copy_back()  # the amaxes this call left, read at a later one
+            self._settle()
             return out
         try:
             out = variant(*args)
@@ -200,8 +210,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
                     and not self._graph_speed_pending:
                 self._source.drop()  # nothing compiles this graph again
                 record.store.release_samples(probe_site_keys(record))  # nor observes it
-            if record.phase is Phase.FP8 and record.amax_guards is not None:
+            if record.phase is Phase.FP8 and record.amax_guards is not None and record.amax_guards.due(self.calls):
                 record.amax_guards.copy_back()
+            self._settle()
             return out
         # Out of the except block: the failed run's frames hold its buffers, which under CUDA
         # graphs live in the graph pool, and the plain compile's first run refuses a pool
@@ -210,6 +221,17 @@ class LokaCompiledGraph(OutputBudgetWindow):
         if variant is self._traced_probe:
             return self._compile_probe_at_first_run(why, args)
         return self._fall_back_at_first_run(why, args)
+
+    def _settle(self) -> None:
+        """From now on call the running variant and nothing else, where nothing is left to do per
+        call: the FP8 variant (or the probe variant kept as final) has run once, and there are no
+        re-checks, amax guards or graph speed check. Without the variant's `disable` wrapper
+        (AOTAutograd's): Dynamo calls this object inside one of its own, so it only repeats it."""
+        record = self.record
+        variant = self.variants[record.phase]
+        if record.phase is Phase.FP8 and id(variant) in self._first_runs and not record.config.recheck_every \
+                and record.amax_guards is None and not self._graph_speed_pending and not self._rechecking:
+            self._steady = _without_disable(variant)
 
     def _compile_probe_at_first_run(self, why: str, args):
         """The probe variant, run as traced, failed at its first run (an op with no kernel of
@@ -627,6 +649,18 @@ class _Fp8Build:
     def restore(self, record: GraphRecord) -> None:
         record.contexts.update(self.contexts or {})
         record.graph_modules.update(self.graph_modules or {})
+
+
+def _without_disable(fn):
+    """`fn` out of the recursive `torch._dynamo.disable` wrappers around it: only those (a
+    wrapper that compiles, or lets the functions it calls compile, is kept), and only a
+    wrapper's own marks (`functools.wraps` copies them onto a function that wraps one, whose
+    wrapper id is then not its own)."""
+    while getattr(fn, "_torchdynamo_disable", False) and getattr(fn, "_torchdynamo_disable_recursive", True) \
+            and callable(getattr(fn, "_torchdynamo_orig_callable", None)) \
+            and getattr(fn, "_torchdynamo_wrapper_id", id(fn)) == id(fn):
+        fn = fn._torchdynamo_orig_callable
+    return fn
 
 
 def _standing(sid: str, own: str, unsafe: dict, upgraded: dict) -> str:

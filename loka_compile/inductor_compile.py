@@ -179,6 +179,7 @@ class BackwardFirstRun:
 
     def __init__(self, compiled, pristine: torch.fx.GraphModule, record: GraphRecord, phase):
         self._boxed_call = True  # on the instance: the wrappers Inductor puts around it copy its __dict__
+        self.__name__ = type(self).__name__  # read at every call by Dynamo's disable wrapper: no __getattr__ miss
         self.compiled = compiled
         self._pristine = pristine
         self._record = record

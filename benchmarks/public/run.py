@@ -50,6 +50,11 @@ Per row:
   timings predicted, each variant's measured step and the one kept, or why it did not time;
 - `graph_breaks`: Dynamo's graph breaks while the row ran (library code it cannot trace),
   with the reasons, and `graphs` (Dynamo's unique graphs).
+- `cudagraph_skips`: graphs Inductor compiled without CUDA graphs in a CUDA-graph mode, by
+  Inductor's reason (its `cudagraphs` log; a skipped graph launches every kernel at every call);
+- `host_reads` (with `--host-reads N`): over N more steps after the timed ones, each host
+  read of a tensor value and each synchronization (on CUDA, a wait for the device), by the
+  code that made it (`benchmarks.host_overhead.HostReads`), and `host_reads_per_step`.
 
 Each row runs inside try/except: a failure (crash, missing library, budget) becomes a row
 with `error` (and `traceback`), never an abort. Results: `<out>/<stem>.json` (rows merged
@@ -66,6 +71,7 @@ import dataclasses
 import datetime as _dt
 import gc
 import json
+import logging
 import math
 import sys
 import time
@@ -214,6 +220,7 @@ def _base_row(setup: Setup, mode: str, cfg_name: str, args) -> dict:
             "loka_summary": None, "graph_speed": None, "graph_breaks": None, "graph_break_reasons": None, "graphs": None,
             "dense_params": setup.params["dense"], "sparse_params": setup.params["sparse"],
             "gemm_gflops_per_sample": setup.train_gflops if mode == "train" else setup.infer_gflops,
+            "cudagraph_skips": None, "host_reads": None, "host_reads_per_step": None,
             "skipped": False, "error": None, "traceback": None, "wall_s": None}
 
 
@@ -224,6 +231,7 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
     cuda = setup.device.type == "cuda"
     start = time.perf_counter()
     model = unit = fn = opt = None
+    skips = _CudagraphSkips()
     try:
         cfg, planned_from = resolve_row_config(cfg_name)
         row["compile_mode"] = cfg.mode
@@ -306,6 +314,8 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
         row.update(step_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, min_ms=t.min_ms,
                    tflops=row["gemm_gflops_per_sample"] * args.batch / t.median_ms)
         log(f"  {setup.name}/{mode}/{cfg_name}: {t.median_ms:.3f} ms (p10 {t.p10_ms:.3f}, p90 {t.p90_ms:.3f})")
+        if args.host_reads:
+            row.update(_host_reads(call, setup, args.host_reads, cudagraphs))
         try:  # a failed error measurement costs the error columns, not the row's timing
             row.update(_measure_error(setup, mode, model, fn, cudagraphs))
         except Exception as e:  # noqa: BLE001
@@ -328,10 +338,45 @@ def run_row(setup: Setup, mode: str, cfg_name: str, args, deadline: float | None
             # the failed row's decisions: loading its plan elsewhere (a CPU) makes the same graphs
             row.update(_save_plan(fn, plan_path(args.out, setup.name, args.preset, args.batch, mode, cfg_name)))
     finally:
+        row["cudagraph_skips"] = skips.close()
+        if row["cudagraph_skips"]:
+            log(f"  {setup.name}/{mode}/{cfg_name}: graphs without CUDA graphs: {row['cudagraph_skips']}")
         row["wall_s"] = round(time.perf_counter() - start, 2)
         del model, unit, fn, opt
         release_config(row, f"{setup.name}/{mode}/{cfg_name}", cuda)
     return row
+
+
+class _CudagraphSkips(logging.Handler):
+    """Collects Inductor's reasons for compiling a graph without CUDA graphs while installed
+    (from `__init__` to `close`), on its `cudagraphs` log."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.reasons: dict = {}
+        from torch._inductor import cudagraph_utils
+        self._log = cudagraph_utils.cudagraphs_log
+        self._log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        reason = record.getMessage().splitlines()[0][:200]
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def close(self):
+        self._log.removeHandler(self)
+        super().close()
+        return self.reasons or None
+
+
+def _host_reads(call, setup: Setup, steps: int, cudagraphs: bool) -> dict:
+    """The host reads and synchronizations of `steps` more steps, by caller."""
+    from benchmarks.host_overhead import HostReads
+    with HostReads() as reads:
+        for i in range(steps):
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            call(*setup.pool[i % len(setup.pool)])
+    return {"host_reads": reads.by_caller(), "host_reads_per_step": reads.total() / steps}
 
 
 def _save_plan(compiled, path: Path) -> dict:
@@ -605,6 +650,8 @@ def parse_args(argv=None):
                    help="whole-run budget: rows not started by then are skipped rows")
     p.add_argument("--out", default="benchmarks/results", help="directory of the JSON and markdown")
     p.add_argument("--name", default=None, help="file stem instead of <date>_<device>_public_<preset>")
+    p.add_argument("--host-reads", type=int, default=0, metavar="N",
+                   help="count host reads and syncs by caller over N steps after the timed ones")
     p.add_argument("--profile", action="store_true",
                    help="profile one step per row: GEMM share, ceiling at 1.6x, largest non-GEMM kernels")
     p.add_argument("--list", action="store_true", help="print the registry and exit")

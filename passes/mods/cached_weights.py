@@ -165,6 +165,7 @@ class RefreshingGraph:
     _boxed_call = True
 
     def __init__(self, compiled, cache: WeightCache, check_after: bool):
+        self.__name__ = type(self).__name__  # read at every call by Dynamo's disable wrapper: no __getattr__ miss
         self.compiled = compiled
         self.cache = cache
         self.check_after = check_after

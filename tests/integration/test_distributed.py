@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import time
+import unittest.mock
 
 import pytest
 import torch
@@ -238,6 +239,15 @@ def _plans(rank, device):
     """A window closing on different data per rank (rank 1's inputs 1000x larger with an
     outlier), an amax guard tripping on rank 1 alone, re-checks, then a new batch size on
     both ranks (Dynamo recompiles; the new graph opens its own window)."""
+    from loka_compile import amax_guard
+
+    # The ranks merge their guards' trips at every call, as one process reads them: the trip
+    # acts at the next call (by default they merge every RANK_MERGE_EVERY calls).
+    with unittest.mock.patch.object(amax_guard, "RANK_MERGE_EVERY", 1):
+        return _plans_merging_every_call(rank, device)
+
+
+def _plans_merging_every_call(rank, device):
     from loka_compile import compiled_graph
 
     torch._dynamo.reset()
