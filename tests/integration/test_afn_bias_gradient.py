@@ -53,10 +53,10 @@ def test_log_transform_layer_returns_its_bias_gradient_in_the_bias_shape():
     eager = copy.deepcopy(layer)
     compiled = torch.compile(layer, backend="loka",
                              options={"recipe": "rowwise", "probe_steps": 0, "speed_check": False})
-    for step in range(2):
+    for _ in range(2):  # the compile, then a call of the compiled graphs
         x = torch.randn(8, 26, 16)
         weights = torch.randn(8, 16 * 64)  # a random readout: no gradient cancels by symmetry
-        for model, fn in ((layer, compiled), (eager, eager)):
+        for fn in (compiled, eager):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = fn(x)
             (out.float() * weights).sum().backward()
