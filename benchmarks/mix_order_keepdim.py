@@ -10,7 +10,8 @@ Rows, each on fresh random inputs:
   - inductor: `backend="inductor"` on (row amax of g [B*E, N], keepdim column sum of g [B, E, N]);
   - loka: the same function under loka (every graph goes through its passes);
   - afn_loka / afn_loka_without_pass: the layer trained for 3 steps under loka (rowwise, speed check
-    off, so the dgrad's row-wise cast is in the graph), with the pass, and with it taken out of the pipeline.
+    off, so the dgrad's row-wise cast is in the graph; fallback off, so a misshaped gradient raises),
+    with the pass, and with it taken out of the pipeline.
 Each row records the returned shapes (or the error), and Inductor's count of mix-order kernels.
 Writes mix_order_keepdim.json and .md to --out.
 """
@@ -63,8 +64,10 @@ def _afn_row(name: str, with_pass: bool, sizes, device) -> dict:
         passes.PIPELINE = tuple(p for p in pipeline if p[0] != "keepdim_outputs")
     shapes, error = [], ""
     try:
+        # fallback off: a misshaped gradient raises instead of sending the backward to its fallback
         compiled = torch.compile(layer, backend="loka", options={"recipe": "rowwise", "probe_steps": 0,
-                                                                  "speed_check": False, "mode": "reduce-overhead"})
+                                                                  "speed_check": False, "fallback": False,
+                                                                  "mode": "reduce-overhead"})
         for _ in range(3):
             x = torch.randn(batch, fields, embed, device=device)
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -92,7 +95,7 @@ def main(argv=None) -> None:
     g_sizes = (64, 4, 32) if args.tiny else (2048, 16, 256)
     afn_sizes = (8, 26, 16, 64) if args.tiny else (2048, 26, 16, 256)
     rows = [_function_row("inductor", "inductor", None, g_sizes, device),
-            _function_row("loka", "loka", {"mode": "reduce-overhead"}, g_sizes, device)]
+            _function_row("loka", "loka", {"mode": "reduce-overhead", "fallback": False}, g_sizes, device)]
     try:
         import deepctr_torch  # noqa: F401
     except ImportError:

@@ -33,7 +33,8 @@ def _row_max_and_column_sum(g):
 def test_a_column_sum_fused_with_a_row_reduction_keeps_its_kept_dims(mode):
     g = torch.randn(ROWS // 16, 16, COLUMNS, device="cuda")
     metrics.reset()
-    compiled = torch.compile(_row_max_and_column_sum, backend="loka", options={"mode": mode})
+    # fallback off: a misshaped output must fail here, not run the graph without loka's passes
+    compiled = torch.compile(_row_max_and_column_sum, backend="loka", options={"mode": mode, "fallback": False})
     for _ in range(3):  # reduce-overhead records its CUDA graph at the second call
         row_max, column_sum = compiled(g)
     expected = _row_max_and_column_sum(g)
@@ -54,8 +55,9 @@ def test_log_transform_layer_trains_with_its_bias_gradient_in_shape(mode):
         layer.ltl_biases.normal_(0.0, 0.1)
     eager = copy.deepcopy(layer)
     metrics.reset()
-    # The speed check off: the dgrad goes FP8 (its row-wise cast is the row reduction) whatever it times.
-    compiled = torch.compile(layer, backend="loka", options={"recipe": "rowwise", "probe_steps": 0,
+    # The speed check off: the dgrad goes FP8 (its row-wise cast is the row reduction) whatever it
+    # times; fallback off: a misshaped gradient must fail here, not send the backward to its fallback.
+    compiled = torch.compile(layer, backend="loka", options={"recipe": "rowwise", "probe_steps": 0, "fallback": False,
                                                               "speed_check": False, "mode": mode})
     for _ in range(3):
         x = torch.randn(ROWS // 16, 26, 16, device="cuda")

@@ -52,7 +52,8 @@ def test_log_transform_layer_returns_its_bias_gradient_in_the_bias_shape():
     layer = _layer()
     eager = copy.deepcopy(layer)
     compiled = torch.compile(layer, backend="loka",
-                             options={"recipe": "rowwise", "probe_steps": 0, "speed_check": False})
+                             options={"recipe": "rowwise", "probe_steps": 0, "speed_check": False,
+                                      "fallback": False})
     for _ in range(2):  # the compile, then a call of the compiled graphs
         x = torch.randn(8, 26, 16)
         weights = torch.randn(8, 16 * 64)  # a random readout: no gradient cancels by symmetry
