@@ -12,9 +12,9 @@ sum of the same [M, N] data into one kernel, then finishes the column sum in the
 drops the kept dims, so a keepdim result returned by the graph comes back with another shape
 (torch later restores it with a view). loka makes the pair: a row-wise FP8 cast of a
 gradient (its row amax) beside the column sum of the same gradient that is a broadcast
-bias's gradient (deepctr-torch's LogTransformLayer: `x @ W + b` with b [1, 1, N], its
-gradient a [1, 1, N] keepdim sum), and autograd rejects the [N] gradient. With the kept dims
-in a view, the reduction's own buffer is [N] whatever Inductor does with it.
+bias's gradient (`x @ W + b` of a 3-D x with b [1, 1, N]: a [1, 1, N] keepdim sum), and
+autograd rejects the [N] gradient (docs/benchmarks.md has the model that met it). With the
+kept dims in a view, the reduction's own buffer is [N] whatever Inductor does with it.
 
 Declines: reductions without keepdim, and keepdim reductions that the graph does not return
 (their readers are kernels that index the buffer, not its shape).
