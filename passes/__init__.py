@@ -17,6 +17,7 @@ from .context import Amendment, Decision, GraphKind, PassContext, Phase, Reason,
 from .dispatch_sites import dispatch_sites
 from .find_sites import find_sites, graph_kind
 from .hop_sites import hop_sites
+from .keepdim_outputs import keepdim_outputs
 from .lower import lower
 from .mods import MODS
 from .mods.aligned_gemms import align_gemms
@@ -32,6 +33,7 @@ PIPELINE = (
     ("amax_guard", amax_guard),  # after lower: the guards its casts put in the graph, as one op
     ("aligned_gemms", align_gemms),  # after lower: only the high-precision GEMMs are left to pad
     ("hop_sites", hop_sites),  # after the rest: no pass sees the sites inside higher-order ops
+    ("keepdim_outputs", keepdim_outputs),  # last: the graph's outputs as Inductor will return them
 )
 
 

@@ -6,7 +6,10 @@ argument nodes (Inductor's `fwd_only`, the tracer its pattern matcher uses for
 replacements), inlines the traced nodes before `node` with their fake values as
 metadata, and points every user of `node` at the result. Symbolic sizes stay symbolic;
 a function that branches on one would add a guard, so the functions traced here never
-do.
+do. A replacement whose result has another rank, dtype or size than the node's is refused
+(`MisshapedReplacement`, the graph left as it was): its readers, and a backward graph's
+caller (autograd checks each gradient's shape), would get another tensor than the graph
+promised. Strides may differ (a padded GEMM's output is a slice).
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import copy
 import torch
 from torch._inductor.pattern_matcher import fwd_only
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+class MisshapedReplacement(ValueError):
+    """A rewrite whose result is not the tensor the replaced node promised."""
 
 
 def _fake_value(arg):
@@ -59,11 +67,27 @@ def replace_with_traced(node: torch.fx.Node, fn, args: list) -> list:
     """Replace `node` with the nodes of `fn(*args)` (args: nodes carrying a fake "val").
     Returns the inserted nodes."""
     inserted, result = insert_traced(node, fn, args, meta_from=node)
-    if not isinstance(result, torch.fx.Node):
-        raise ValueError(f"replacement for {node.name} must return one tensor, got {result!r}")
+    why = "" if isinstance(result, torch.fx.Node) else f"returns {result!r}, not one tensor"
+    if not why:
+        why = _differs(node.meta.get("val"), result.meta.get("val"))
+    if why:
+        for new in reversed(inserted):
+            node.graph.erase_node(new)
+        raise MisshapedReplacement(f"replacement for {node.name} ({node.target}) refused: {why}")
     node.replace_all_uses_with(result)
     node.graph.erase_node(node)
     return inserted
+
+
+def _differs(before, after) -> str:
+    """Why a replacement's value `after` is not the node's value `before` (rank, dtype, a size
+    provably different), "" when it may stand for it."""
+    if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
+        return "" if not isinstance(before, torch.Tensor) else "no tensor value"
+    if after.dim() != before.dim() or after.dtype != before.dtype or any(
+            statically_known_true(a != b) for a, b in zip(after.shape, before.shape)):
+        return f"gives {after.dtype} {list(after.shape)} where the node gives {before.dtype} {list(before.shape)}"
+    return ""
 
 
 def users_within(node: torch.fx.Node, limit: int) -> list:
