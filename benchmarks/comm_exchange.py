@@ -133,38 +133,55 @@ def markdown(env: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpus", type=int, default=2, help="ranks (one GPU each on CUDA)")
-    parser.add_argument("--sizes", default="1,4,25,100", help="gradient MB (fp32) per call; 25: DDP's bucket")
-    parser.add_argument("--repeats", type=int, default=20)
+def add_launch_arguments(parser: argparse.ArgumentParser, what: str, repeats: int) -> None:
+    """The options every launcher of a per-rank benchmark takes (`launch`)."""
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--name", default=None, help="file stem instead of <date>_comm_exchange_<N>ranks")
+    parser.add_argument("--name", default=None, help=f"file stem instead of <date>_{what}_<N>ranks")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rows-file", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args)
+
+
+def launch(module: str, args: argparse.Namespace, what: str, worker_arguments: list) -> tuple:
+    """Run `module --worker` on `args.gpus` ranks (torchrun, NVLink multicast off); return the
+    output folder, the file stem, the rows rank 0 wrote and the device's name."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"{time.strftime('%Y-%m-%d')}_comm_exchange_{args.gpus}ranks"
+    stem = args.name or f"{time.strftime('%Y-%m-%d')}_{what}_{args.gpus}ranks"
     rows_file = out / f"{stem}.rows.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
-               "-m", "benchmarks.comm_exchange", "--worker", "--rows-file", str(rows_file), f"--sizes={args.sizes}",
+               "-m", module, "--worker", "--rows-file", str(rows_file), *worker_arguments,
                f"--repeats={args.repeats}", f"--warmup={args.warmup}", f"--device={args.device}"]
     subprocess.run(command, env=dict(os.environ, NCCL_NVLS_ENABLE="0"), check=True)
     rows = json.loads(rows_file.read_text())
     rows_file.unlink()
     device = torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else "CPU"
-    env = {"world_size": args.gpus, "device": device, "torch": torch.__version__, "block": BLOCK,
-           "nccl_nvls_enable": "0", "repeats": args.repeats}
+    return out, stem, rows, device
+
+
+def write_results(out: Path, stem: str, env: dict, rows: list, markdown) -> Path:
+    """The run's JSON and markdown table under `out`; the table is printed too."""
     (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     table = markdown(env, rows)
     (out / f"{stem}.md").write_text(table)
     print(table)
     return out / f"{stem}.json"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=2, help="ranks (one GPU each on CUDA)")
+    parser.add_argument("--sizes", default="1,4,25,100", help="gradient MB (fp32) per call; 25: DDP's bucket")
+    add_launch_arguments(parser, "comm_exchange", repeats=20)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    out, stem, rows, device = launch("benchmarks.comm_exchange", args, "comm_exchange", [f"--sizes={args.sizes}"])
+    env = {"world_size": args.gpus, "device": device, "torch": torch.__version__, "block": BLOCK,
+           "nccl_nvls_enable": "0", "repeats": args.repeats}
+    return write_results(out, stem, env, rows, markdown)
 
 
 if __name__ == "__main__":

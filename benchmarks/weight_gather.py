@@ -31,15 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.comm_exchange import _timed_us
+from benchmarks.comm_exchange import _timed_us, add_launch_arguments, launch, write_results
 from loka_compile import comm
 from loka_compile.kernels import triton_quant
 from loka_compile.kernels.metrics import rel_error
@@ -152,34 +149,14 @@ def main(argv=None):
     parser.add_argument("--gpus", type=int, default=4, help="ranks (one GPU each on CUDA)")
     parser.add_argument("--shapes", default="1024x512,2048x2048,4096x4096,8192x4096",
                         help="weights N x K, comma-separated; N a multiple of the ranks")
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--name", default=None, help="file stem instead of <date>_weight_gather_<N>ranks")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--rows-file", help=argparse.SUPPRESS)
+    add_launch_arguments(parser, "weight_gather", repeats=30)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"{time.strftime('%Y-%m-%d')}_weight_gather_{args.gpus}ranks"
-    rows_file = out / f"{stem}.rows.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
-               "-m", "benchmarks.weight_gather", "--worker", "--rows-file", str(rows_file), f"--shapes={args.shapes}",
-               f"--repeats={args.repeats}", f"--warmup={args.warmup}", f"--device={args.device}"]
-    subprocess.run(command, env=dict(os.environ, NCCL_NVLS_ENABLE="0"), check=True)
-    rows = json.loads(rows_file.read_text())
-    rows_file.unlink()
-    device = torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else "CPU"
+    out, stem, rows, device = launch("benchmarks.weight_gather", args, "weight_gather", [f"--shapes={args.shapes}"])
     env = {"world_size": args.gpus, "device": device, "torch": torch.__version__, "dtype": "bfloat16",
            "format": FMT.value, "nccl_nvls_enable": "0", "repeats": args.repeats}
-    (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    table = markdown(env, rows)
-    (out / f"{stem}.md").write_text(table)
-    print(table)
-    return out / f"{stem}.json"
+    return write_results(out, stem, env, rows, markdown)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,14 @@ class RoutedTowers(nn.Module):
     def forward(self, x):
         routed = torch.cond(x.mean() > 0, self.left, self.right, (x,))
         return routed, self.head(routed)
+
+
+class LinearReLU(nn.Module):
+    """One Linear and a ReLU: the unit the distributed tests compile, then wrap or shard."""
+
+    def __init__(self, width_in, width_out):
+        super().__init__()
+        self.fc = nn.Linear(width_in, width_out)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))

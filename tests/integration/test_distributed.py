@@ -21,6 +21,7 @@ from torch import nn
 
 import loka_compile
 from loka_compile.report import plan_of
+from models import LinearReLU
 from numerics import rel_error
 from spawn_ranks import run_ranks
 
@@ -77,22 +78,13 @@ class SparseTower(nn.Module):
         return self.fc(self.table(ids).mean(dim=1))
 
 
-class Block(nn.Module):
-    def __init__(self, width_in, width_out):
-        super().__init__()
-        self.fc = nn.Linear(width_in, width_out)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x))
-
-
 class BlockNet(nn.Module):
     """Blocks for FSDP2: each compiled, then sharded (FSDP2's pattern: the all-gather runs in
     fully_shard's hooks, outside the compiled graphs)."""
 
     def __init__(self):
         super().__init__()
-        self.b1, self.b2, self.head = Block(32, 64), Block(64, 64), nn.Linear(64, 16)
+        self.b1, self.b2, self.head = LinearReLU(32, 64), LinearReLU(64, 64), nn.Linear(64, 16)
 
     def forward(self, x):
         return self.head(self.b2(self.b1(x)))

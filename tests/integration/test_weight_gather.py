@@ -20,6 +20,7 @@ import loka_compile
 from loka_compile.kernels.quantize import Fp8Format, dequantize, quantize_along, quantize_tensorwise
 from loka_compile import weight_gather
 from loka_compile.weight_gather import GatherReason
+from models import LinearReLU
 from numerics import rel_error
 from spawn_ranks import run_ranks
 
@@ -50,15 +51,6 @@ UPDATE_ERROR_FLOOR = 5e-3
 SAME_UPDATE_FLOOR = 1e-4
 
 
-class Block(nn.Module):
-    def __init__(self, width_in, width_out):
-        super().__init__()
-        self.fc = nn.Linear(width_in, width_out)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x))
-
-
 class Net(nn.Module):
     """tensorwise: a block with the tensorwise recipe (no dgrad: its input needs no gradient);
     both_layouts: the rowwise recipe, its FP8 dgrad's copy of the weight cast in the forward by
@@ -68,8 +60,8 @@ class Net(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.tensorwise, self.both_layouts, self.rowwise = Block(32, 64), Block(64, 64), Block(64, 64)
-        self.excluded, self.uneven, self.head = Block(64, 64), Block(64, 33), nn.Linear(33, 16)
+        self.tensorwise, self.both_layouts, self.rowwise = LinearReLU(32, 64), LinearReLU(64, 64), LinearReLU(64, 64)
+        self.excluded, self.uneven, self.head = LinearReLU(64, 64), LinearReLU(64, 33), nn.Linear(33, 16)
 
     def forward(self, x):
         return self.head(self.uneven(self.excluded(self.rowwise(self.both_layouts(self.tensorwise(x))))))
