@@ -169,10 +169,11 @@ def _fold_batch(node: torch.fx.Node, fold: str) -> torch.fx.Node:
     [B, M, N]. Returns the mm/addmm node."""
     a, b, bias, _ = operands(node)
     matrix = b if fold == FOLD_SINGLE else broadcast_matrix(b)
+    dtype = node.meta["val"].dtype  # the matrix before its expand may be before autocast's cast too
 
     def folded(a, matrix, *bias):
         k, n = matrix.shape[-2], matrix.shape[-1]
-        rows, weight = a.reshape(-1, k), matrix.reshape(k, n)
+        rows, weight = a.reshape(-1, k), matrix.reshape(k, n).to(dtype)
         out = torch.addmm(bias[0].reshape(-1), rows, weight) if bias else torch.mm(rows, weight)
         return out.view(a.shape[0], a.shape[1], n)
 
