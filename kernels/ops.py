@@ -449,7 +449,7 @@ def amax_guard_buffers(prefix: str) -> list:
 
 
 # Defined through torch.library.Library, as `triton_fp8_gemm` is, rather than custom_op, whose
-# Python autograd layer costs about 30 us of host time per call. Neither op has a CUDA-graph
+# Python autograd layer is host time at every call (docs/kernels.md). Neither op has a CUDA-graph
 # tag: each is one in-place max on the device, nothing read back (the backend reads the
 # buffers between calls), so CUDA graphs capture them.
 _GUARD_LIB = torch.library.Library("loka", "FRAGMENT")

@@ -829,8 +829,8 @@ def _(x, block_rows, block_cols, fmt, power_of_two=False):
 
 # Defined through torch.library.Library rather than custom_op, as `triton_fp8_gemm` is: the
 # weight_both_layouts Mod puts this op in every FP8 training forward, and custom_op's Python
-# autograd layer costs about 30 us of host time per call (docs/kernels.md), which a graph run
-# without CUDA graphs pays at every call. It has no autograd formula: FP8 copies carry no gradient.
+# autograd layer is host time at every call of a graph run without CUDA graphs (docs/kernels.md
+# has the measurement). It has no autograd formula: FP8 copies carry no gradient.
 _DUAL_AXIS_LIB = torch.library.Library("loka", "FRAGMENT")
 _DUAL_AXIS_LIB.define("quantize_dual_axis(Tensor x, str fmt, bool power_of_two=False) "
                       "-> (Tensor, Tensor, Tensor, Tensor)")
