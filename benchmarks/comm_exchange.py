@@ -103,22 +103,23 @@ def measure(size_mb: float, device: torch.device, repeats: int, warmup: int) -> 
     return rows
 
 
-def worker(args) -> None:
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+def run_worker(args, measure_all) -> None:
+    """One rank of a `launch`ed benchmark: join the process group, `measure_all(device)` (the
+    rows), rank 0 writes them to `args.rows_file`."""
+    from examples.distributed import init_process_group
+
+    device = init_process_group(args.device)
     try:
-        rows = [row for size in args.sizes.split(",") for row in measure(float(size), device, args.repeats,
-                                                                          args.warmup)]
+        rows = measure_all(device)
         if dist.get_rank() == 0:
             Path(args.rows_file).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
+
+
+def worker(args) -> None:
+    run_worker(args, lambda device: [row for size in args.sizes.split(",")
+                                     for row in measure(float(size), device, args.repeats, args.warmup)])
 
 
 def markdown(env: dict, rows: list[dict]) -> str:

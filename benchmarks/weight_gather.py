@@ -29,14 +29,11 @@ is left off (NCCL_NVLS_ENABLE=0).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.comm_exchange import _timed_us, add_launch_arguments, launch, write_results
+from benchmarks.comm_exchange import _timed_us, add_launch_arguments, launch, run_worker, write_results
 from loka_compile import comm
 from loka_compile.kernels import triton_quant
 from loka_compile.kernels.metrics import rel_error
@@ -113,23 +110,9 @@ def measure(rows: int, cols: int, device: torch.device, repeats: int, warmup: in
 
 
 def worker(args) -> None:
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    try:
-        rows = []
-        for shape in args.shapes.split(","):
-            n, k = (int(v) for v in shape.split("x"))
-            rows += measure(n, k, device, args.repeats, args.warmup)
-        if dist.get_rank() == 0:
-            Path(args.rows_file).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    run_worker(args, lambda device: [row for n, k in shapes
+                                     for row in measure(n, k, device, args.repeats, args.warmup)])
 
 
 def markdown(env: dict, rows: list[dict]) -> str:
