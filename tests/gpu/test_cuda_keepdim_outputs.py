@@ -13,15 +13,12 @@ import pytest
 import torch
 from torch._inductor import metrics
 
-from numerics import sqnr_db
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_compile_state")]
 
 # Rows and columns past the sizes where Inductor fuses the two reductions (at least 4096 rows,
 # twice as many rows as columns, 5 * 2**20 elements: torch 2.11's MixOrderReduction.can_fuse).
 ROWS, COLUMNS = 2048 * 16, 256
-# Emulated rowwise e4m3 on the CPU gives these gradients 17.9-36 dB (tests/integration/test_afn_bias_gradient.py).
-GRAD_SQNR_FLOOR_DB = 15.0
 
 
 def _row_max_and_column_sum(g):
@@ -47,28 +44,14 @@ def test_a_column_sum_fused_with_a_row_reduction_keeps_its_kept_dims(mode):
 @pytest.mark.skipif(importlib.util.find_spec("deepctr_torch") is None, reason="the public extra is not installed")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_log_transform_layer_trains_with_its_bias_gradient_in_shape(mode):
-    from deepctr_torch.layers.interaction import LogTransformLayer
+    from test_afn_bias_gradient import afn_layer, train_against_eager
 
-    torch.manual_seed(0)
-    layer = LogTransformLayer(field_size=26, embedding_size=16, ltl_hidden_size=COLUMNS).cuda()
-    with torch.no_grad():
-        layer.ltl_biases.normal_(0.0, 0.1)
+    layer = afn_layer(hidden=COLUMNS, device="cuda")
     eager = copy.deepcopy(layer)
     metrics.reset()
     # The speed check off: the dgrad goes FP8 (its row-wise cast is the row reduction) whatever it
     # times; fallback off: a misshaped gradient must fail here, not send the backward to its fallback.
     compiled = torch.compile(layer, backend="loka", options={"recipe": "rowwise", "probe_steps": 0, "fallback": False,
                                                               "speed_check": False, "mode": mode})
-    for _ in range(3):
-        x = torch.randn(ROWS // 16, 26, 16, device="cuda")
-        readout = torch.randn(ROWS // 16, 16 * COLUMNS, device="cuda")
-        for fn in (compiled, eager):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = fn(x)
-            (out.float() * readout).sum().backward()
-        for (name, p), q in zip(layer.named_parameters(), eager.parameters()):
-            assert p.grad.shape == p.shape, name
-            assert torch.isfinite(p.grad).all(), name
-            assert sqnr_db(q.grad.double(), p.grad.double()) > GRAD_SQNR_FLOOR_DB, name
-            p.grad = q.grad = None
+    train_against_eager(compiled, layer, eager, rows=ROWS // 16, steps=3)
     assert metrics.codegen_mix_order_reduction > 0, "Inductor did not fuse the two reductions: nothing tested"

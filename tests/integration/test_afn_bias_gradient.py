@@ -32,14 +32,33 @@ aten = torch.ops.aten
 GRAD_SQNR_FLOOR_DB = 15.0
 
 
-def _layer():
+def afn_layer(hidden: int = 64, device: str = "cpu"):
     """The layer as deepctr-torch's AFN builds it (fields x embedding x logarithmic neurons; the
     production preset's 26 fields, smaller sizes), its zero-initialized bias made random."""
     torch.manual_seed(0)
-    layer = LogTransformLayer(field_size=26, embedding_size=16, ltl_hidden_size=64)
+    layer = LogTransformLayer(field_size=26, embedding_size=16, ltl_hidden_size=hidden).to(device)
     with torch.no_grad():
         layer.ltl_biases.normal_(0.0, 0.1)
     return layer
+
+
+def train_against_eager(compiled, layer, eager, rows: int, steps: int) -> None:
+    """`steps` forward + backward of the compiled layer and of its eager copy under bf16 autocast,
+    on fresh random embeddings and a random readout (no gradient cancels by symmetry): every
+    gradient in its parameter's shape, finite, and within GRAD_SQNR_FLOOR_DB of eager's."""
+    device = layer.ltl_biases.device.type
+    for _ in range(steps):
+        x = torch.randn(rows, 26, 16, device=device)
+        readout = torch.randn(rows, 16 * layer.ltl_biases.shape[-1], device=device)
+        for fn in (compiled, eager):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                out = fn(x)
+            (out.float() * readout).sum().backward()
+        for (name, p), q in zip(layer.named_parameters(), eager.parameters()):
+            assert p.grad.shape == p.shape, name
+            assert torch.isfinite(p.grad).all(), name
+            assert sqnr_db(q.grad.double(), p.grad.double()) > GRAD_SQNR_FLOOR_DB, name
+            p.grad = q.grad = None
 
 
 def _keepdim_reductions_returned(gm: torch.fx.GraphModule) -> list:
@@ -49,23 +68,12 @@ def _keepdim_reductions_returned(gm: torch.fx.GraphModule) -> list:
 
 
 def test_log_transform_layer_returns_its_bias_gradient_in_the_bias_shape():
-    layer = _layer()
+    layer = afn_layer()
     eager = copy.deepcopy(layer)
     compiled = torch.compile(layer, backend="loka",
                              options={"recipe": "rowwise", "probe_steps": 0, "speed_check": False,
                                       "fallback": False})
-    for _ in range(2):  # the compile, then a call of the compiled graphs
-        x = torch.randn(8, 26, 16)
-        weights = torch.randn(8, 16 * 64)  # a random readout: no gradient cancels by symmetry
-        for fn in (compiled, eager):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = fn(x)
-            (out.float() * weights).sum().backward()
-        for (name, p), q in zip(layer.named_parameters(), eager.parameters()):
-            assert p.grad.shape == p.shape, name
-            assert torch.isfinite(p.grad).all(), name
-            assert sqnr_db(q.grad.double(), p.grad.double()) > GRAD_SQNR_FLOOR_DB, name
-            p.grad = q.grad = None
+    train_against_eager(compiled, layer, eager, rows=8, steps=2)  # the compile, then a call of the compiled graphs
     report = loka_compile.report(compiled)
     dgrad = [s for s in report.sites if s.role == "dgrad"]
     assert dgrad and all(s.fp8 for s in dgrad)  # the output gradient is cast row by row: the row reduction
