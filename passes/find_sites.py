@@ -507,12 +507,17 @@ FOLD_SINGLE = "a batch of one (einsum writes its contractions so)"
 FOLD_BROADCAST = "B one matrix expanded over the batch (a 3-D activation @ a 2-D weight that matmul did not fold)"
 
 
+# Views between a broadcast matrix's `expand` and the bmm that keep each matrix's element order:
+# past a transpose the expanded matrix would be the transpose of B's.
+_ORDER_KEEPING = VIEW_LIKE - {aten.expand.default, aten.t.default, aten.permute.default, aten.transpose.int}
+
+
 def broadcast_matrix(operand: torch.fx.Node) -> Optional[torch.fx.Node]:
     """The node holding the one matrix that `operand` (a bmm's 3-D B) repeats over its batch:
-    the input of the `expand` it is read through (views between), a 2-D [K, N] or a
-    [1, K, N]; None when B is not such a broadcast."""
+    the input of the `expand` it is read through (views that keep the element order between),
+    a 2-D [K, N] or a [1, K, N]; None when B is not such a broadcast."""
     node = operand
-    while node.op == "call_function" and node.target in VIEW_LIKE and node.target is not aten.expand.default:
+    while node.op == "call_function" and node.target in _ORDER_KEEPING:
         node = node.args[0]
         if not isinstance(node, torch.fx.Node):
             return None

@@ -315,3 +315,27 @@ def test_wukong_layer_under_autocast_runs_its_projections_as_weight_bmms(monkeyp
     assert not any(g.fallback for g in report.graphs), str(report)
     assert any(s.fp8 for s in report.sites), report.table()
     assert sqnr_db(ref, out.double()) > GEMM_SQNR_FLOOR_DB - 6  # several FP8 GEMMs in a row, in bf16
+
+
+def test_a_square_broadcast_matrix_read_transposed_after_its_expand_is_not_folded_as_itself():
+    """`x @ w.expand(...).transpose(1, 2)` with a square w: the matrix before the expand is w, the
+    bmm reads w^T. Folding it as w gave the wrong product; it stays a bmm, and the output is x @ w^T."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(D, D))
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return torch.bmm(x, self.w.unsqueeze(0).expand(x.shape[0], D, D).transpose(1, 2))
+
+    model, x = Transposed(), torch.randn(B, N, D)
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, "speed_check": False})
+    with torch.no_grad():
+        out = compiled(x)
+    ref = x.double() @ w.detach().double().t()
+    assert torch.isfinite(out).all() and sqnr_db(ref, out.double()) > GEMM_SQNR_FLOOR_DB
+    (site,) = loka_compile.report(compiled).sites
+    assert site.batch is not None, loka_compile.report(compiled).table()  # a batched site: not folded
