@@ -406,9 +406,15 @@ def test_a_backward_returning_a_misshaped_gradient_falls_back_and_trains(monkeyp
     real = inductor_compile._compile_cached
     misshaped = []
 
+    depth = [0]  # `_compile_cached` calls itself (through this patch) after an unused FX graph cache hit
+
     def flattening_backward(gm, example_inputs, *args, **kwargs):
-        compiled = real(gm, example_inputs, *args, **kwargs)
-        if graph_kind(gm.graph) is not GraphKind.BACKWARD:
+        depth[0] += 1
+        try:
+            compiled = real(gm, example_inputs, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if depth[0] or graph_kind(gm.graph) is not GraphKind.BACKWARD:
             return compiled
 
         def run(inputs):
