@@ -19,9 +19,15 @@ lined up by a barrier first), on fresh random weights (rows over 4 binades):
 - fp8 columnwise (the backward's re-gather for a rowwise dgrad): the K column amaxes all-reduced,
   the cast, the all-gather, the dequantization;
 - dequantize alone, and the GEMM's own rowwise cast of the gathered bf16 weight alone (what a
-  direct feed would also save).
+  direct feed would also save);
+- the round trip a direct feed removes, per forward (dequantize, then the GEMM's rowwise re-cast)
+  and per backward re-gather for a rowwise dgrad (dequantize the columnwise bytes, then the
+  dgrad's columnwise re-cast), each checked to give back the gathered bytes and scales bit for bit
+  (so a feed of the gathered FP8 weight that skips it changes nothing; docs/weight_gather_feed.md
+  says why that feed is not built yet).
 
-Each row has the bytes the all-gather moves (the whole gathered tensor) and the relative error
+Each row has the bytes the all-gather moves (the whole gathered tensor), the least memory traffic
+of the local forms (every input read once, every output written once), and the relative error
 of the gathered weight against the bf16 one. Results: <out>/<name>.json and .md. NVLink multicast
 is left off (NCCL_NVLS_ENABLE=0).
 """
@@ -48,6 +54,16 @@ def fresh_weight(rows: int, cols: int, seed: int, device: torch.device) -> torch
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * 10.0 ** (torch.rand(rows, 1, generator=g) * 4 - 2)
     return w.to(device=device, dtype=DTYPE)
+
+
+def round_trip_bytes(rows: int, cols: int, scale_count: int) -> dict:
+    """Least memory traffic (inputs read once, outputs written once) of a dequantization (the FP8
+    bytes and `scale_count` fp32 scales in, the compute dtype out) and of the re-cast after it."""
+    elements, scales = rows * cols, 4 * scale_count
+    size = torch.empty((), dtype=DTYPE).element_size()
+    dequantize_bytes = elements + scales + size * elements
+    recast_bytes = size * elements + elements + scales
+    return {"dequantize": dequantize_bytes, "recast": recast_bytes, "round_trip": dequantize_bytes + recast_bytes}
 
 
 def measure(rows: int, cols: int, device: torch.device, repeats: int, warmup: int) -> list[dict]:
@@ -86,6 +102,19 @@ def measure(rows: int, cols: int, device: torch.device, repeats: int, warmup: in
         return run
 
     q_full, scale_full = quantize_shard(full, "rowwise", FMT)
+    q_cols, scale_cols = quantize_shard(full, "columnwise", FMT)  # every rank holds all of `full`
+    gathered_cols = torch.empty_like(out)
+    forward_traffic, backward_traffic = round_trip_bytes(rows, cols, rows), round_trip_bytes(rows, cols, cols)
+
+    def forward_round_trip():
+        return triton_quant.quantize_rowwise(dequantize_into(q_full, scale_full, DTYPE, out), FMT.value)
+
+    def backward_round_trip():
+        return triton_quant.quantize_columnwise(dequantize_into(q_cols, scale_cols, DTYPE, gathered_cols), FMT.value)
+
+    forward_trip = "today's round trip per forward: dequantize, the GEMM's rowwise re-cast"
+    backward_trip = "today's round trip per backward (rowwise dgrad): dequantize, the dgrad's columnwise re-cast"
+    round_trips = {forward_trip: (q_full, scale_full), backward_trip: (q_cols, scale_cols)}  # what they give back
     cases = {
         "bf16 all-gather": (bf16_gather, 2 * rows * cols),
         "fp8 rowwise: cast, all-gather, dequantize": (fp8_rowwise(), rows * cols + 4 * rows),
@@ -97,15 +126,25 @@ def measure(rows: int, cols: int, device: torch.device, repeats: int, warmup: in
         "dequantize alone": (lambda: dequantize_into(q_full, scale_full, DTYPE, out), 0),
         "the GEMM's rowwise cast of the gathered weight alone": (
             lambda: triton_quant.quantize_rowwise(full, FMT.value), 0),
+        forward_trip: (forward_round_trip, 0),
+        backward_trip: (backward_round_trip, 0),
     }
+    memory = {"dequantize alone": forward_traffic["dequantize"],
+              "the GEMM's rowwise cast of the gathered weight alone": forward_traffic["recast"],
+              forward_trip: forward_traffic["round_trip"], backward_trip: backward_traffic["round_trip"]}
     results = []
     for form, (run, gathered_bytes) in cases.items():
         value = run()
         error = rel_error(full, value) if form != "bf16 all-gather" and value is out else None
         if form == "bf16 all-gather":
             assert torch.equal(value, full)
-        results.append({"shape": f"{rows}x{cols}", "form": form, "us": _timed_us(run, device, repeats, warmup),
-                        "gathered_bytes": gathered_bytes, "rel_error": error})
+        row = {"shape": f"{rows}x{cols}", "form": form, "us": _timed_us(run, device, repeats, warmup),
+               "gathered_bytes": gathered_bytes, "memory_bytes": memory.get(form), "rel_error": error}
+        if form in round_trips:
+            (recast_q, recast_scale), (q, scale) = value, round_trips[form]
+            row["bit_identical"] = bool(torch.equal(recast_scale, scale) and torch.equal(
+                recast_q.view(torch.uint8), q.view(torch.uint8)))
+        results.append(row)
     return results
 
 
@@ -117,13 +156,16 @@ def worker(args) -> None:
 
 def markdown(env: dict, rows: list[dict]) -> str:
     lines = [f"# FP8 weight all-gather vs bf16: {env['world_size']} ranks, {env['device']}", "",
-             "| weight N x K | form | us (median) | vs bf16 all-gather | gathered MB | rel. error |",
-             "|---|---|---|---|---|---|"]
+             "| weight N x K | form | us (median) | vs bf16 all-gather | gathered MB | memory MB (least) "
+             "| rel. error | gives back the gathered bytes and scales |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         bf16 = next(x["us"] for x in rows if x["shape"] == r["shape"] and x["form"] == "bf16 all-gather")
         error = "" if r["rel_error"] is None else f"{r['rel_error']:.2e}"
+        memory = "" if r.get("memory_bytes") is None else f"{r['memory_bytes'] / 1e6:.2f}"
+        same = {True: "yes", False: "NO", None: ""}[r.get("bit_identical")]
         lines.append(f"| {r['shape']} | {r['form']} | {r['us']:.1f} | {bf16 / r['us']:.2f}x | "
-                     f"{r['gathered_bytes'] / 1e6:.2f} | {error} |")
+                     f"{r['gathered_bytes'] / 1e6:.2f} | {memory} | {error} | {same} |")
     return "\n".join(lines) + "\n"
 
 

@@ -156,7 +156,8 @@ WEIGHT_GATHER_ERROR_FLOOR = 0.05
 
 def test_weight_gather_benchmark_rows(tmp_path):
     """benchmarks/weight_gather.py on two gloo ranks: the FP8 forms gather fewer bytes than bf16
-    (e4m3 plus a scale a row), and what they deliver is the weight within one e4m3 rounding."""
+    (e4m3 plus a scale a row), and what they deliver is the weight within one e4m3 rounding; the
+    dequantize + re-cast round trip gives back the gathered FP8 operand bit for bit."""
     from benchmarks import weight_gather
 
     rows = run_ranks(_weight_gather_rows, (), WORLD_SIZE, 120, tmp_path)[0]
@@ -168,5 +169,12 @@ def test_weight_gather_benchmark_rows(tmp_path):
                  "fp8 columnwise (a rowwise dgrad's): column amax all-reduce, cast, all-gather, dequantize"):
         assert 0 < by_form[form]["rel_error"] <= WEIGHT_GATHER_ERROR_FLOOR, by_form[form]
     assert all(r["us"] > 0 for r in rows)
+    # the round trip a direct feed would skip gives back the gathered bytes and scales, bit for bit
+    for trip in ("today's round trip per forward: dequantize, the GEMM's rowwise re-cast",
+                 "today's round trip per backward (rowwise dgrad): dequantize, the dgrad's columnwise re-cast"):
+        assert by_form[trip]["bit_identical"] is True, by_form[trip]
+    # bf16 (2 bytes) written and read once, FP8 bytes read and written once, 64 row scales in and out
+    assert by_form["today's round trip per forward: dequantize, the GEMM's rowwise re-cast"]["memory_bytes"] == \
+        2 * (64 * 32 + 4 * 64 + 2 * 64 * 32)
     table = weight_gather.markdown({"world_size": WORLD_SIZE, "device": "CPU"}, rows)
-    assert table.count("| 64x32 |") == len(rows) == 7
+    assert table.count("| 64x32 |") == len(rows) == 9 and "| NO |" not in table

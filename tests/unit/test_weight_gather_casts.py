@@ -1,8 +1,8 @@
 """The FP8 weight all-gather's casts (`loka_compile.weight_gather`), one process: a weight cast
 shard by shard, gathered, dequantized to the compute dtype and cast again by the GEMM's own
 weight cast (the forward's rowwise or tensorwise, the dgrad's columnwise) gives back the gathered
-FP8 bits, and the gathered scale up to one rounding of the
-compute dtype; non-finite values included (the casts' policy is idempotent). Plus the errors
+FP8 bits and the gathered scale, bit for bit; non-finite values included (the casts' policy is
+idempotent), and for every significand a group's amax can have. Plus the errors
 `fp8_all_gather` gives a model it cannot take. The two-rank behaviour is
 tests/integration/test_weight_gather.py."""
 
@@ -11,14 +11,11 @@ import torch
 from torch import nn
 
 import loka_compile
-from loka_compile.kernels.quantize import Fp8Format, dequantize, quantize_along, quantize_tensorwise
+from loka_compile.kernels.quantize import (Fp8Format, cast_with_scale, dequantize, quantize_along, quantize_tensorwise,
+                                           scale_from_amax)
 from loka_compile.weight_gather import dequantize_into, quantize_shard
 
 SHARDS = 2
-# The GEMM's re-cast of a dequantized weight finds the row's (tensor's) amax rounded once to the
-# compute dtype, so its scale is the gathered one within that dtype's half ulp (2^-9 bf16,
-# 2^-24 fp32) and one fp32 rounding of the division by the format's max.
-SCALE_REL_FLOOR = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -22}
 
 
 def weight(rows=64, cols=48, seed=0):
@@ -70,10 +67,27 @@ def test_recast_of_gathered_weight_gives_the_gathered_fp8_operand(scaling, dtype
     assert unsharded.dtype == dtype and not torch.equal(unsharded, w)  # the FP8 rounding really happened
     recast_q, recast_scale = gemm_weight_cast(unsharded, scaling, fmt)
     assert torch.equal(recast_q.view(torch.uint8), q.view(torch.uint8))  # bit for bit
-    rel = ((recast_scale - scale).abs() / scale).max().item()
-    assert rel <= SCALE_REL_FLOOR[dtype], rel
-    # the GEMM's weight, as it dequantizes it, is the gathered one within that scale rounding
-    assert torch.allclose(dequantize(recast_q, recast_scale), dequantize(q, scale), rtol=SCALE_REL_FLOOR[dtype], atol=0)
+    assert torch.equal(recast_scale, scale)  # bit for bit too (test_the_round_trip_keeps_every_scale)
+
+
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_round_trip_keeps_every_scale(dtype, fmt):
+    """Every significand a group's amax can have (a power of two scales amax and scale exactly, so
+    one binade holds every case; every 64th of them near AMAX_EPS and at 2^100 to check that), in
+    the compute dtype: the largest element casts to the format's max,
+    dequantizes to max x scale, rounds to the compute dtype, and the re-cast's scale from it is
+    the gathered scale, bit for bit. So the GEMM fed the gathered bytes and scale as they are
+    computes what it computes today."""
+    significands = (torch.arange(2 ** 23, dtype=torch.int32) | (127 << 23)).view(torch.float32)  # [1, 2)
+    significands = torch.unique(significands.to(dtype)).float()
+    for exponent, every in ((0, 1), (-99, 64), (100, 64)):
+        amax = torch.ldexp(significands[::every], torch.tensor(exponent))
+        scale = scale_from_amax(amax, fmt)
+        top = cast_with_scale(amax, scale, fmt)
+        assert (top.float() == fmt.max).all(), exponent
+        recast = scale_from_amax(dequantize(top, scale).to(dtype).float(), fmt)
+        assert torch.equal(recast, scale), (exponent, (recast != scale).sum().item())
 
 
 def test_out_receives_the_dequantized_weight():
@@ -99,7 +113,7 @@ def test_non_finite_weights_keep_the_casts_policy(scaling, dtype):
     assert same_fp8_values(q, direct_q)
     unsharded = dequantize_into(q, scale, dtype)
     recast_q, recast_scale = gemm_weight_cast(unsharded, scaling, Fp8Format.E4M3)
-    assert same_fp8_values(recast_q, q)
+    assert same_fp8_values(recast_q, q) and same_fp8_values(recast_scale, scale)  # NaN scales where NaN
     value, reference = dequantize(recast_q, recast_scale), dequantize(direct_q, direct_scale)
     assert torch.equal(value.isnan(), reference.isnan()) and torch.equal(value.isinf(), reference.isinf())
     assert value[3, 7].isnan()
