@@ -35,11 +35,10 @@ gathered it, and so is the dgrad's FP8 copy that weight_both_layouts casts in th
 After the gather, the weight is dequantized to the compute dtype (eager elementwise ops) and
 the compiled graph casts it again as it casts any weight: the row's (tensor's) largest value
 maps to the format's maximum again and every other value to the same FP8 value, so the GEMM's
-FP8 operand has the gathered bits and, up to one rounding of the compute dtype, the gathered
-scale (`tests/unit/test_weight_gather_casts.py` proves it for the three casts, non-finite values
-included: the casts' policy is idempotent). Feeding the gathered FP8 bytes to the GEMM directly would save that pass
-and the second cast but needs the compiled graph to take a quantized weight as its input
-(docs/guide.md, "FP8 all-gather of the weights").
+FP8 operand has the gathered bits and the gathered scale (`tests/unit/test_weight_gather_casts.py`
+proves it for the three casts, non-finite values and every significand of a scale included).
+Feeding the gathered FP8 bytes to the GEMM directly would save that pass and the second cast but
+needs the compiled graph to take a quantized weight as its input (docs/weight_gather_feed.md).
 
 How. FSDP2's all-gather extension: the sharded parameter's local tensor becomes a
 `_RoutedShard` (a tensor subclass sharing the shard's storage, plain tensor in every op), whose

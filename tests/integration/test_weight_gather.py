@@ -36,7 +36,7 @@ FP8_BACKWARDS = FP8_FORWARDS
 BATCH = 16  # per rank
 # A gathered weight is the GEMM's own FP8 operand (tests/unit/test_weight_gather_casts.py), in the
 # forward (rowwise, tensorwise) and in the backward (the rowwise dgrad's columnwise cast): the same
-# FP8 bits, the scale within an fp32 rounding, so in fp32 training is the same within
+# FP8 bits and the same scale, so in fp32 training is the same within
 # SAME_UPDATE_FLOOR but where weight_both_layouts casts the dgrad's copy of the weight (along N) in
 # the forward, from the forward's gathered, already e4m3-rounded weight: a second rounding, which
 # reaches the parameters upstream of that dgrad (`tensorwise` here). Judged
