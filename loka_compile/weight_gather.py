@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from loka_compile.kernels import triton_quant
+from loka_compile.kernels import triton_dequantize, triton_quant
 from loka_compile.kernels.quantize import Fp8Format, amax_along, cast_with_scale, dequantize, scale_from_amax
 from loka_compile.passes import GraphKind, Reason, Role
 
@@ -188,11 +188,13 @@ def quantize_shard(shard: torch.Tensor, scaling: str, fmt: Fp8Format, group=None
 
 
 def dequantize_into(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None):
-    """The gathered weight in the compute dtype (into `out` when given), through fp32 (one rounding)."""
-    value = dequantize(q, scale)
+    """The gathered weight in the compute dtype (into `out` when given): q x scale in fp32, rounded
+    once; in one Triton pass where loka's Triton kernels run (`triton_dequantize`, the same bits)."""
     if out is None:
-        return value.to(dtype)
-    out.copy_(value)
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if dtype in triton_dequantize.OUT_DTYPES and q.dim() == 2:
+        return triton_dequantize.dequantize_into(q, scale, out)
+    out.copy_(dequantize(q, scale))
     return out
 
 
@@ -322,8 +324,12 @@ class _Route:
                     value = value.clone()  # FSDP2 frees its all-gather buffers; the weight is ours
             else:
                 scaling, fmt, scale = metadata
-                q = outputs[0].view(fmt.dtype)
-                value = dequantize_into(q, outputs[1] if scaling == "rowwise" else scale, param_dtype)
+                q, scale = outputs[0].view(fmt.dtype), outputs[1] if scaling == "rowwise" else scale
+                if out is not None:  # straight into the unsharded parameter, no temporary
+                    with torch.autograd._unsafe_preserve_version_counter(out):
+                        dequantize_into(q, scale, param_dtype, out)
+                    return None
+                value = dequantize_into(q, scale, param_dtype)
             if out is None:
                 return value, (value,)
             with torch.autograd._unsafe_preserve_version_counter(out):  # as FSDP2's own copy-out
