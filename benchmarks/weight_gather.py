@@ -18,8 +18,9 @@ lined up by a barrier first), on fresh random weights (rows over 4 binades):
 - fp8 tensorwise: the shards' amax all-reduced, the cast, the all-gather, the dequantization;
 - fp8 columnwise (the backward's re-gather for a rowwise dgrad): the K column amaxes all-reduced,
   the cast, the all-gather, the dequantization;
-- dequantize alone, and the GEMM's own rowwise cast of the gathered bf16 weight alone (what a
-  direct feed would also save);
+- dequantize alone (`weight_gather.dequantize_into`: one Triton pass on CUDA), the eager
+  reference it replaced, and the GEMM's own rowwise cast of the gathered bf16 weight alone (what
+  a direct feed would also save);
 - the round trip a direct feed removes, per forward (dequantize, then the GEMM's rowwise re-cast)
   and per backward re-gather for a rowwise dgrad (dequantize the columnwise bytes, then the
   dgrad's columnwise re-cast), each checked to give back the gathered bytes and scales bit for bit
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from benchmarks.comm_exchange import _timed_us, add_launch_arguments, launch, run_worker, write_results
 from loka_compile import comm
-from loka_compile.kernels import triton_quant
+from loka_compile.kernels import triton_dequantize, triton_quant
 from loka_compile.kernels.metrics import rel_error
 from loka_compile.kernels.quantize import Fp8Format
 from loka_compile.weight_gather import dequantize_into, quantize_shard
@@ -124,12 +125,16 @@ def measure(rows: int, cols: int, device: torch.device, repeats: int, warmup: in
         "fp8 columnwise (a rowwise dgrad's): column amax all-reduce, cast, all-gather, dequantize": (
             fp8_scaled_in_metadata("columnwise"), rows * cols),
         "dequantize alone": (lambda: dequantize_into(q_full, scale_full, DTYPE, out), 0),
+        "dequantize alone, eager reference (five elementwise kernels, fp32 temporaries)": (
+            lambda: triton_dequantize.dequantize_into_reference(q_full, scale_full, out), 0),
         "the GEMM's rowwise cast of the gathered weight alone": (
             lambda: triton_quant.quantize_rowwise(full, FMT.value), 0),
         forward_trip: (forward_round_trip, 0),
         backward_trip: (backward_round_trip, 0),
     }
     memory = {"dequantize alone": forward_traffic["dequantize"],
+              "dequantize alone, eager reference (five elementwise kernels, fp32 temporaries)": (
+                  forward_traffic["dequantize"]),
               "the GEMM's rowwise cast of the gathered weight alone": forward_traffic["recast"],
               forward_trip: forward_traffic["round_trip"], backward_trip: backward_traffic["round_trip"]}
     results = []

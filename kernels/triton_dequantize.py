@@ -25,8 +25,8 @@ from .quantize import Fp8Format, dequantize
 from .triton_quant import use_triton
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
-# A memory-bound elementwise pass: 4K elements a program (16 rows of 256), 4 warps; not tuned
-# (benchmarks/weight_gather.py's "dequantize alone" row times it on a GPU).
+# 4096 elements a program, 4 warps: the tensorwise cast's measured best (docs/kernels.md); this
+# pass itself is not tuned yet (benchmarks/weight_gather.py's "dequantize alone" row times it).
 BLOCK_R, BLOCK_C, NUM_WARPS = 16, 256, 4
 
 

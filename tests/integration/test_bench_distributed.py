@@ -177,4 +177,4 @@ def test_weight_gather_benchmark_rows(tmp_path):
     assert by_form["today's round trip per forward: dequantize, the GEMM's rowwise re-cast"]["memory_bytes"] == \
         2 * (64 * 32 + 4 * 64 + 2 * 64 * 32)
     table = weight_gather.markdown({"world_size": WORLD_SIZE, "device": "CPU"}, rows)
-    assert table.count("| 64x32 |") == len(rows) == 9 and "| NO |" not in table
+    assert table.count("| 64x32 |") == len(rows) == 10 and "| NO |" not in table

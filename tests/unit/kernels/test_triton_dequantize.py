@@ -72,3 +72,15 @@ def test_bad_inputs_are_refused():
         td.dequantize_into_triton(q, scales(16, 32, "rowwise").t(), out)
     with pytest.raises(ValueError, match="out must be"):
         td.dequantize_into_triton(q, scales(16, 32, "rowwise"), torch.empty(16, 32, dtype=torch.float16, device=DEVICE))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1024), (1000, 1000)])
+@pytest.mark.parametrize("fmt", list(Fp8Format))
+@pytest.mark.parametrize("dtype", td.OUT_DTYPES)
+def test_cuda_bit_exact(shape, fmt, dtype):
+    q = every_byte(*shape, fmt).cuda()
+    for kind in ("rowwise", "columnwise", "tensorwise"):
+        scale = scales(*shape, kind).cuda()
+        value = td.dequantize_into_triton(q, scale, torch.empty(shape, dtype=dtype, device="cuda"))
+        assert_same(value, td.dequantize_into_reference(q, scale, torch.empty(shape, dtype=dtype, device="cuda")))
