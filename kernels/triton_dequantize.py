@@ -42,7 +42,8 @@ def _fp8_value(b, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
     normal = (sign | ((exponent - FP8_BIAS + 127) << 23) | (mantissa << (23 - FP8_MANT))).to(tl.float32,
                                                                                              bitcast=True)
     subnormal = mantissa.to(tl.float32) * (2.0 ** (1 - FP8_BIAS - FP8_MANT))
-    subnormal = tl.where(sign != 0, -subnormal, subnormal)
+    # the sign as a bit, not a negation: -0.0 stays -0.0 (triton 3.6's interpreter negates as 0 - x)
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     value = tl.where(exponent == 0, subnormal, normal)
     if FP8_MANT == 3:  # e4m3fn: S.1111.111 is NaN; no infinities
         value = tl.where((exponent == 15) & (mantissa == 7), float("nan"), value)
