@@ -32,11 +32,12 @@ high-precision dgrad, or none: a first layer) high precision. A weight FSDP2 kee
 the forward (the root's, or `reshard_after_forward=False`) is read by the backward as the forward
 gathered it, and so is the dgrad's FP8 copy that weight_both_layouts casts in the forward.
 
-After the gather, the weight is dequantized to the compute dtype (eager elementwise ops) and
-the compiled graph casts it again as it casts any weight: the row's (tensor's) largest value
-maps to the format's maximum again and every other value to the same FP8 value, so the GEMM's
-FP8 operand has the gathered bits and the gathered scale (`tests/unit/test_weight_gather_casts.py`
-proves it for the three casts, non-finite values and every significand of a scale included).
+After the gather, the weight is dequantized to the compute dtype (one Triton pass where loka's
+Triton kernels run, `triton_dequantize`) and the compiled graph casts it again as it casts any
+weight: the row's (tensor's) largest value maps to the format's maximum again and every other
+value to the same FP8 value, so the GEMM's FP8 operand has the gathered bits and the gathered
+scale (`tests/unit/test_weight_gather_casts.py` proves it for the three casts, non-finite values
+and every significand of a scale included).
 Feeding the gathered FP8 bytes to the GEMM directly would save that pass and the second cast but
 needs the compiled graph to take a quantized weight as its input (docs/weight_gather_feed.md).
 
