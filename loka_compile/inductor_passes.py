@@ -41,7 +41,7 @@ GRAPH_SPEED = "graph_speed"
 
 
 @functools.lru_cache(maxsize=None)
-def _passes_digest() -> str:
+def code_digest() -> str:
     """loka's code: the passes, the kernels they trace into graphs, Dispatch and the rest
     of the package (a cached graph compiled by other code is not reused)."""
     digest = hashlib.sha256()
@@ -122,7 +122,7 @@ class LokaPostGradPass(CustomGraphPass):
         guards = record.amax_guards if self.phase is Phase.FP8 else None  # their ops carry its prefix and limits
         guards = "" if guards is None else f"{guards.prefix}|{sorted(guards.window_amax.items())}"
         variant = "high precision" if self.high_precision else ""
-        return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase.value}|{name}|{verdicts}|{guards}"
+        return hashlib.sha256(f"{code_digest()}|{record.config}|{self.phase.value}|{name}|{verdicts}|{guards}"
                               f"|{variant}".encode()).hexdigest()
 
 
@@ -323,7 +323,7 @@ class LokaProvenancePass(CustomGraphPass):
 
     def uuid(self) -> str:
         user = self.user_pass.uuid() if isinstance(self.user_pass, CustomGraphPass) else repr(self.user_pass)
-        return hashlib.sha256(f"{_passes_digest()}|{user}".encode()).hexdigest()
+        return hashlib.sha256(f"{code_digest()}|{user}".encode()).hexdigest()
 
 
 def inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]) -> dict:
