@@ -418,7 +418,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         if forward is None:
             return None
         key = graph_speed.verdict_key(device, code=code_digest(), config=record.config, captured=captured,
-                                      source=graph_speed.source_digest(source.gm, source.example_inputs),
+                                      source=graph_cache.source_digest(source.gm, source.example_inputs),
                                       fp8_graph=graph_cache.graph_digest(forward.graph))
         unsafe, passing = verdict_signature(record.plan, record.config)
         budget = record.output_budget

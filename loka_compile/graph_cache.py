@@ -71,6 +71,20 @@ def graph_digest(graph: torch.fx.Graph) -> str:
     return digest.hexdigest()
 
 
+def source_digest(gm: torch.fx.GraphModule, example_inputs) -> str:
+    """The Dynamo graph as compiled (after loka's Dynamo-graph Mods) and how its inputs look:
+    each input's kind, size, stride, dtype and whether it takes a gradient (symbolic sizes by
+    name)."""
+    digest = hashlib.sha256(graph_digest(gm.graph).encode())
+    for arg in example_inputs:
+        if isinstance(arg, torch.Tensor):
+            digest.update(repr((type(arg).__name__, tuple(map(str, arg.shape)), tuple(map(str, arg.stride())),
+                                str(arg.dtype), arg.requires_grad)).encode())
+        else:
+            digest.update(repr((type(arg).__name__, str(arg))).encode())
+    return digest.hexdigest()
+
+
 def _tensor_digest(value: torch.Tensor) -> str:
     try:
         return hashlib.sha256(_bytes_of(value)).hexdigest()

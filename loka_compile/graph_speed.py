@@ -37,7 +37,6 @@ from typing import Callable, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from loka_compile import graph_cache
 from loka_compile.config import uses_cuda_graphs
 from loka_compile.kernels import providers
 from loka_compile.speed import capture_stream
@@ -134,24 +133,10 @@ def skip_reason(setting: str, gain: Optional[float], sites: int, device: torch.d
     return None
 
 
-def source_digest(gm: torch.fx.GraphModule, example_inputs) -> str:
-    """The Dynamo graph as compiled (after loka's Dynamo-graph Mods) and how its inputs look:
-    each input's kind, size, stride, dtype and whether it takes a gradient (symbolic sizes by
-    name)."""
-    digest = hashlib.sha256(graph_cache.graph_digest(gm.graph).encode())
-    for arg in example_inputs:
-        if isinstance(arg, torch.Tensor):
-            digest.update(repr((type(arg).__name__, tuple(map(str, arg.shape)), tuple(map(str, arg.stride())),
-                                str(arg.dtype), arg.requires_grad)).encode())
-        else:
-            digest.update(repr((type(arg).__name__, str(arg))).encode())
-    return digest.hexdigest()
-
-
 def verdict_key(device: torch.device, *, code: str, config, captured: bool, source: str, fp8_graph: str) -> dict:
     """The key of a remembered verdict: the device, torch and triton (`perfdb.environment`),
     loka's code, the config (its `plan` option aside: a plan's decisions show in the graph),
-    how the check times (`captures`), the Dynamo graph and its inputs (`source_digest`), and the
+    how the check times (`captures`), the Dynamo graph and its inputs (`graph_cache.source_digest`), and the
     FP8 variant's forward (or inference) graph after loka's passes, which holds every decision
     of it. What decides the backward's sites besides is added where the verdict is kept: the
     Probe's verdicts in the database (`LokaCompiledGraph._graph_speed_keys`), the plan's whole

@@ -19,7 +19,7 @@ from torch._inductor import list_mode_options
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from loka_compile import dispatch, graph_cache, passes, speed
+from loka_compile import dispatch, graph_cache, kernel_builds, passes, speed
 from loka_compile.config import LokaConfig
 from loka_compile.fallback import error_text
 from loka_compile.kernels import ops as loka_ops
@@ -96,6 +96,8 @@ class LokaPostGradPass(CustomGraphPass):
         if kind is passes.GraphKind.FORWARD and layouts is not None:
             check_shared(graph, layouts)
         run_passes(graph, ctx)
+        if self.phase is Phase.FP8:
+            kernel_builds.start(graph)  # loka's own Triton kernels, built while Inductor generates the rest
         if ctx.amax_guard_prefix:
             record.amax_guards.register(graph)  # the guard op's buffer, before the graph first runs
         record.graph_modules[(self.phase, kind)] = graph.owning_module
