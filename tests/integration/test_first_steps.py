@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import loka_compile
+from loka_compile import inductor_compile
 from loka_compile.passes import Phase, Reason
 from numerics import rel_error
 
