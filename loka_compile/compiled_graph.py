@@ -419,7 +419,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
             return None
         key = graph_speed.verdict_key(device, code=code_digest(), config=record.config, captured=captured,
                                       source=graph_cache.source_digest(source.gm, source.example_inputs),
-                                      fp8_graph=graph_cache.graph_digest(forward.graph))
+                                      fp8_graph=graph_cache.graph_digest(forward.graph, values=False))
         unsafe, passing = verdict_signature(record.plan, record.config)
         budget = record.output_budget
         kept = (sorted(budget.kept), sorted(budget.made_safe)) if budget is not None else None
