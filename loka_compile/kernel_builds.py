@@ -40,7 +40,9 @@ def gemm_builds(graph: torch.fx.Graph) -> list:
         if not isinstance(out, torch.Tensor) or out.device.type != "cuda":
             continue
         try:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta_of)
+            # Plain meta tensors even where the compile's fake mode is active: the thread reads their layout only.
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta_of)
         except _Symbolic:
             continue
         found.append((args, kwargs, out.device))

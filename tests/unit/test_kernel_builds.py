@@ -52,6 +52,13 @@ def test_gemm_nodes_with_static_sizes_are_handed_over_as_meta_tensors():
     assert got == want and all(t.device.type == "meta" for t in (*args[:4], args[5]))
 
 
+def test_the_compiles_fake_mode_does_not_make_the_handed_tensors_fake():
+    with FakeTensorMode():
+        (args, _, _), = kernel_builds.gemm_builds(_gemm_graph())
+    assert not any(isinstance(t, torch._subclasses.FakeTensor) for t in args if isinstance(t, torch.Tensor))
+    assert args[0].data_ptr() == 0  # a meta tensor: Triton reads it as 16-byte aligned, as real operands are
+
+
 def test_symbolic_sizes_and_host_outputs_wait_for_the_first_call():
     assert kernel_builds.gemm_builds(_gemm_graph(symbolic_a=True)) == []
     assert kernel_builds.gemm_builds(_gemm_graph(device="cpu")) == []
