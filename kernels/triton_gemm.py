@@ -681,18 +681,21 @@ def _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out
                  a_k_major=a_row, b_k_major=b_col, batch=batch)
 
 
-def tma_unsupported_reason(a: torch.Tensor, b: torch.Tensor, plan: _Plan, out_dtype: torch.dtype) -> Optional[str]:
+def tma_unsupported_reason(a: torch.Tensor, b: torch.Tensor, plan: _Plan, out_dtype: torch.dtype,
+                           device: Optional[torch.device] = None) -> Optional[str]:
     """Why the TMA kernel cannot take these operands, or None. TMA needs a 16-byte aligned
-    base and 16-byte aligned strides outside the contiguous dimension."""
+    base and 16-byte aligned strides outside the contiguous dimension. `device`: where the
+    operands will be (meta operands describe them, `build_ahead`); default theirs."""
+    device = a.device if device is None else device
     if plan.batch is not None:
         # The TMA kernel stays 2-D (2-D descriptors, a 2-D tile loop); batched operands
         # take the pointer kernel, which adds the batch to its program id.
         return "batched operands run on the pointer kernel (the TMA kernel is 2-D)"
     if not interpreting():
-        if a.device.type != "cuda":
+        if device.type != "cuda":
             return "the TMA kernel needs a CUDA device (or the interpreter)"
-        if _capability(_device_index(a.device)) < (9, 0):
-            return f"TMA needs sm90+, this GPU is sm{''.join(map(str, _capability(_device_index(a.device))))}"
+        if _capability(_device_index(device)) < (9, 0):
+            return f"TMA needs sm90+, this GPU is sm{''.join(map(str, _capability(_device_index(device))))}"
     for name, t, contiguous_dim in (("a", a, 1 if plan.a_k_major else 0), ("b", b, 0 if plan.b_k_major else 1)):
         outer = t.stride(1 - contiguous_dim)
         if t.data_ptr() % 16:
@@ -755,20 +758,54 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     if a.device.type == "cuda" and not interpret and _capability(_device_index(a.device)) < (8, 9):
         raise ValueError(f"FP8 GEMM needs sm89+, {a.device} is sm{''.join(map(str, _capability(_device_index(a.device))))}")
 
-    tma_reason = tma_unsupported_reason(a, b, plan, out_dtype)
-    if impl == "tma" and tma_reason is not None:
-        raise ValueError(f"impl='tma' cannot run: {tma_reason}")
-    use_tma = impl == "tma" or (impl == "auto" and tma_reason is None and not interpret)
     if config is None and interpret:
         config = INTERPRETER_CONFIG
     if config is not None and plan.scaling is Scaling.BLOCKWISE and SCALE_BLOCK % config.block_k:
         raise ValueError(f"blockwise scaling needs block_k dividing {SCALE_BLOCK}, got {config.block_k}")
-    accum = ACCUM_MODES[accum_mode]
-
-    m, n, k, batch = plan.m, plan.n, plan.k, plan.batch
+    use_tma = _use_tma(a, b, plan, out_dtype, impl, a.device)
     out = torch.empty(plan.out_shape, dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0 or batch == 0:
+    if plan.m == 0 or plan.n == 0 or plan.batch == 0:
         return out
+    _launch(a, a_scale, b, b_scale, plan, bias, residual, out_dtype, out_scale, out, use_tma, config,
+            ACCUM_MODES[accum_mode], a.device)
+    return out
+
+
+def _use_tma(a, b, plan: _Plan, out_dtype, impl: str, device: torch.device) -> bool:
+    """Whether the launch takes the TMA kernel; ValueError where impl="tma" cannot."""
+    tma_reason = tma_unsupported_reason(a, b, plan, out_dtype, device)
+    if impl == "tma" and tma_reason is not None:
+        raise ValueError(f"impl='tma' cannot run: {tma_reason}")
+    return impl == "tma" or (impl == "auto" and tma_reason is None and not interpreting())
+
+
+def build_ahead(a, a_scale, b, b_scale, scaling, bias=None, residual=None, activation="none", out_dtype=None,
+                fast_accum=False, impl="auto", out_scale=None, *, device: torch.device) -> int:
+    """Compile, without running, the kernels the first `loka::triton_fp8_gemm` call with these
+    arguments would (the op's arguments, as meta tensors of the real ones' sizes, strides and
+    dtypes, which will be on `device`): each tile config the autotuner would time, or the
+    config it chose already. Triton keeps them under the key that call computes, so the call
+    compiles nothing (an operand off 16-byte alignment specialises differently: it compiles
+    as before). Returns the kernels built (0 under the interpreter, which compiles nothing)."""
+    if interpreting() or device.type != "cuda" or _capability(_device_index(device)) < (8, 9):
+        return 0
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    plan = _check_args(a, a_scale, b, b_scale, scaling, bias, residual, activation, out_dtype, impl, out_scale)
+    if plan.m == 0 or plan.n == 0 or plan.batch == 0:
+        return 0
+    out = torch.empty(plan.out_shape, dtype=out_dtype, device="meta")
+    accum = ACCUM_MODES["fast" if fast_accum else PRECISE_ACCUM]
+    return _launch(a, a_scale, b, b_scale, plan, bias, residual, out_dtype, out_scale, out,
+                   _use_tma(a, b, plan, out_dtype, impl, device), None, accum, device, build_only=True)
+
+
+def _launch(a, a_scale, b, b_scale, plan: _Plan, bias, residual, out_dtype, out_scale, out, use_tma: bool,
+            config: Optional[GemmConfig], accum: int, device: torch.device, build_only: bool = False) -> int:
+    """Launch the kernel into `out` (tuned at the first call of its autotune key, unless
+    `config` is given); with `build_only`, compile what that launch would, run nothing, and
+    return the number of kernels built."""
+    interpret = interpreting()
+    m, n, k, batch = plan.m, plan.n, plan.k, plan.batch
 
     if plan.scaling is Scaling.TENSORWISE:
         a_scale, b_scale = _tensorwise_scale(a_scale), _tensorwise_scale(b_scale)
@@ -807,7 +844,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         args = (descs["a_desc"], descs["b_desc"], descs["out_desc"], *ptrs, m, n, k, bucket,
                 *scale_strides[1:3], *scale_strides[4:6], *bias_strides[1:], *residual_strides[1:], out_scale_stride)
         flags.update(A_K_MAJOR=plan.a_k_major, B_K_MAJOR=plan.b_k_major)
-        sms = INTERPRETER_SM_COUNT if interpret else _sm_count(_device_index(a.device))
+        sms = INTERPRETER_SM_COUNT if interpret else _sm_count(_device_index(device))
         jit_fn, tuner = _fp8_gemm_tma_kernel, _tma_kernel_tuned
     else:
         args = (a, b, out, *ptrs, m, n, k, batch or 1, bucket, m_bucket(batch or 1),
@@ -820,6 +857,11 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
         return (min(tiles, sms * meta["CTAS_PER_SM"]) if use_tma and meta["CTAS_PER_SM"] else tiles * (batch or 1),)
 
+    def build(chosen: triton.Config) -> None:
+        if descs is not None:
+            _set_descriptor_blocks({**chosen.kwargs, **flags, **descs})
+        jit_fn.warmup(*args, grid=(1,), **flags, **chosen.all_kwargs())
+
     if config is not None:
         chosen = config.triton_config(use_tma)
     else:
@@ -828,16 +870,24 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
                None if residual is None else residual.dtype, plan.a_k_major, plan.b_k_major,
                tuple(flags.items()))
         chosen = _tuned_configs.get(key)
+        if chosen is None and build_only:  # every config the tuner would time (its own pruning)
+            candidates = _prune_configs(tuner.configs, dict(zip(tuner.arg_names, args)), **flags)
+            for candidate in candidates:
+                build(candidate)
+            return len(candidates)
         if chosen is None:
             tuner[grid_for](*args, **flags)
             _tuned_configs[key] = _last_launch["config"] = tuner.best_config
-            return out
+            return 1
+    if build_only:
+        build(chosen)
+        return 1
     _last_launch["config"] = chosen
     meta = dict(**chosen.kwargs, **flags)
     if descs is not None:
         _set_descriptor_blocks({**meta, **descs})
     jit_fn[grid_for(meta)](*args, **flags, **chosen.all_kwargs())
-    return out
+    return 1
 
 
 def tuned_configs() -> dict:

@@ -31,7 +31,8 @@ from loka_compile.budget_window import OutputBudgetWindow
 from loka_compile.config import LokaConfig
 from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback, fall_back_sites
 from loka_compile.inductor_compile import inner_compile, weight_input_indices
-from loka_compile.inductor_passes import GRAPH_SPEED, inductor_patches, LokaPostGradPass, verdict_signature
+from loka_compile.inductor_passes import (code_digest, GRAPH_SPEED, inductor_patches, LokaPostGradPass,
+                                          verdict_signature)
 from loka_compile.kernels import ops as loka_ops
 from loka_compile.passes import Amendment, GraphKind, Phase, Reason
 from loka_compile.ranks import decide_once
@@ -371,7 +372,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
             return
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                record.graph_speed = self._time_graph(args, gain, sites, device)
+                record.graph_speed = self._remembered_or_timed(args, gain, sites, device)
         except Exception as error:  # noqa: BLE001  (the check must never cost the model its call)
             if is_dynamo_control(error):
                 raise
@@ -382,6 +383,77 @@ class LokaCompiledGraph(OutputBudgetWindow):
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the timing's CUDA graphs and clones
+
+    def _remembered_or_timed(self, args, gain, sites: int, device: torch.device) -> graph_speed.GraphSpeed:
+        """The verdict an earlier compile of the same graph timed (the plan's, else the performance
+        database's; rank 0's word), applied without timing; else the graph timed (`_time_graph`),
+        its verdict remembered in the database."""
+        record = self.record
+        keys = self._graph_speed_keys(device, graph_speed.captures(record.config.mode, device))
+        remembered = decide_once(lambda: self._remembered_verdict(keys, gain, sites)) if keys else None
+        if remembered is not None:
+            log.info("%s: graph speed check: %s: %s; %s kept, not timed again", record.name,
+                     remembered.describe_prediction(), remembered.describe_times(), remembered.kept)
+            if remembered.kept != "fp8":
+                self._keep_remembered_high_precision(remembered)
+            record.graph_speed_key = keys["plan"]
+            return remembered
+        result = self._time_graph(args, gain, sites, device)
+        if keys is not None and result.timed:
+            from loka_compile import perfdb  # here: `python -m loka_compile.perfdb` must not find it imported
+
+            perfdb.default_db().put(keys["db"], result.stored())
+            record.graph_speed_key = keys["plan"]
+        return result
+
+    def _graph_speed_keys(self, device: torch.device, captured: bool) -> Optional[dict]:
+        """{"db": the performance database's key of this graph's verdict, "plan": the id a plan
+        keeps it under} (`graph_speed.verdict_key`); None without the FP8 variant's forward (or
+        inference) graph. The database's key adds the Probe's verdicts and the output budget's
+        sites as Dispatch acts on them (the backward's sites follow from them, which the
+        forward graph does not show); a plan checks its whole content instead (`Plan.graph_speed`)."""
+        record, source = self.record, self._source
+        forward = record.graph_modules.get((Phase.FP8, GraphKind.FORWARD)) \
+            or record.graph_modules.get((Phase.FP8, GraphKind.INFERENCE))
+        if forward is None:
+            return None
+        key = graph_speed.verdict_key(device, code=code_digest(), config=record.config, captured=captured,
+                                      source=graph_cache.source_digest(source.gm, source.example_inputs),
+                                      fp8_graph=graph_cache.graph_digest(forward.graph, values=False))
+        unsafe, passing = verdict_signature(record.plan, record.config)
+        budget = record.output_budget
+        kept = (sorted(budget.kept), sorted(budget.made_safe)) if budget is not None else None
+        return {"db": dict(key, verdicts=repr((sorted(unsafe), sorted(passing), kept))),
+                "plan": graph_speed.key_id(key)}
+
+    def _remembered_verdict(self, keys: dict, gain, sites: int) -> Optional[graph_speed.GraphSpeed]:
+        from loka_compile import perfdb  # here: `python -m loka_compile.perfdb` must not find it imported
+
+        plan = self.record.plan
+        stored = plan.graph_speed.get(keys["plan"]) if plan.source else None
+        if stored is not None:
+            found = graph_speed.GraphSpeed.remember(stored, gain, sites, f"plan {plan.source}")
+            if found is not None:
+                return found
+        stored = perfdb.default_db().get(keys["db"])
+        return None if stored is None else graph_speed.GraphSpeed.remember(stored, gain, sites,
+                                                                            "the performance database")
+
+    def _keep_remembered_high_precision(self, result: graph_speed.GraphSpeed) -> None:
+        """A remembered verdict for high precision: its variant compiled (with the mode's CUDA
+        graphs) and kept, as a timed one would be; a failed compile leaves the FP8 variant
+        running, its contexts restored, and is raised."""
+        record = self.record
+        running = _Fp8Build(self.variants[Phase.FP8])
+        running.stash(record)
+        try:
+            self._keep_high_precision(result, None)
+        except Exception:
+            for key in [key for key in record.contexts if key[0] is Phase.FP8]:
+                record.contexts.pop(key)
+                record.graph_modules.pop(key, None)
+            running.restore(record)
+            raise
 
     def _time_graph(self, args, gain, sites: int, device: torch.device) -> graph_speed.GraphSpeed:
         """Compile the high-precision variant, time it against the FP8 one (compiled again

@@ -54,10 +54,10 @@ def bypass_reason(phase: Phase, kind: GraphKind, inactive_mods, param_input_indi
     return None
 
 
-def graph_digest(graph: torch.fx.Graph) -> str:
+def graph_digest(graph: torch.fx.Graph, values: bool = True) -> str:
     """Each node's op, target and arguments in graph order, nodes referred to by position
-    (a copy of a graph names new nodes differently), and the dtype, shape and values of
-    the tensors it reads as attributes (constants traced into it)."""
+    (a copy of a graph names new nodes differently), and the dtype, shape and (`values`)
+    values of the tensors it reads as attributes (constants traced into it)."""
     digest = hashlib.sha256()
     position = {}
     module = graph.owning_module
@@ -67,7 +67,21 @@ def graph_digest(graph: torch.fx.Graph) -> str:
         digest.update(repr((node.op, _target_name(node.target), args)).encode())
         value = getattr(module, node.target, None) if node.op == "get_attr" and module is not None else None
         if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
-            digest.update(f"{value.dtype}:{tuple(value.shape)}:{_tensor_digest(value)}".encode())
+            digest.update(f"{value.dtype}:{tuple(value.shape)}:{_tensor_digest(value) if values else ''}".encode())
+    return digest.hexdigest()
+
+
+def source_digest(gm: torch.fx.GraphModule, example_inputs) -> str:
+    """The Dynamo graph as compiled (after loka's Dynamo-graph Mods) and how its inputs look:
+    each input's kind, size, stride, dtype and whether it takes a gradient (symbolic sizes by
+    name). Constants by dtype and shape, not values: what a timing depends on."""
+    digest = hashlib.sha256(graph_digest(gm.graph, values=False).encode())
+    for arg in example_inputs:
+        if isinstance(arg, torch.Tensor):
+            digest.update(repr((type(arg).__name__, tuple(map(str, arg.shape)), tuple(map(str, arg.stride())),
+                                str(arg.dtype), arg.requires_grad)).encode())
+        else:
+            digest.update(repr((type(arg).__name__, str(arg))).encode())
     return digest.hexdigest()
 
 

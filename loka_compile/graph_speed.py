@@ -15,14 +15,20 @@ without Inductor's CUDA graphs for the check and its step is captured in a CUDA 
 its own, so the timing is the device work a CUDA-graph replay runs. On CPU: wall time (a
 CPU timing of emulated FP8 says nothing of an FP8 GPU, so "thin" does not time there).
 
+A verdict is remembered (`verdict_key`): in the performance database, and in a saved plan
+(`Plan.graph_speed`), keyed by everything the two variants follow from, so that a warm database
+or a plan skips the high-precision compile and the timing (a changed graph, config, verdict,
+device or loka version makes another key, and times again).
+
 This module holds the parts that need no compiled graph: which graphs are timed, the
-variants' steps, the timing, and the verdict (`GraphSpeed`);
+variants' steps, the timing, the verdict (`GraphSpeed`) and its key;
 `compiled_graph.LokaCompiledGraph` compiles the variants and keeps the winner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import statistics
 import time
@@ -46,6 +52,8 @@ THIN_GAIN_MARGIN = 0.35
 # (the backward's lazy compile, autotuning, allocator growth).
 ROUNDS = 9
 WARMUP_STEPS = 2
+# Bump when what a remembered verdict's key holds, or how the check times, changes meaning.
+VERDICT_FORMAT = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +69,7 @@ class GraphSpeed:
     skipped: str = ""                # why it did not time
     training: bool = False           # the timed step ran the backward too
     runs: int = 0                    # timed steps per variant
+    remembered: str = ""             # where a verdict timed by an earlier compile came from; "" timed here
 
     @property
     def timed(self) -> bool:
@@ -73,7 +82,26 @@ class GraphSpeed:
 
     def describe_times(self) -> str:
         step = "forward + backward" if self.training else "forward"
-        return f"FP8 {self.fp8_ms:.3f} ms vs high precision {self.hp_ms:.3f} ms ({step}, medians of {self.runs})"
+        where = f", remembered from {self.remembered}" if self.remembered else ""
+        return f"FP8 {self.fp8_ms:.3f} ms vs high precision {self.hp_ms:.3f} ms ({step}, medians of {self.runs}{where})"
+
+    def stored(self) -> dict:
+        """What is remembered of a timed verdict (`remember`)."""
+        return dict(fp8_ms=self.fp8_ms, hp_ms=self.hp_ms, kept=self.kept, training=self.training, runs=self.runs)
+
+    @classmethod
+    def remember(cls, value, gain: Optional[float], sites: int, where: str) -> Optional["GraphSpeed"]:
+        """The verdict `stored` kept, with this compile's prediction; None where `value` is not
+        one (another layout, a damaged entry: the graph is timed again)."""
+        try:
+            fp8_ms, hp_ms, kept = float(value["fp8_ms"]), float(value["hp_ms"]), value["kept"]
+            training, runs = bool(value["training"]), int(value["runs"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if kept not in ("fp8", "high precision") or not (fp8_ms > 0 and hp_ms > 0) or runs <= 0:
+            return None
+        return cls(predicted_gain=gain, sites=sites, fp8_ms=fp8_ms, hp_ms=hp_ms, kept=kept, training=training,
+                   runs=runs, remembered=where)
 
 
 def predicted_gain(decisions) -> tuple:
@@ -103,6 +131,26 @@ def skip_reason(setting: str, gain: Optional[float], sites: int, device: torch.d
     if gain is not None and gain >= THIN_GAIN_MARGIN:
         return f"predicted gain {gain:.1%} >= the thin margin {THIN_GAIN_MARGIN:.0%}"
     return None
+
+
+def verdict_key(device: torch.device, *, code: str, config, captured: bool, source: str, fp8_graph: str) -> dict:
+    """The key of a remembered verdict: the device, torch and triton (`perfdb.environment`),
+    loka's code, the config (its `plan` option aside: a plan's decisions show in the graph),
+    how the check times (`captures`), the Dynamo graph and its inputs (`graph_cache.source_digest`), and the
+    FP8 variant's forward (or inference) graph after loka's passes, which holds every decision
+    of it. What decides the backward's sites besides is added where the verdict is kept: the
+    Probe's verdicts in the database (`LokaCompiledGraph._graph_speed_keys`), the plan's whole
+    content in a plan (`Plan.graph_speed`)."""
+    from loka_compile import perfdb  # here: `python -m loka_compile.perfdb` must not find it imported
+
+    return dict(perfdb.environment(device), kind="graph_speed", format=VERDICT_FORMAT, code=code,
+                config=repr(dataclasses.replace(config, plan=None)), captured=captured, source=source,
+                fp8_graph=fp8_graph)
+
+
+def key_id(key: dict) -> str:
+    """A short stable name of a key (a plan keeps its verdicts under it)."""
+    return hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()
 
 
 def captures(mode: str, device: torch.device) -> bool:

@@ -19,7 +19,7 @@ from torch._inductor import list_mode_options
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from loka_compile import dispatch, graph_cache, passes, speed
+from loka_compile import dispatch, graph_cache, kernel_builds, passes, speed
 from loka_compile.config import LokaConfig
 from loka_compile.fallback import error_text
 from loka_compile.kernels import ops as loka_ops
@@ -41,7 +41,7 @@ GRAPH_SPEED = "graph_speed"
 
 
 @functools.lru_cache(maxsize=None)
-def _passes_digest() -> str:
+def code_digest() -> str:
     """loka's code: the passes, the kernels they trace into graphs, Dispatch and the rest
     of the package (a cached graph compiled by other code is not reused)."""
     digest = hashlib.sha256()
@@ -96,6 +96,8 @@ class LokaPostGradPass(CustomGraphPass):
         if kind is passes.GraphKind.FORWARD and layouts is not None:
             check_shared(graph, layouts)
         run_passes(graph, ctx)
+        if self.phase is Phase.FP8:
+            kernel_builds.start(graph)  # loka's own Triton kernels, built while Inductor generates the rest
         if ctx.amax_guard_prefix:
             record.amax_guards.register(graph)  # the guard op's buffer, before the graph first runs
         record.graph_modules[(self.phase, kind)] = graph.owning_module
@@ -122,7 +124,7 @@ class LokaPostGradPass(CustomGraphPass):
         guards = record.amax_guards if self.phase is Phase.FP8 else None  # their ops carry its prefix and limits
         guards = "" if guards is None else f"{guards.prefix}|{sorted(guards.window_amax.items())}"
         variant = "high precision" if self.high_precision else ""
-        return hashlib.sha256(f"{_passes_digest()}|{record.config}|{self.phase.value}|{name}|{verdicts}|{guards}"
+        return hashlib.sha256(f"{code_digest()}|{record.config}|{self.phase.value}|{name}|{verdicts}|{guards}"
                               f"|{variant}".encode()).hexdigest()
 
 
@@ -323,7 +325,7 @@ class LokaProvenancePass(CustomGraphPass):
 
     def uuid(self) -> str:
         user = self.user_pass.uuid() if isinstance(self.user_pass, CustomGraphPass) else repr(self.user_pass)
-        return hashlib.sha256(f"{_passes_digest()}|{user}".encode()).hexdigest()
+        return hashlib.sha256(f"{code_digest()}|{user}".encode()).hexdigest()
 
 
 def inductor_patches(config: LokaConfig, custom_pass: Optional[CustomGraphPass]) -> dict:

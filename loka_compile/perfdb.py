@@ -280,13 +280,18 @@ def default_db() -> PerfDB:
 
 def _table(entries: list) -> str:
     """Site timings, then `gemm_epilogue` link timings (fused vs the provider GEMM plus
-    Inductor's pointwise kernel) when there are any; a line counts entries of another layout."""
+    Inductor's pointwise kernel) and the graph speed check's verdicts when there are any; a
+    line counts entries of another layout."""
     from tabulate import tabulate
 
-    sites, links, unreadable = [], [], 0
+    sites, links, graphs, unreadable = [], [], [], 0
     for entry in entries:
         try:
             key, value = entry["key"], entry["value"]
+            if key.get("kind") == "graph_speed":  # `graph_speed.verdict_key`: a whole graph's two variants
+                graphs.append([key["device"], key["torch"], key["source"][:12], round(value["fp8_ms"], 3),
+                               round(value["hp_ms"], 3), value["kept"]])
+                continue
             common = [key["device"], key["torch"], f"{key['m']} x {key['k']} x {key['n']}", key["dtype"],
                       key["scaling"], f"{key['a_format']}x{key['b_format']}"]
             if key.get("kind") == "epilogue":
@@ -307,6 +312,9 @@ def _table(entries: list) -> str:
         tables.append("gemm_epilogue links:\n" + tabulate(
             sorted(links, key=lambda row: row[:3]),
             headers=head + ["unfused provider", "epilogue", "unfused us", "fused us", "speedup"]))
+    if graphs:
+        tables.append("graph speed verdicts:\n" + tabulate(
+            sorted(graphs), headers=["device", "torch", "graph", "FP8 ms", "high precision ms", "kept"]))
     if unreadable:
         tables.append(f"{unreadable} entries of another layout not shown")
     return "\n\n".join(tables)

@@ -13,7 +13,9 @@ the device type, the recipe and the format version. Each compiled graph owns one
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import math
 import os
 from typing import Callable, Optional
@@ -24,6 +26,8 @@ from loka_compile.config import RECIPES
 from loka_compile.kernels.quantize import Fp8Format, Scaling
 from loka_compile.passes import Decision, Reason
 from loka_compile.passes.context import Candidate
+
+log = logging.getLogger("loka")
 
 FORMAT_VERSION = 1
 
@@ -115,6 +119,10 @@ class Plan:
     # Re-checks' verdict changes (`LokaConfig.recheck_every`): site id -> [{"step", "graph",
     # "from", "to", "change", "detail"}, ...], oldest first. Optional in the file.
     history: dict = dataclasses.field(default_factory=dict)
+    # The graph speed check's timed verdicts (`graph_speed.GraphSpeed.stored`) by key id
+    # (`graph_speed.key_id`). In the file beside the digest of the rest of the plan; loaded only
+    # where that digest matches (a plan edited since decides otherwise). Optional in the file.
+    graph_speed: dict = dataclasses.field(default_factory=dict)
     source: str = ""                                          # the file it was loaded from ("": made here)
     # `calibrate`'s task metric before and after backing off sites (not saved in the file)
     task_metric: dict = dataclasses.field(default_factory=dict, compare=False)
@@ -126,7 +134,16 @@ class Plan:
                 "unsafe": dict(sorted(self.unsafe.items())),
                 "upgraded": {sid: list(errors) for sid, errors in sorted(self.upgraded.items())},
                 "a_scales": {sid: dict(entry) for sid, entry in sorted(self.a_scales.items())},
-                "history": {sid: [dict(event) for event in events] for sid, events in sorted(self.history.items())}}
+                "history": {sid: [dict(event) for event in events] for sid, events in sorted(self.history.items())},
+                **({"graph_speed": {"basis": self.decisions_digest(),
+                                    "verdicts": {key: dict(v) for key, v in sorted(self.graph_speed.items())}}}
+                   if self.graph_speed else {})}
+
+    def decisions_digest(self) -> str:
+        """What the plan decides, all of it but the graph speed verdicts: the basis they were
+        timed on."""
+        data = dataclasses.replace(self, graph_speed={}).to_json()
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> "Plan":
@@ -148,7 +165,7 @@ class Plan:
                      for sid, entry in top.get("sites", _OBJECT).items()}
             unsafe = {sid: float(_Fields({"error": e}, f"{where}unsafe {sid!r}: ").get("error", _NUMBER))
                       for sid, e in top.get("unsafe", _OBJECT, {}).items()}
-            return cls(params=params, device_type=device_type, recipe=recipe, version=data["version"], sites=sites,
+            plan = cls(params=params, device_type=device_type, recipe=recipe, version=data["version"], sites=sites,
                        unsafe=unsafe,
                        upgraded={sid: _upgraded(e, f"{where}upgraded {sid!r}: ")
                                  for sid, e in top.get("upgraded", _OBJECT, {}).items()},
@@ -157,8 +174,18 @@ class Plan:
                        history={sid: _history(events, f"{where}history {sid!r}")
                                 for sid, events in top.get("history", _OBJECT, {}).items()},
                        source=source)
+            timed = _Fields(top.get("graph_speed", _OBJECT, {"basis": "", "verdicts": {}}), f"{where}graph_speed: ")
+            basis = timed.get("basis", _STR)
+            verdicts = {key: _graph_verdict(v, f"{where}graph_speed verdict {key!r}: ")
+                        for key, v in timed.get("verdicts", _OBJECT).items()}
         except (AttributeError, KeyError, TypeError) as error:  # a shape no check above foresaw
             raise ValueError(f"loka plan {name} is damaged: {type(error).__name__}: {error}") from None
+        if verdicts and basis != plan.decisions_digest():
+            log.info("loka plan %s: its decisions changed since its %d graph speed verdict(s) were timed; they are "
+                     "timed again", name, len(verdicts))
+        elif verdicts:
+            plan.graph_speed = verdicts
+        return plan
 
     def save(self, path) -> "Plan":
         """Write this plan to `path` as JSON (atomically); returns it with `source` set."""
@@ -349,6 +376,8 @@ _SITE_FIELDS = {
     "candidates": (_LIST, []),
     "m_bucket": (_Check(lambda v: v is None or (_is_int(v) and v > 0), "null or a positive integer"), None),
 }
+_VERDICT_FIELDS = {"fp8_ms": _NUMBER, "hp_ms": _NUMBER, "kept": _one_of(("fp8", "high precision")), "training": _BOOL,
+                   "runs": _COUNT}
 _CANDIDATE_FIELDS = {"provider": (_NAME,), "gemm_us": (_TIME,), "chosen": (_BOOL,), "lost": (_STR, "")}
 
 
@@ -410,6 +439,16 @@ def _static_scale(entry, where: str) -> dict:
         raise ValueError(f"{where}scale {scale!r} is not finite and positive")
     return {"scale": float(scale), "range": float(fields.get("range", _NUMBER)),
             "policy": fields.get("policy", _NAME), "error": float(fields.get("error", _NUMBER))}
+
+
+def _graph_verdict(entry, where: str) -> dict:
+    """A remembered graph speed verdict: both medians (ms), the variant kept, whether the step
+    trained, the timed runs."""
+    fields = _Fields(entry, where)
+    verdict = {name: fields.get(name, check) for name, check in _VERDICT_FIELDS.items()}
+    if not (verdict["fp8_ms"] > 0 and verdict["hp_ms"] > 0 and verdict["runs"] > 0):
+        raise ValueError(f"{where}times and runs must be positive, not {_show(entry)}")
+    return verdict
 
 
 def _history(events, where: str) -> list:

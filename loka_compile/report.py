@@ -418,6 +418,9 @@ def plan_of(compiled) -> Plan:
         plan.a_scales.update(record.plan.a_scales)
         for sid, events in record.plan.history.items():
             plan.history.setdefault(sid, []).extend(events)
+        speed = record.graph_speed
+        if speed is not None and speed.timed and record.graph_speed_key and not record.fallback:
+            plan.graph_speed[record.graph_speed_key] = speed.stored()
         contexts = record.contexts_of()
         ids = frozenset(s.id for ctx in contexts.values() for s in ctx.sites)
         for kind, ctx in contexts.items():

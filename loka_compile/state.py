@@ -72,6 +72,7 @@ class GraphRecord:
     verdict_amendments: list = dataclasses.field(default_factory=list)
     # What the graph speed check (`LokaConfig.graph_speed_check`) predicted, timed and kept
     graph_speed: Optional[GraphSpeed] = None
+    graph_speed_key: str = ""  # the id a saved plan keeps its timed verdict under (`graph_speed.key_id`)
 
     def amendments_of(self, site_id: str) -> tuple:
         """The running contexts' amendments of a site, then its verdict changes, in order."""

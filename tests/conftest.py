@@ -57,6 +57,28 @@ def fresh_compile_state():
 
 
 @pytest.fixture
+def inductor_compiles(monkeypatch):
+    """Inductor compiles of ATen graphs by kind ("forward" or "backward"), counted where loka
+    calls Inductor; the FX graph cache off, so that none is a cache entry dropped and compiled again."""
+    import collections
+
+    from torch._inductor import config as inductor_config
+
+    from loka_compile import inductor_compile
+
+    compiles = collections.Counter()
+    real = inductor_compile.compile_fx_inner
+
+    def counting(gm, example_inputs, **kwargs):
+        compiles["backward" if kwargs.get("is_backward") else "forward"] += 1
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(inductor_compile, "compile_fx_inner", counting)
+    with inductor_config.patch(fx_graph_cache=False):
+        yield compiles
+
+
+@pytest.fixture
 def store():
     """A fresh Probe store as the sink of observers called directly (no compile); the routing
     of compiled graphs' observations to their compile's store restored after."""

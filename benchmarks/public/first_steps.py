@@ -121,6 +121,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="directory for <name>.json and .md (default: print only)")
     p.add_argument("--name", default=None)
     p.add_argument("--pstats", default=None, help="also write the whole cProfile of the steps here (for pstats)")
+    p.add_argument("--no-profile", action="store_true", help="run the steps without cProfile (no phase table): "
+                   "wall times without its overhead on Python-heavy compiles")
     args = p.parse_args(argv)
 
     device = infer_device(args.device)
@@ -151,13 +153,15 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    profiler = cProfile.Profile()
+    profiler = None if args.no_profile else cProfile.Profile()
     cpu_start = cpu_seconds()
-    profiler.enable()
+    if profiler is not None:
+        profiler.enable()
     per_step = run_steps(call, batches, args.steps, cuda)
-    profiler.disable()
+    if profiler is not None:
+        profiler.disable()
     cpu_s = cpu_seconds() - cpu_start
-    if args.pstats:
+    if args.pstats and profiler is not None:
         profiler.dump_stats(args.pstats)
     if args.save_plan:
         import loka_compile
@@ -166,9 +170,10 @@ def main(argv=None) -> dict:
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "first_steps_s": round(sum(per_step), 3), "per_step_s": [round(t, 3) for t in per_step],
               "first_steps_cpu_s": round(cpu_s, 3), "loka_options": args.loka_options,
-              "phases": phase_times(pstats.Stats(profiler))}
+              "phases": phase_times(pstats.Stats(profiler)) if profiler is not None else []}
     lines = [f"# First {args.steps} steps: {args.model} {args.mode}, {cfg.name} ({result['device']}, preset "
-             f"{args.preset}, batch {batch}): {result['first_steps_s']:.2f} s under cProfile ({cpu_s:.2f} CPU s), "
+             f"{args.preset}, batch {batch}): {result['first_steps_s']:.2f} s "
+             f"{'without' if profiler is None else 'under'} cProfile ({cpu_s:.2f} CPU s), "
              f"per step {result['per_step_s']}", "", "| phase | seconds | calls |", "|---|---|---|"]
     lines += [f"| {ph['phase']} | {ph['seconds']:.2f} | {ph['calls']} |" for ph in result["phases"] if ph["calls"]]
     text = "\n".join(lines) + "\n"

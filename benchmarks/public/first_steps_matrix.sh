@@ -8,7 +8,8 @@
 #
 #   bash benchmarks/public/first_steps_matrix.sh $OUT deepctr_torch.DeepFM torch_rechub.DCNv2
 #
-# Environment: PRESET (production), MODE (train), BUDGET_S (440).
+# Environment: PRESET (production), MODE (train), BUDGET_S (440), PROFILE (1; 0: no cProfile, whose
+# overhead on Python-heavy compiles is large, and no phase table or profiles).
 set -u
 out=$1; shift
 work=$(mktemp -d)
@@ -21,9 +22,11 @@ one() {  # name, perf DB dir, first_steps arguments...
     local name=$1 db=$2; shift 2
     local left=$((budget - SECONDS))
     if [ $left -le 0 ]; then echo "skipped $name: over the ${budget}s budget"; return; fi
+    local profile="--pstats $res/$name.prof"
+    [ "${PROFILE:-1}" = 0 ] && profile=--no-profile
     env PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) LOKA_CACHE_DIR=$db \
         timeout $((left + 30)) python -m benchmarks.public.first_steps --preset $preset --mode ${MODE:-train} \
-        --out $res --name $name --pstats $res/$name.prof "$@" > $res/$name.log 2>&1
+        --out $res --name $name $profile "$@" > $res/$name.log 2>&1
     echo "rc=$? $(grep '^# First' $res/$name.log)"
     [ -f $res/$name.prof ] && gzip -f $res/$name.prof
 }

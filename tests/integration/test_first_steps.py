@@ -3,7 +3,6 @@ graph (forward and backward), the FP8 variant's, while its probe variant runs as
 `compile_probe` the probe variant is compiled too, and a graph none of whose sites is a candidate
 keeps it (one compile). benchmarks.public.first_steps' phase table reads cProfile."""
 
-import collections
 import copy
 import cProfile
 import json
@@ -13,7 +12,6 @@ import pstats
 import pytest
 import torch
 import torch.nn as nn
-from torch._inductor import config as inductor_config
 
 import loka_compile
 from loka_compile import inductor_compile
@@ -29,22 +27,6 @@ REL_ERROR = 1e-5
 def _mlp(width: int, dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, 1))
-
-
-@pytest.fixture
-def inductor_compiles(monkeypatch):
-    """Inductor compiles of ATen graphs by kind ("forward" or "backward"), counted where loka
-    calls Inductor; the FX graph cache off, so that none is a cache entry dropped and compiled again."""
-    compiles = collections.Counter()
-    real = inductor_compile.compile_fx_inner
-
-    def counting(gm, example_inputs, **kwargs):
-        compiles["backward" if kwargs.get("is_backward") else "forward"] += 1
-        return real(gm, example_inputs, **kwargs)
-
-    monkeypatch.setattr(inductor_compile, "compile_fx_inner", counting)
-    with inductor_config.patch(fx_graph_cache=False):
-        yield compiles
 
 
 def _train(model, x, steps=4, **options):

@@ -115,8 +115,12 @@ class TestCli:
     def test_list_then_clear(self, tmp_path, key):
         path = tmp_path / perfdb.FILE_NAME
         perfdb.PerfDB(path).put(key, _value())
+        verdict = dict(perfdb.environment(torch.device("cpu")), kind="graph_speed", source="ab12" * 16)
+        perfdb.PerfDB(path).put(verdict, {"fp8_ms": 1.5, "hp_ms": 1.25, "kept": "high precision"})
         listed = self._run("list", cache_dir=tmp_path)
         assert "32 x 64 x 32" in listed and "emulated" in listed and "1.25x" in listed
+        assert "graph speed verdicts:" in listed and "ab12ab12ab12" in listed and "high precision" in listed
+        assert "2 entries in" in listed and "another layout" not in listed
         assert torch.__version__ in listed and str(path) in listed
         cleared = self._run("clear", cache_dir=tmp_path)
         assert f"deleted {path}" in cleared and not path.exists()
