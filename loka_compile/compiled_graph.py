@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch._inductor.compile_fx import compile_fx
 
-from loka_compile import graph_cache, graph_speed, probe
+from loka_compile import graph_cache, graph_speed, kernel_builds, probe
 from loka_compile.aot_capture import AotCapture
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.budget_window import OutputBudgetWindow
@@ -476,6 +476,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
             high.stash(record)
             if (record.fallback, record.fallen_back) != kept[:2]:
                 raise RuntimeError("the high-precision variant fell back to Inductor without loka's passes")
+            kernel_builds.wait()  # no compile thread beside the timed steps (host-bound graphs feel it)
             times = decide_once(lambda: graph_speed.time_steps(steps, device, captured))
         except Exception:
             for key in [key for key in record.contexts if key[0] is Phase.FP8]:
