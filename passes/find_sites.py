@@ -59,10 +59,14 @@ VIEW_LIKE = {
 # GEMM's rows is a bias gradient computed from a dgrad result.
 # weight_norm's backward takes the gradient of the whole weight and returns those of its
 # parameters (g, v) as a tuple; slices and splits hand each weight of a concatenated one
-# (horizontal fusion) its part.
+# (horizontal fusion) its part. A weight used as a slice of a stacked parameter (`P[e]`,
+# `P[:, :k]`, deepctr-torch's CrossNetMix experts) has its gradient scattered into the
+# parameter's (select/slice_scatter, their *_backward) or stacked with its siblings' (stack, cat).
 GRAD_ACCUMULATE = VIEW_LIKE | {aten.add.Tensor, operator.getitem, aten._weight_norm_interface_backward.default,
                                aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
-                               aten.narrow.default}
+                               aten.narrow.default, aten.select_scatter.default, aten.slice_scatter.default,
+                               aten.select_backward.default, aten.slice_backward.default, aten.stack.default,
+                               aten.cat.default}
 GRAD_SUMS = {aten.sum.dim_IntList, aten.sum.default}
 BATCHED_GEMMS = {aten.bmm.default, aten.baddbmm.default}
 
