@@ -11,9 +11,10 @@ fp32), the production preset at a batch small enough for CPU (`--batch`; bytes s
 are reported at `--scale-batch`); one forward and backward. Configs: `inductor` (Inductor bf16),
 `loka_hp` (loka with every site too small for FP8: its Mods and passes alone, what a graph whose speed
 check kept high precision runs), `loka_fp8` (`loka_all_fp8_ro`'s options: no probe window, no speed check, every eligible site
-FP8, the graph speed check's FP8 variant). FP8 sites lower as on an H100 (`fp8_providers_as_on_gpu`):
+FP8, the graph speed check's FP8 variant). loka configs decide as on an H100 (`loka_as_on_gpu`):
 Dispatch sees FP8 hardware and picks `torch._scaled_mm` (cuBLASLt), which runs on CPU, so the plan has
-the GPU's GEMM epilogue (bf16 out, bias fused) and casts; loka's own Triton GEMM is left out. Per kernel its kind (`benchmarks.interaction_copies.kernel_kind`: copy, cast,
+the GPU's GEMM epilogue (bf16 out, bias fused) and casts, and `aligned_gemms` pads as on CUDA; loka's
+own Triton GEMM is left out. Per kernel its kind (`benchmarks.interaction_copies.kernel_kind`: copy, cast,
 cast+copy, compute); per graph the extern (GEMM) calls.
 """
 
@@ -34,23 +35,40 @@ from benchmarks.interaction_copies import kernel_kind
 
 CONFIGS = {"inductor": None, "loka_hp": {"probe_steps": 0, "min_gemm_dim": 1_000_000},
            "loka_fp8": {"probe_steps": 0, "speed_check": False}}
+# H100 SXM datasheet: dense bf16 tensor-core peak and HBM3 bandwidth, for Inductor's compute-bound rule.
+H100_BF16_TFLOPS, H100_DRAM_GBPS = 989.0, 3350.0
 DEFAULT_MODELS = ("deepctr_torch.DCNMix", "torch_rechub.BST", "torch_rechub.DIN")
 
 
+def compute_bound_on_h100(m: int, k: int, n: int) -> bool:
+    """Inductor's `pad_mm.is_mm_compute_bound` on an H100: arithmetic intensity above half the
+    machine balance (its bf16 special case is for pre-sm90 devices)."""
+    intensity = m * n * k / (m * k + n * k + m * n)
+    return intensity > 0.5 * 1000 * H100_BF16_TFLOPS / H100_DRAM_GBPS
+
+
 @contextlib.contextmanager
-def fp8_providers_as_on_gpu():
-    """Dispatch sees FP8 hardware on the CPU and its `torch._scaled_mm` providers run there (CPU
-    `_scaled_mm` takes the same operands), so loka lowers FP8 sites as it does on an H100."""
+def loka_as_on_gpu():
+    """loka's device-dependent choices made as on an H100: Dispatch sees FP8 hardware and its
+    `torch._scaled_mm` providers run on the CPU (CPU `_scaled_mm` takes the same operands), and the
+    `aligned_gemms` Mod pads high-precision GEMMs as it does on CUDA (the compute-bound ones, by
+    Inductor's rule with H100 numbers, it leaves to Inductor's timed pad_mm, which pads nothing off
+    CUDA: they stay unpadded here)."""
     from loka_compile.kernels import providers
+    from loka_compile.passes.mods import aligned_gemms
     real = {name: providers.get(name) for name in ("scaled_mm_tensorwise", "scaled_mm_rowwise")}
-    real_check = providers.has_fp8_hardware
+    real_check, real_pads_on = providers.has_fp8_hardware, aligned_gemms.pads_on
+    real_judges = aligned_gemms.inductor_judges
     providers.has_fp8_hardware = lambda device: True
+    aligned_gemms.pads_on = lambda device: True
+    aligned_gemms.inductor_judges = lambda dims, a_val: compute_bound_on_h100(*dims)
     for provider in real.values():
         providers.register(dataclasses.replace(provider, available=lambda device: True), replace=True)
     try:
         yield
     finally:
-        providers.has_fp8_hardware = real_check
+        providers.has_fp8_hardware, aligned_gemms.pads_on = real_check, real_pads_on
+        aligned_gemms.inductor_judges = real_judges
         for provider in real.values():
             providers.register(provider, replace=True)
 
@@ -74,7 +92,7 @@ def plan(name: str, config: str, batch: int, code_dir: Path | None = None, loka_
     codes: list = []
     start = time.time()
     torch._dynamo.reset()
-    as_on_gpu = fp8_providers_as_on_gpu() if options is not None else contextlib.nullcontext()
+    as_on_gpu = loka_as_on_gpu() if options is not None else contextlib.nullcontext()
     with gpu_codegen_on_cpu(codes) as inductor, as_on_gpu:
         compiled = (torch.compile(unit, backend=inductor) if options is None else
                     torch.compile(unit, backend="loka", options=options))
