@@ -474,10 +474,15 @@ class WeightSource:
     nodes: tuple         # the views, casts and concatenations from them to the operand, inputs first
 
 
+# Views that take one weight out of a stacked parameter (deepctr-torch's CrossNetMix: `V_list[i][e]`).
+_WEIGHT_SLICES = {aten.select.int, aten.slice.Tensor}
+
+
 def weight_source(operand: torch.fx.Node, weight_inputs: dict) -> Optional[WeightSource]:
     """How `operand` is made from weight inputs of the graph (`weight_inputs`: placeholder
-    -> index) through views, dtype casts and concatenations only (sibling linears fused by
-    horizontal_fusion read their weights concatenated), else None."""
+    -> index) through views, slices of a stacked parameter, dtype casts and concatenations
+    only (sibling linears fused by horizontal_fusion read their weights concatenated), else
+    None."""
     nodes, leaves, seen = [], [], set()
 
     def visit(node) -> bool:  # depth first, each node after its inputs
@@ -487,8 +492,8 @@ def weight_source(operand: torch.fx.Node, weight_inputs: dict) -> Optional[Weigh
         if node.op == "placeholder":
             leaves.append(node)
             return node in weight_inputs  # any other input: not a weight operand
-        if node.op != "call_function" or not (
-                node.target is aten.cat.default or (node.target in VIEW_LIKE and len(node.all_input_nodes) == 1)):
+        if node.op != "call_function" or not (node.target is aten.cat.default or (
+                node.target in VIEW_LIKE | _WEIGHT_SLICES and len(node.all_input_nodes) == 1)):
             return False
         if not all(visit(n) for n in node.all_input_nodes):
             return False

@@ -8,6 +8,9 @@ taken for activation gradients (dgrad) and went FP8, which the default recipe ke
 forward and the dgrad: GEMMs contracting over the batch, each operand cast standalone across the
 batch (rowwise scales over a transposed activation), 36 such GEMMs per step at the production preset.
 
+DCN-Mix again: a slice of a stacked parameter was no weight to loka, so each expert weight was cast
+by each GEMM that read it, every step, in training and inference alike.
+
 Needs the `public` extra (pip install -e ".[public]"); skipped without it.
 """
 
@@ -66,3 +69,50 @@ def test_dcn_mix_expert_weight_gradients_are_wgrad_in_high_precision():
         assert got is not None and torch.isfinite(got).all(), name
         assert want.abs().sum() > 0, name
         assert sqnr_db(got.double(), want.double()) > EXPERT_GRAD_SQNR_FLOOR_DB, (name, sqnr_db(got.double(), want.double()))
+
+
+def _crossnet_step(bench, options, grad=True):
+    """DCN-Mix's cross network (the built model's own CrossNetMix) compiled under loka with `options`:
+    one forward (and backward) on a fixed batch; (report sites, output, gradients by name)."""
+    torch._dynamo.reset()
+    model = clone_model(bench.model.crossnet)
+    if not grad:
+        model.eval()
+    compiled = torch.compile(model, backend="loka", options={"probe_steps": 0, **options})
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(bench.preset.batch, model.U_list[0].shape[1], generator=g)
+    with torch.set_grad_enabled(grad):
+        out = compiled(x)
+    grads = {}
+    if grad:
+        (out @ torch.randn(x.shape[1], generator=g)).square().mean().backward()
+        grads = {name: w.grad for name, w in model.named_parameters()}
+    return loka_compile.report(compiled).sites, out.detach(), grads
+
+
+@pytest.mark.slow
+def test_dcn_mix_expert_weights_are_cast_once_a_step_bit_for_bit():
+    """A slice of a stacked parameter is a weight: an unpadded FP8 expert weight is cast once for its
+    forward and its dgrad (weight_both_layouts), with the products the same as each GEMM casting it."""
+    bench = build("deepctr_torch.DCNMix", "tiny", seed=0)
+    sites, out, grads = _crossnet_step(bench, {})
+    _, out_off, grads_off = _crossnet_step(bench, {"disabled_mods": ["weight_both_layouts", "saved_fp8"]})
+    shared = [s for s in sites if s.fp8 and s.casts.get("b", "").startswith("cached weight") and s.padding == (0, 0)]
+    unpadded = [s for s in sites if s.fp8 and s.padding == (0, 0) and s.role in ("fwd", "dgrad")]
+    assert unpadded and len(shared) == len(unpadded), {s.id: s.casts for s in unpadded}
+    assert torch.equal(out, out_off)
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_off[name]), name
+
+
+@pytest.mark.slow
+def test_dcn_mix_inference_caches_its_expert_weights_bit_for_bit():
+    """In inference, each FP8 expert weight (a slice of a stacked parameter) is read as a cached FP8
+    constant (cached_weights), padded or not, with the output the same as casting it in the graph."""
+    bench = build("deepctr_torch.DCNMix", "tiny", seed=0)
+    sites, out, _ = _crossnet_step(bench, {}, grad=False)
+    _, out_off, _ = _crossnet_step(bench, {"disabled_mods": ["cached_weights"]}, grad=False)
+    fp8 = [s for s in sites if s.fp8]
+    assert fp8 and all(s.casts["b"].startswith("cached weight") for s in fp8), {s.id: s.casts for s in fp8}
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, out_off)
