@@ -10,9 +10,9 @@ The unit is `benchmarks.public.run`'s `TrainUnit` (the library model under bf16 
 fp32), the production preset at a batch small enough for CPU (`--batch`; bytes scale with the batch, and
 are reported at `--scale-batch`); one forward and backward. Configs: `inductor` (Inductor bf16),
 `loka_hp` (loka with every site too small for FP8: its Mods and passes alone, what a graph whose speed
-check kept high precision runs), `loka_fp8` (`loka_all_fp8_ro`'s options: no probe window, no speed check, every eligible site
-FP8, the graph speed check's FP8 variant). loka configs decide as on an H100 (`loka_as_on_gpu`):
-Dispatch sees FP8 hardware and picks `torch._scaled_mm` (cuBLASLt), which runs on CPU, so the plan has
+check kept high precision runs), `loka_fp8` (`loka_all_fp8_ro`'s options: no probe window, no speed
+check, every eligible site FP8, the graph speed check's FP8 variant). loka configs decide as on an H100
+(`loka_as_on_gpu`): Dispatch sees FP8 hardware and picks `torch._scaled_mm` (cuBLASLt), which runs on CPU, so the plan has
 the GPU's GEMM epilogue (bf16 out, bias fused) and casts, and `aligned_gemms` pads as on CUDA; loka's
 own Triton GEMM is left out. Per kernel its kind (`benchmarks.interaction_copies.kernel_kind`: copy, cast,
 cast+copy, compute); per graph the extern (GEMM) calls.
@@ -112,7 +112,8 @@ def plan(name: str, config: str, batch: int, code_dir: Path | None = None, loka_
             (code_dir / f"{name.split('.')[-1]}_{config}_graph{i}.py").write_text(code)
         rows = [dict(row, kind=kernel_kind(row["kernel"])) for row in kernel_traffic(code, batch, batch_anywhere=True)]
         graphs.append(dict(kernels=rows, extern=extern_calls(code)))
-    return dict(model=name, config=config, batch=batch, graphs=graphs, sites=sites, codegen_s=round(time.time() - start, 1))
+    return dict(model=name, config=config, batch=batch, graphs=graphs, sites=sites,
+                codegen_s=round(time.time() - start, 1))
 
 
 def summarize(result: dict, scale_batch: int) -> dict:
@@ -171,7 +172,8 @@ def main(argv=None):
             if args.kernels:
                 print("\n".join(kernel_table(result, args.scale_batch)), flush=True)
                 for site in result["sites"]:
-                    print(f"  site {site['id']} {site['shape']} {'FP8' if site['fp8'] else site['reason']} {site['casts']}")
+                    verdict = "FP8" if site["fp8"] else site["reason"]
+                    print(f"  site {site['id']} {site['shape']} {verdict} {site['casts']}")
             if args.out:
                 Path(args.out).write_text(json.dumps(results, indent=1))
     return results
