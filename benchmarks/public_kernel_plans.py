@@ -14,8 +14,9 @@ check kept high precision runs), `loka_fp8` (`loka_all_fp8_ro`'s options: no pro
 check, every eligible site FP8, the graph speed check's FP8 variant). loka configs decide as on an H100
 (`loka_as_on_gpu`): Dispatch sees FP8 hardware and picks `torch._scaled_mm` (cuBLASLt), which runs on
 CPU, so the plan has the GPU's GEMM epilogue (bf16 out, bias fused) and casts, and `aligned_gemms` pads
-as on CUDA; loka's own Triton GEMM is left out. Per kernel its kind (`benchmarks.interaction_copies.kernel_kind`: copy, cast,
-cast+copy, compute); per graph the extern (GEMM) calls.
+as on CUDA; loka's own Triton GEMM is left out. Per kernel its kind
+(`benchmarks.interaction_copies.kernel_kind`: copy, cast, cast+copy, compute); per graph the extern (GEMM)
+calls.
 """
 
 from __future__ import annotations
