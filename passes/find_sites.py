@@ -59,10 +59,14 @@ VIEW_LIKE = {
 # GEMM's rows is a bias gradient computed from a dgrad result.
 # weight_norm's backward takes the gradient of the whole weight and returns those of its
 # parameters (g, v) as a tuple; slices and splits hand each weight of a concatenated one
-# (horizontal fusion) its part.
+# (horizontal fusion) its part. A weight used as a slice of a stacked parameter (`P[e]`,
+# `P[:, :k]`, deepctr-torch's CrossNetMix experts) has its gradient scattered into the
+# parameter's (select/slice_scatter, their *_backward) or stacked with its siblings' (stack, cat).
 GRAD_ACCUMULATE = VIEW_LIKE | {aten.add.Tensor, operator.getitem, aten._weight_norm_interface_backward.default,
                                aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
-                               aten.narrow.default}
+                               aten.narrow.default, aten.select_scatter.default, aten.slice_scatter.default,
+                               aten.select_backward.default, aten.slice_backward.default, aten.stack.default,
+                               aten.cat.default}
 GRAD_SUMS = {aten.sum.dim_IntList, aten.sum.default}
 BATCHED_GEMMS = {aten.bmm.default, aten.baddbmm.default}
 
@@ -470,10 +474,15 @@ class WeightSource:
     nodes: tuple         # the views, casts and concatenations from them to the operand, inputs first
 
 
+# Views that take one weight out of a stacked parameter (deepctr-torch's CrossNetMix: `V_list[i][e]`).
+_WEIGHT_SLICES = {aten.select.int, aten.slice.Tensor}
+
+
 def weight_source(operand: torch.fx.Node, weight_inputs: dict) -> Optional[WeightSource]:
     """How `operand` is made from weight inputs of the graph (`weight_inputs`: placeholder
-    -> index) through views, dtype casts and concatenations only (sibling linears fused by
-    horizontal_fusion read their weights concatenated), else None."""
+    -> index) through views, slices of a stacked parameter, dtype casts and concatenations
+    only (sibling linears fused by horizontal_fusion read their weights concatenated), else
+    None."""
     nodes, leaves, seen = [], [], set()
 
     def visit(node) -> bool:  # depth first, each node after its inputs
@@ -483,8 +492,8 @@ def weight_source(operand: torch.fx.Node, weight_inputs: dict) -> Optional[Weigh
         if node.op == "placeholder":
             leaves.append(node)
             return node in weight_inputs  # any other input: not a weight operand
-        if node.op != "call_function" or not (
-                node.target is aten.cat.default or (node.target in VIEW_LIKE and len(node.all_input_nodes) == 1)):
+        if node.op != "call_function" or not (node.target is aten.cat.default or (
+                node.target in VIEW_LIKE | _WEIGHT_SLICES and len(node.all_input_nodes) == 1)):
             return False
         if not all(visit(n) for n in node.all_input_nodes):
             return False

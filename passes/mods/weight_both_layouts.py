@@ -14,8 +14,8 @@ bit on CPU; on CUDA the Triton kernel rounds as the eager reference does, and In
 compiled cast differed from it in 0-2 FP8 codes per zoo weight).
 
 Matches: 2-D GEMM sites (`mm`, `addmm`) decided FP8 with rowwise scaling, unpadded, whose
-B operand is a weight of the graph (a parameter, or several concatenated by the horizontal
-Mod: `find_sites.weight_source`) seen directly or transposed, through dtype casts, when
+B operand is a weight of the graph (a parameter, a slice of a stacked one, or several
+concatenated by the horizontal Mod: `find_sites.weight_source`) seen directly or transposed, through dtype casts, when
 the same weight is read in both orientations by such sites (a forward GEMM and its dgrad;
 a shared tower's calls all read the one cast). Either form of the forward works: `x @ W^T`
 (`nn.Linear`) reads the row-scaled half, `x @ W` the column-scaled half.
