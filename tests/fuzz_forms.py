@@ -50,9 +50,12 @@ from loka_compile.passes import mods
 # Floors. High precision: the Mods change at most a GEMM's or a reduction's summation order;
 # in fp32 that moves a result by ~1e-7 relative at these K (<= 96), so 1e-5 is 100x margin
 # and a transposed or misplaced operand (relative error ~1) fails by five orders of magnitude.
-# In bf16 the same reordering moves a value by up to a bf16 ulp (2^-8) wherever a rounding
-# lands differently, compounded through a few layers.
-HIGH_PRECISION_FLOOR = {"fp32": 1e-5, "autocast": 2e-2, "bf16": 2e-2}
+# A case that computes in bf16 anywhere is judged against the same function in fp32: loka's
+# error may be LOW_PRECISION_FACTOR times eager's own (a rounding landing elsewhere, compounded
+# through a few layers), or LOW_PRECISION_FLOOR (a few bf16 ulps, 2^-8 each) where eager's is smaller.
+HIGH_PRECISION_FLOOR = 1e-5
+LOW_PRECISION_FLOOR = 2e-2
+LOW_PRECISION_FACTOR = 2.0
 # FP8, by kind of tensor: emulated rowwise e4m3 is ~30 dB per GEMM against its input precision;
 # a chain of up to three GEMM blocks and bf16 rounding on top lose a few dB more (outputs and
 # BatchNorm running statistics). Gradients also pass ReLU masks, and where the FP8 forward moved
@@ -63,7 +66,8 @@ FP8_SQNR_FLOOR_DB = {"output": 15.0, "buffer": 15.0, "grad": 8.0}
 
 FORMS_ANY_RANK = ("nn_linear", "f_linear", "matmul_wt", "matmul_transpose", "matmul_w", "einsum", "mm_flat",
                   "addmm_flat", "matvec", "matvec_t", "horizontal", "repeated_linear", "tied_weight", "conv1d",
-                  "split_cat", "split_regroup", "linear_bn_relu")
+                  "split_cat", "split_regroup", "linear_bn_relu", "sibling_no_grad", "sibling_autocast",
+                  "split_no_grad")
 FORMS_RANK3 = ("bmm_expand", "bmm_expand_transpose", "bmm_expand_permute", "baddbmm", "matmul_broadcast",
                "token_mix", "token_mix_permute", "token_mix_siblings", "field_mix", "interaction", "conv2d",
                "fields_flat", "unbind_stack", "pair_products")
@@ -105,25 +109,29 @@ class Case:
         return (self.rows, width) if self.rank == 2 else (self.batch, self.seq, width)
 
 
-def draw_case(seed: int) -> Case:
-    rng = random.Random(seed)
+def draw_case(seed: int, blocks: int = 0, forms: tuple = ()) -> Case:
+    """The case of `seed`: `blocks` GEMM blocks (0: one to three, drawn), or one block of each
+    of `forms` in order (rank 3 where one needs it)."""
+    rng = random.Random(seed if not (blocks or forms) else f"{seed}/{blocks}/{','.join(forms)}")
     rank = rng.choice((2, 3))
-    forms = FORMS_ANY_RANK + (FORMS_RANK3 if rank == 3 else ())
+    if any(form in FORMS_RANK3 for form in forms):
+        rank = 3
+    choices = FORMS_ANY_RANK + (FORMS_RANK3 if rank == 3 else ())
     width = rng.choice(WIDTHS)
-    blocks = []
-    for _ in range(rng.choice((1, 1, 2, 2, 3))):
-        form = rng.choice(forms)
+    specs = []
+    for i in range(len(forms) or blocks or rng.choice((1, 1, 2, 2, 3))):
+        form = forms[i] if forms else rng.choice(choices)
         # Square weights half the time: a transposed square weight has the right shape and wrong values.
         same = form in SQUARE_FORMS or rng.random() < 0.5
         d_out = width if same else rng.choice(WIDTHS)
-        blocks.append(BlockSpec(form=form, d_in=width, d_out=d_out, bias=rng.choice(("none", "vector", "broadcast")),
-                                norm=rng.choice(NORMS), activation=rng.choice(ACTIVATIONS),
-                                residual=d_out == width and rng.random() < 0.5))
+        specs.append(BlockSpec(form=form, d_in=width, d_out=d_out, bias=rng.choice(("none", "vector", "broadcast")),
+                               norm=rng.choice(NORMS), activation=rng.choice(ACTIVATIONS),
+                               residual=d_out == width and rng.random() < 0.5))
         width = d_out
     training = rng.random() < 0.6
     return Case(seed=seed, rank=rank, rows=rng.choice((32, 64)), batch=rng.choice((2, 4)), seq=rng.choice((4, 8, 16)),
                 dtype=rng.choice(DTYPES), training=training, input_grad=training and rng.random() < 0.5,
-                blocks=tuple(blocks), aux_output=rng.random() < 0.3)
+                blocks=tuple(specs), aux_output=rng.random() < 0.3)
 
 
 def _weight(*shape):
@@ -139,8 +147,12 @@ class Block(nn.Module):
         self.spec, self.rank = spec, case.rank
         self.batch, self.seq = case.batch, case.seq
         k, n, form = spec.d_in, spec.d_out, spec.form
-        if form in ("nn_linear", "linear_bn_relu", "repeated_linear", "split_cat", "split_regroup", "unbind_stack"):
+        if form in ("nn_linear", "linear_bn_relu", "repeated_linear", "split_cat", "split_regroup", "unbind_stack",
+                    "split_no_grad"):
             self.linear = nn.Linear(k, n, bias=spec.bias != "none")
+        elif form in ("sibling_no_grad", "sibling_autocast"):
+            self.linear, self.other = nn.Linear(k, n, bias=spec.bias != "none"), nn.Linear(k, n)
+            self.autocast = True  # sibling_autocast's region (off in the fp32 reference)
         elif form in ("f_linear", "matmul_wt", "matmul_transpose", "mm_flat", "matvec", "bmm_expand_transpose",
                       "bmm_expand_permute", "tied_weight"):
             self.w = _weight(n, k)                           # [N, K], read transposed
@@ -174,6 +186,7 @@ class Block(nn.Module):
         else:
             raise ValueError(form)
         if spec.bias != "none" and form not in ("nn_linear", "linear_bn_relu", "horizontal", "conv1d", "conv2d",
+                                                "sibling_no_grad", "sibling_autocast", "split_no_grad",
                                                 "split_cat", "split_regroup", "unbind_stack", "repeated_linear",
                                                 "fields_flat", "pair_products", "token_mix", "token_mix_permute",
                                                 "token_mix_siblings", "field_mix", "interaction"):
@@ -233,6 +246,18 @@ class Block(nn.Module):
             half = len(fields) // 2
             x = torch.cat([torch.stack(fields[:half], 1), torch.stack(fields[half:], 1)], 1)
             return self.linear(x)
+        if form in ("sibling_no_grad", "sibling_autocast"):  # a gate computed under another state
+            region = torch.no_grad() if form == "sibling_no_grad" \
+                else torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast)
+            y = self.linear(x)
+            with region:
+                gate, again = torch.sigmoid(self.other(x)), self.linear(x)
+            return y * gate.to(y.dtype) + again.to(y.dtype)
+        if form == "split_no_grad":  # pieces of a split made without grad, concatenated with it
+            y = self.linear(x)
+            with torch.no_grad():
+                pieces = y.split(max(1, n // 2), -1)
+            return y * torch.cat(pieces, -1)
         if form == "horizontal":
             pieces = torch.cat([sibling(x) for sibling in self.siblings], -1)
             return pieces * torch.sigmoid(self.gate(x))
@@ -329,8 +354,8 @@ def build(case: Case):
     return model, x
 
 
-def describe(seed: int) -> str:
-    case = draw_case(seed)
+def describe(seed: int, blocks: int = 0) -> str:
+    case = draw_case(seed, blocks)
     head = {f.name: getattr(case, f.name) for f in dataclasses.fields(case) if f.name != "blocks"}
     return "\n".join([f"case {head}"] + [f"  {block}" for block in case.blocks])
 
@@ -384,40 +409,62 @@ def run(case: Case, model: nn.Module, x: torch.Tensor, backend_options=None) -> 
     return result
 
 
-def _pairs(reference: dict, result: dict):
-    """(name, eager's tensor, loka's) of every output, gradient and floating buffer."""
-    for i, (ref, out) in enumerate(zip(reference["outputs"], result["outputs"])):
-        yield f"output {i}", ref, out
-    for name, ref in reference.get("grads", {}).items():
-        yield f"grad {name}", ref, result["grads"][name]
-    for name, ref in reference["buffers"].items():
-        yield f"buffer {name}", ref, result["buffers"][name]
+def _pairs(reference: dict, result: dict, exact: "dict | None" = None):
+    """(name, eager's tensor, loka's, the fp32 reference's or None) of every output, gradient and
+    floating buffer."""
+    names = [f"output {i}" for i in range(len(reference["outputs"]))] + \
+        [f"grad {name}" for name in reference.get("grads", {})] + [f"buffer {name}" for name in reference["buffers"]]
+
+    def tensors(run):
+        if run is None:
+            return [None] * len(names)
+        return list(run["outputs"]) + list(run.get("grads", {}).values()) + list(run["buffers"].values())
+
+    yield from zip(names, tensors(reference), tensors(result), tensors(exact))
 
 
-# A gradient whose norm is below this fraction of a typical gradient of its size is rounding
-# noise of a value zero in exact arithmetic (~1e-7 of it in fp32, ~1e-3 in bf16); loka's must be
-# noise too, within NOISE_RATIO of that bound.
-NOISE_FRACTION = {"fp32": 1e-4, "autocast": 1e-2, "bf16": 1e-2}
-NOISE_RATIO = {"high precision": 1.0, "fp8": 10.0}
+# A gradient whose norm is below this fraction of a typical gradient of its size, in an fp32
+# computation, is rounding noise of a value zero in exact arithmetic (~1e-7 of it: a bias before a
+# BatchNorm in training). loka's must be as small in high precision (NOISE_FRACTION_BF16 where the
+# case computes in bf16); in FP8 the terms that cancel carry FP8's error, so it may be as large as
+# the gradient floor allows a typical gradient's error.
+NOISE_FRACTION = 1e-4
+NOISE_FRACTION_BF16 = 1e-2
 
 
-def _typical_magnitude(reference: dict) -> float:
-    """The RMS of every gradient element of a case (0 for inference)."""
-    grads = [g.detach().double().flatten() for g in reference.get("grads", {}).values() if g is not None]
+def _typical_magnitude(run: dict) -> float:
+    """The RMS of every gradient element of a run (0 for inference)."""
+    grads = [g.detach().double().flatten() for g in run.get("grads", {}).values() if g is not None]
     return float(torch.cat(grads).pow(2).mean().sqrt()) if grads else 0.0
 
 
-def _rounding_noise(tensor: torch.Tensor, typical: float, dtype: str, ratio: float = 1.0) -> bool:
-    return float(tensor.double().norm()) <= ratio * NOISE_FRACTION[dtype] * typical * math.sqrt(tensor.numel())
+def _rounding_noise(tensor: torch.Tensor, typical: float, fraction: float) -> bool:
+    return float(tensor.double().norm()) <= fraction * typical * math.sqrt(tensor.numel())
 
 
-def compare(case: Case, reference: dict, result: dict, variant: str) -> list:
-    """The failures of `result` against eager's `reference`: shape, dtype, NaN, a value past the floor."""
+def low_precision(case: Case) -> bool:
+    """Whether the case computes in bf16 anywhere (its dtype, or a form's own autocast region)."""
+    return case.dtype != "fp32" or any(block.form == "sibling_autocast" for block in case.blocks)
+
+
+def fp32_reference(case: Case, model: nn.Module, x: torch.Tensor) -> dict:
+    """The case's function computed in fp32 (bf16 weights and input upcast, autocast off, the
+    forms' own autocast regions too): the reference of a case that computes in bf16 anywhere,
+    where eager's own bf16 rounding, compounded through norms, reaches 10% of a gradient."""
+    exact = copy.deepcopy(model).float()
+    for block in exact.blocks:
+        block.autocast = False
+    return run(dataclasses.replace(case, dtype="fp32"), exact, x.float())
+
+
+def compare(case: Case, reference: dict, result: dict, variant: str, exact: "dict | None" = None) -> list:
+    """The failures of `result` against eager's `reference` (and, for a case in bf16, the fp32
+    reference `exact`): shape, dtype and None against eager's; NaN; a value past the floor."""
     failures = []
-    typical = _typical_magnitude(reference)
+    typical = _typical_magnitude(exact or reference)
     if len(reference["outputs"]) != len(result["outputs"]):
         return [f"{variant}: {len(result['outputs'])} outputs, eager has {len(reference['outputs'])}"]
-    for name, ref, out in _pairs(reference, result):
+    for name, ref, out, ref32 in _pairs(reference, result, exact):
         if (ref is None) != (out is None):
             failures.append(f"{variant}: {name} is {'None' if out is None else 'set'}, eager's is not")
             continue
@@ -429,45 +476,54 @@ def compare(case: Case, reference: dict, result: dict, variant: str) -> list:
         if not torch.isfinite(out).all():
             failures.append(f"{variant}: {name} is not finite")
             continue
-        if _rounding_noise(ref, typical, case.dtype):
-            # zero in exact arithmetic (a bias before a BatchNorm in training): eager's is rounding
-            # noise, so no ratio to it means anything; loka's must be as small
-            if not _rounding_noise(out, typical, case.dtype, NOISE_RATIO[variant]):
-                failures.append(f"{variant}: {name} is {float(out.double().norm()):.3g} where eager's is rounding "
-                                f"noise, {float(ref.double().norm()):.3g}")
+        base = ref if ref32 is None else ref32
+        if _rounding_noise(base, typical, NOISE_FRACTION):
+            # zero in exact arithmetic: the reference is rounding noise, so no ratio to it means anything
+            allowed = (NOISE_FRACTION if ref32 is None else NOISE_FRACTION_BF16) if variant == "high precision" \
+                else 10 ** (-FP8_SQNR_FLOOR_DB["grad"] / 20)
+            if not _rounding_noise(out, typical, allowed):
+                failures.append(f"{variant}: {name} is {float(out.double().norm()):.3g} where the reference is "
+                                f"rounding noise, {float(base.double().norm()):.3g}")
             continue
         if variant == "high precision":
-            err = rel_error(ref, out)
-            if not err <= HIGH_PRECISION_FLOOR[case.dtype]:
-                failures.append(f"{variant}: {name} relative error {err:.3g} > {HIGH_PRECISION_FLOOR[case.dtype]}")
+            err, floor = rel_error(base, out), HIGH_PRECISION_FLOOR
+            if ref32 is not None:
+                floor = max(LOW_PRECISION_FLOOR, LOW_PRECISION_FACTOR * rel_error(ref32, ref))
+            if not err <= floor:
+                failures.append(f"{variant}: {name} relative error {err:.3g} > {floor:.3g}")
         else:
-            db, floor = sqnr_db(ref, out), FP8_SQNR_FLOOR_DB[name.split()[0]]
+            db, floor = sqnr_db(base, out), FP8_SQNR_FLOOR_DB[name.split()[0]]
             if not db >= floor:
                 failures.append(f"{variant}: {name} SQNR {db:.1f} dB < {floor} dB")
     return failures
 
 
-def _worst(case: Case, reference: dict, result: dict, variant: str) -> dict:
+def _worst(case: Case, reference: dict, result: dict, variant: str, exact: "dict | None" = None) -> dict:
     """The worst error per kind of tensor (outputs, grads, buffers): the largest relative
     error in high precision, the lowest SQNR in FP8 (for choosing and watching the floors)."""
-    worst, typical = {}, _typical_magnitude(reference)
-    for name, ref, out in _pairs(reference, result):
-        if ref is None or out is None or out.shape != ref.shape or _rounding_noise(ref, typical, case.dtype):
+    worst, typical = {}, _typical_magnitude(exact or reference)
+    for name, ref, out, ref32 in _pairs(reference, result, exact):
+        base = ref if ref32 is None else ref32
+        if base is None or out is None or out.shape != base.shape or _rounding_noise(base, typical, NOISE_FRACTION):
             continue
         kind = name.split()[0]
         if variant == "high precision":
-            worst[kind] = max(worst.get(kind, 0.0), rel_error(ref, out))
+            worst[kind] = max(worst.get(kind, 0.0), rel_error(base, out))
         else:
-            worst[kind] = min(worst.get(kind, math.inf), sqnr_db(ref, out))
+            worst[kind] = min(worst.get(kind, math.inf), sqnr_db(base, out))
     return {kind: float(f"{value:.3g}") for kind, value in worst.items()}
 
 
-def check(seed: int) -> tuple:
+def check(seed: int, blocks: int = 0) -> tuple:
+    return check_case(draw_case(seed, blocks))
+
+
+def check_case(case: Case) -> tuple:
     """(failures, notes) of one case: what differs from eager beyond the floors, and how many
     sites went FP8 and what the Mods did (for the log)."""
-    case = draw_case(seed)
     model, x = build(case)
     reference = run(case, model, x)
+    exact = fp32_reference(case, model, x) if low_precision(case) else None
     failures = []
     notes = {}
     for variant, options in (("high precision", HIGH_PRECISION_OPTIONS), ("fp8", FP8_OPTIONS)):
@@ -476,11 +532,11 @@ def check(seed: int) -> tuple:
         except Exception as error:  # noqa: BLE001  (loka failing on a graph is a finding, reported with the case)
             failures.append(f"{variant}: raised {type(error).__name__}: {error}")
             continue
-        failures += compare(case, reference, result, variant)
+        failures += compare(case, reference, result, variant, exact)
         report = result["report"]
         notes[variant] = {"sites": len(report.sites), "fp8": sum(s.fp8 for s in report.sites),
                           "mods": {k: v for k, v in report.mods.items() if v and isinstance(v, int)},
-                          "worst": _worst(case, reference, result, variant)}
+                          "worst": _worst(case, reference, result, variant, exact)}
     return failures, notes
 
 
@@ -490,19 +546,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--start", type=int, default=0, help="first seed")
     parser.add_argument("--cases", type=int, default=100, help="number of seeds from --start")
+    parser.add_argument("--blocks", type=int, default=0, help="GEMM blocks per case (0: one to three, drawn)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     failed = 0
     for seed in range(args.start, args.start + args.cases):
         try:
-            failures, notes = check(seed)
+            failures, notes = check(seed, args.blocks)
         except Exception as error:  # noqa: BLE001  (eager itself failed: the generator's bug, listed)
             failures, notes = [f"eager raised {type(error).__name__}: {error}"], {}
         status = "FAIL" if failures else "ok"
         print(f"seed {seed}: {status} {notes}", flush=True)
         if failures:
             failed += 1
-            print(describe(seed))
+            print(describe(seed, args.blocks))
             for failure in failures:
                 print("   ", failure[:2000])
     print(f"{failed} of {args.cases} cases failed")

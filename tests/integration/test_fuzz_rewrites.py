@@ -1,12 +1,15 @@
 """The differential fuzz of loka's rewrites against eager (tests/fuzz_forms.py has the generator,
 the two loka variants and the floors).
 
-CI runs the seeds in CI_SEEDS, chosen to cover every form between them at both ranks, in fp32
-and bf16, training and inference. More: `LOKA_FUZZ_CASES=500 python -m pytest -q -n 0
-tests/integration/test_fuzz_rewrites.py` adds seeds LOKA_FUZZ_START (0) .. +500, or
-`python tests/fuzz_forms.py --start 0 --cases 500` lists every failure with its case. A failing
-seed reproduces alone: `python tests/fuzz_forms.py --start SEED --cases 1`."""
+CI runs CI_CASES: every form once, six to a case, the cases spread over both ranks, the three
+dtypes and training and inference (widths, biases, norms and activations drawn from the seed).
+More: `LOKA_FUZZ_CASES=500 python -m pytest -q -n 0 tests/integration/test_fuzz_rewrites.py`
+adds the drawn cases of seeds LOKA_FUZZ_START (0) .. +500, or `python tests/fuzz_forms.py --start 0
+--cases 500` lists every failure with its case. A failing seed reproduces alone:
+`python tests/fuzz_forms.py --start SEED --cases 1`."""
 
+import dataclasses
+import itertools
 import os
 
 import pytest
@@ -15,27 +18,48 @@ import fuzz_forms
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 
-CI_SEEDS = (7, 8, 11)
+# (forms, rank, dtype, training): each form once
+_GROUPS = (
+    (("nn_linear", "f_linear", "matmul_wt", "matmul_transpose", "horizontal", "linear_bn_relu"), 2, "fp32", True),
+    (("matmul_w", "einsum", "mm_flat", "addmm_flat", "matvec", "matvec_t"), 2, "fp32", False),
+    (("repeated_linear", "tied_weight", "conv1d", "split_cat", "sibling_no_grad", "split_regroup"), 2, "autocast",
+     True),
+    (("sibling_autocast", "split_no_grad", "bmm_expand", "bmm_expand_transpose", "bmm_expand_permute", "baddbmm"), 3,
+     "autocast", False),
+    (("matmul_broadcast", "token_mix", "token_mix_permute", "token_mix_siblings", "field_mix", "interaction"), 3,
+     "bf16", True),
+    (("conv2d", "fields_flat", "unbind_stack", "pair_products"), 3, "bf16", False),
+)
+CI_CASES = [dataclasses.replace(fuzz_forms.draw_case(seed, forms=forms), rank=rank, dtype=dtype, training=training,
+                                input_grad=training)
+            for seed, (forms, rank, dtype, training) in enumerate(_GROUPS)]
 
 _START = int(os.environ.get("LOKA_FUZZ_START", "0"))
-_MORE = tuple(range(_START, _START + int(os.environ.get("LOKA_FUZZ_CASES", "0"))))
+_SEEDS = tuple(range(_START, _START + int(os.environ.get("LOKA_FUZZ_CASES", "0"))))
 
 
-@pytest.mark.parametrize("seed", CI_SEEDS + tuple(s for s in _MORE if s not in CI_SEEDS))
-def test_rewrites_match_eager(seed):
-    failures, notes = fuzz_forms.check(seed)
-    assert not failures, "\n".join([fuzz_forms.describe(seed), *failures, str(notes)])
+def _assert_passes(case, failures, notes):
+    head = {f.name: getattr(case, f.name) for f in dataclasses.fields(case) if f.name != "blocks"}
+    assert not failures, "\n".join([str(head), *map(str, case.blocks), *failures, str(notes)])
 
 
-def test_ci_seeds_cover_every_form():
-    """The CI seeds draw every form, both ranks, every dtype, training and inference (the
-    generator alone, no compile)."""
-    cases = [fuzz_forms.draw_case(seed) for seed in CI_SEEDS]
-    forms = {block.form for case in cases for block in case.blocks}
-    assert forms == set(fuzz_forms.FORMS), sorted(set(fuzz_forms.FORMS) - forms)
-    assert {case.rank for case in cases} == {2, 3}
-    assert {case.dtype for case in cases} == set(fuzz_forms.DTYPES)
-    assert {case.training for case in cases} == {True, False}
+@pytest.mark.parametrize("case", CI_CASES, ids=[",".join(b.form for b in c.blocks) for c in CI_CASES])
+def test_every_form_matches_eager(case):
+    _assert_passes(case, *fuzz_forms.check_case(case))
+
+
+@pytest.mark.parametrize("seed", _SEEDS)
+def test_drawn_case_matches_eager(seed):
+    case = fuzz_forms.draw_case(seed)
+    _assert_passes(case, *fuzz_forms.check_case(case))
+
+
+def test_ci_cases_cover_every_form_rank_dtype_and_mode():
+    """The generator alone, no compile."""
+    assert sorted(b.form for case in CI_CASES for b in case.blocks) == sorted(fuzz_forms.FORMS)
+    assert {case.rank for case in CI_CASES} == {2, 3}
+    assert {(case.dtype, case.training) for case in CI_CASES} == set(
+        itertools.product(("fp32", "autocast", "bf16"), (True, False)))
 
 
 def test_a_case_is_its_seed():
