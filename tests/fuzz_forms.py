@@ -67,13 +67,13 @@ FP8_SQNR_FLOOR_DB = {"output": 15.0, "buffer": 15.0, "grad": 8.0}
 FORMS_ANY_RANK = ("nn_linear", "f_linear", "matmul_wt", "matmul_transpose", "matmul_w", "einsum", "mm_flat",
                   "addmm_flat", "matvec", "matvec_t", "horizontal", "repeated_linear", "tied_weight", "conv1d",
                   "split_cat", "split_regroup", "linear_bn_relu", "sibling_no_grad", "sibling_autocast",
-                  "split_no_grad")
+                  "split_no_grad", "shared_twice")
 FORMS_RANK3 = ("bmm_expand", "bmm_expand_transpose", "bmm_expand_permute", "baddbmm", "matmul_broadcast",
                "token_mix", "token_mix_permute", "token_mix_siblings", "field_mix", "interaction", "conv2d",
                "fields_flat", "unbind_stack", "pair_products")
 # Forms whose output width is their input's (a weight over another axis, or one used both ways)
 SQUARE_FORMS = ("token_mix", "token_mix_permute", "token_mix_siblings", "field_mix", "interaction", "pair_products",
-                "tied_weight")
+                "tied_weight", "shared_twice")
 FORMS = FORMS_ANY_RANK + FORMS_RANK3
 NORMS = ("none", "none", "layernorm", "batchnorm", "keepdim_center", "keepdim_gate")
 ACTIVATIONS = ("relu", "gelu", "none")
@@ -97,13 +97,14 @@ class Case:
     seed: int
     rank: int            # 2: x [rows, d]; 3: x [batch, seq, d]
     rows: int            # rank 2
-    batch: int           # rank 3
+    batch: int           # rank 3 (at least 4: a BatchNorm over fewer rows turns FP8 noise into noise of its own)
     seq: int             # rank 3
     dtype: str           # fp32, autocast (fp32 weights, bf16 autocast), bf16 (bf16 weights and input)
     training: bool       # forward + backward; else no_grad in eval mode
     input_grad: bool     # training: x requires grad (first block's dgrad)
     blocks: tuple
     aux_output: bool     # also return a keepdim reduction of the last block's output
+    strided_input: bool = False  # x a transposed view of a contiguous tensor (its last dim strided)
 
     def shape(self, width: int) -> tuple:
         return (self.rows, width) if self.rank == 2 else (self.batch, self.seq, width)
@@ -129,9 +130,9 @@ def draw_case(seed: int, blocks: int = 0, forms: tuple = ()) -> Case:
                                residual=d_out == width and rng.random() < 0.5))
         width = d_out
     training = rng.random() < 0.6
-    return Case(seed=seed, rank=rank, rows=rng.choice((32, 64)), batch=rng.choice((2, 4)), seq=rng.choice((4, 8, 16)),
+    return Case(seed=seed, rank=rank, rows=rng.choice((32, 64)), batch=rng.choice((4, 8)), seq=rng.choice((4, 8, 16)),
                 dtype=rng.choice(DTYPES), training=training, input_grad=training and rng.random() < 0.5,
-                blocks=tuple(specs), aux_output=rng.random() < 0.3)
+                blocks=tuple(specs), aux_output=rng.random() < 0.3, strided_input=rng.random() < 0.3)
 
 
 def _weight(*shape):
@@ -148,7 +149,7 @@ class Block(nn.Module):
         self.batch, self.seq = case.batch, case.seq
         k, n, form = spec.d_in, spec.d_out, spec.form
         if form in ("nn_linear", "linear_bn_relu", "repeated_linear", "split_cat", "split_regroup", "unbind_stack",
-                    "split_no_grad"):
+                    "split_no_grad", "shared_twice"):
             self.linear = nn.Linear(k, n, bias=spec.bias != "none")
         elif form in ("sibling_no_grad", "sibling_autocast"):
             self.linear, self.other = nn.Linear(k, n, bias=spec.bias != "none"), nn.Linear(k, n)
@@ -186,7 +187,7 @@ class Block(nn.Module):
         else:
             raise ValueError(form)
         if spec.bias != "none" and form not in ("nn_linear", "linear_bn_relu", "horizontal", "conv1d", "conv2d",
-                                                "sibling_no_grad", "sibling_autocast", "split_no_grad",
+                                                "sibling_no_grad", "sibling_autocast", "split_no_grad", "shared_twice",
                                                 "split_cat", "split_regroup", "unbind_stack", "repeated_linear",
                                                 "fields_flat", "pair_products", "token_mix", "token_mix_permute",
                                                 "token_mix_siblings", "field_mix", "interaction"):
@@ -232,6 +233,8 @@ class Block(nn.Module):
             return self._plus_bias((self.w @ x.unsqueeze(-1)).squeeze(-1))
         if form == "matvec_t":  # W^T @ x of a weight stored [K, N]
             return self._plus_bias((self.w.t() @ x.unsqueeze(-1)).squeeze(-1))
+        if form == "shared_twice":  # one linear applied to its own output: two GEMMs on one weight
+            return self.linear(torch.relu(self.linear(x)))
         if form == "repeated_linear":  # one linear applied to x twice
             return self.linear(x) * torch.sigmoid(self.linear(x))
         if form == "tied_weight":  # one square weight read both ways: x W^T, then (.) W
@@ -346,7 +349,12 @@ def build(case: Case):
     """(model, input) of a case, from its seed alone."""
     torch.manual_seed(case.seed)
     model = FuzzModel(case)
-    x = torch.randn(case.shape(case.blocks[0].d_in), generator=torch.Generator().manual_seed(case.seed + 1))
+    shape = case.shape(case.blocks[0].d_in)
+    if case.strided_input:
+        shape = (*shape[:-2], shape[-1], shape[-2])
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(case.seed + 1))
+    if case.strided_input:
+        x = x.transpose(-1, -2)
     if case.dtype == "bf16":
         model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
     if not case.training:
@@ -385,7 +393,7 @@ def run(case: Case, model: nn.Module, x: torch.Tensor, backend_options=None) -> 
     """One training step or inference call of a copy of `model` (eager when `backend_options` is
     None): outputs, input and parameter gradients, buffers, and the loka report."""
     model = copy.deepcopy(model)
-    x = x.detach().clone().requires_grad_(case.input_grad)
+    x = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(case.input_grad)
     fn = model
     if backend_options is not None:
         torch._dynamo.reset()

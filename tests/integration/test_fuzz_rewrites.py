@@ -36,7 +36,7 @@ _EVERY_FORM = (
      "autocast", False),
     (("matmul_broadcast", "token_mix", "token_mix_permute", "token_mix_siblings", "field_mix", "interaction"), 3,
      "bf16", True),
-    (("conv2d", "fields_flat", "unbind_stack", "pair_products"), 3, "bf16", False),
+    (("conv2d", "fields_flat", "unbind_stack", "pair_products", "shared_twice"), 3, "bf16", False),
 )
 
 
