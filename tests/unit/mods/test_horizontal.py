@@ -274,11 +274,13 @@ def test_linears_under_another_grad_mode_or_autocast_stay_apart(state):
     # the two linears inside the region fuse with each other (a repeat there is a sibling: its own
     # weight's call is outside), never with the one outside
     assert (result.rewritten, dict(result.declined)) == (1, {"other_state_region": 1}), result.declined
+    # the fused pair in the autocast region sums its bf16 GEMM in another order: a bf16 ulp (2^-8)
+    floor = 1e-5 if state == "no_grad" else 1e-2
     for name, got, expected in pairs:
         assert (got is None) == (expected is None), name
         if expected is not None:
             assert got.dtype == expected.dtype, name
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
+            assert rel_error(expected.float(), got.float()) <= floor, (name, rel_error(expected.float(), got.float()))
 
 
 def test_only_repeats_leave_the_linear_unfused_and_named():
