@@ -52,9 +52,11 @@ from loka_compile.passes import mods
 # and a transposed or misplaced operand (relative error ~1) fails by five orders of magnitude.
 # A case that computes in bf16 anywhere is judged against the same function in fp32: loka's
 # error may be LOW_PRECISION_FACTOR times eager's own (a rounding landing elsewhere, compounded
-# through a few layers), or LOW_PRECISION_FLOOR (a few bf16 ulps, 2^-8 each) where eager's is smaller.
+# through a few layers), or LOW_PRECISION_FLOOR where eager's is smaller: the traced graph's own
+# bf16 arithmetic (decomposed ops rounding where eager's kernels do not) reached 0.037 on a
+# gradient with every Mod off, against eager's 0.010.
 HIGH_PRECISION_FLOOR = 1e-5
-LOW_PRECISION_FLOOR = 2e-2
+LOW_PRECISION_FLOOR = 5e-2
 LOW_PRECISION_FACTOR = 2.0
 # FP8, by kind of tensor: emulated rowwise e4m3 is ~30 dB per GEMM against its input precision;
 # a chain of up to three GEMM blocks and bf16 rounding on top lose a few dB more (outputs and
