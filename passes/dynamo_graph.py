@@ -185,6 +185,33 @@ def written_or_returned(node: torch.fx.Node) -> tuple[bool, bool]:
     return written, returned
 
 
+# Prefixes of the calls Dynamo writes into a graph where a context manager switches grad mode,
+# autocast, inference mode, forward-mode AD, functorch nesting or saved-tensor hooks
+# (`torch._C._set_grad_enabled`, `torch.amp._enter_autocast` / `_exit_autocast`, ...): each starts
+# a region whose ops run under other global state than the ones before it.
+_STATE_CHANGE_PREFIXES = ("_set_", "_enter_", "_exit_", "_grad_increment", "_grad_decrement", "_jvp_increment",
+                          "_jvp_decrement", "_saved_tensors_hooks_")
+
+
+def _changes_state(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) \
+        and _name(node).startswith(_STATE_CHANGE_PREFIXES)
+
+
+def state_regions(graph: torch.fx.Graph) -> dict:
+    """node -> the index of its state region: nodes of one index run under one grad mode and one
+    autocast state (no `with torch.no_grad()`, `torch.autocast(...)` or other context manager
+    boundary between them). A rewrite that merges computations, or moves one to another node's
+    place, keeps within one region: a linear moved out of `no_grad` would pass gradients eager
+    does not, one moved out of autocast would compute in another dtype."""
+    region, regions = 0, {}
+    for node in graph.nodes:
+        if _changes_state(node):
+            region += 1
+        regions[node] = region
+    return regions
+
+
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose storage `node` may share, followed up through views and getitems."""
     while _may_alias_input(node) and node.args and isinstance(node.args[0], torch.fx.Node):

@@ -29,6 +29,26 @@ def dynamo_graph(model, *inputs):
     return graphs[0]
 
 
+def rewritten_against_eager(model, x, rewrite):
+    """`rewrite(gm, example_inputs)` on `model`'s Dynamo graph, the rewritten graph run once with a
+    backward of its outputs' sum, and an eager copy the same way: (what `rewrite` returned,
+    [(name, the rewritten graph's tensor, eager's)] for each output, x's gradient and each
+    parameter's, a gradient None where it is None)."""
+    eager, x_eager = copy.deepcopy(model), x.detach().clone().requires_grad_(x.requires_grad)
+    gm, example_inputs = dynamo_graph(model, x)
+    result = rewrite(gm, example_inputs)
+
+    def step(fn, arguments, x):
+        outs = fn(*arguments)
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        sum(o.float().sum() for o in outs if o.requires_grad).backward()
+        return [(f"output {i}", o.detach()) for i, o in enumerate(outs)] + [("x grad", x.grad)]
+
+    mine = step(gm, example_inputs, x) + [(n, p.grad) for n, p in model.named_parameters()]
+    theirs = step(eager, (x_eager,), x_eager) + [(n, p.grad) for n, p in eager.named_parameters()]
+    return result, [(name, a, b) for (name, a), (_, b) in zip(mine, theirs)]
+
+
 def fail_second_call(monkeypatch, module, name: str) -> None:
     """Patch `module.name` so that its second call raises RuntimeError("injected"): a
     rewrite failing part way."""

@@ -34,6 +34,9 @@ Declines a match (the reason counted in `declined`, logged at DEBUG) when:
     inner_used_elsewhere every inner cat is also read by another node, or twice by this one (its buffer
                          is needed anyway)
     other_dim            every inner cat is along another dim, or its dim is unknown
+    other_state_region   every inner cat, or the split, runs under another grad mode or autocast
+                         state than the cat (`with torch.no_grad()` between them): read in the
+                         cat's place, its inputs would pass gradients eager does not
     shared_input         an inner cat's input, or the split's source, is read three times or more,
                          or a piece of the split is read by another node: autograd sums its
                          gradients in an order the rewrite would change (two terms add the same
@@ -69,7 +72,7 @@ import torch
 from torch._prims_common import is_contiguous_or_false
 
 from ..dynamo_graph import (Rewrites, alias_root, arg, copy_provenance, example_value, fake_mode, module_of,
-                            rewrite_matches, set_example_values, written_or_returned)
+                            rewrite_matches, set_example_values, state_regions, written_or_returned)
 from .mod import Mod, Stage, count_rewritten
 
 _CATS = {torch.cat, torch.concat, torch.concatenate}
@@ -143,6 +146,10 @@ def _nested_decline(gm, found: _NestedCat, inputs: dict) -> "str | None":
     same_dim = [c for c in found.inner if dim is not None and _cat_dim(c) == dim]
     if not same_dim:
         return "other_dim"
+    regions = state_regions(gm.graph)
+    same_dim = [c for c in same_dim if regions[c] == regions[found.node]]
+    if not same_dim:
+        return "other_state_region"
     only_here = [c for c in same_dim if set(c.users) == {found.node} and _reads(c) == 1]
     if not only_here:
         return "inner_used_elsewhere"
@@ -249,6 +256,9 @@ def _whole_split_decline(gm, found: _WholeSplit, inputs: dict) -> "str | None":
     d, c = _split_dim(found), _cat_dim(found.node)
     if not isinstance(x, torch.Tensor) or not isinstance(pieces, (tuple, list)) or d is None or c is None:
         return "unknown_shape"
+    regions = state_regions(gm.graph)
+    if regions[found.split] != regions[found.node]:
+        return "other_state_region"
     indices = [index for index, _ in found.pieces]
     if sorted(indices) != list(range(len(pieces))):
         return "partial_split"

@@ -22,6 +22,9 @@ Linear(1728 -> 3456) to the same embeddings: one 1728 -> 27648 GEMM).
 Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module      its module is under `exclude_modules` (the exclusion stays exact)
     single_linear        no other linear reads its input
+    other_state_region   the other linears of its input run under another grad mode or autocast
+                         state (`with torch.no_grad()`, `torch.autocast(...)` between them): fused,
+                         one would pass gradients eager does not, or compute in another dtype
     depends_on_sibling   its weight or bias is computed from another sibling's output
                          (the fused GEMM would depend on itself)
     weight_not_parameter its weight or bias is not an nn.Parameter graph input or a
@@ -31,8 +34,9 @@ Declines a linear (the reason counted in `declined`, logged at DEBUG) when:
                          to the linear, and the concatenation would hide that)
     k_or_dtype_differs   no other sibling has its weight's K, dtype and device
     repeated_call        the same linear (weight and bias, or nn.Linear module) applied
-                         to x again, as DeepCTR's per-field bilinear layer does: its users
-                         read the first call's output, so the product is computed once
+                         to x again in the same state region, as DeepCTR's per-field
+                         bilinear layer does: its users read the first call's output, so
+                         the product is computed once
                          (AOTAutograd's CSE keeps both calls' GEMMs, forward and backward:
                          torch 2.13; fused, each repeat would concatenate the weight again);
                          where either output may be written in place or is a graph output,
@@ -69,8 +73,8 @@ import operator
 import torch
 
 from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, fake_mode, fetch_attr, graph_inputs,
-                            matches_to_rewrite, module_of, module_stack, set_example_values, tensor_of,
-                            written_or_returned)
+                            matches_to_rewrite, module_of, module_stack, set_example_values, state_regions,
+                            tensor_of, written_or_returned)
 from ..rewrite import all_or_nothing
 from .mod import Evidence, Mod, Stage, total
 
@@ -160,10 +164,12 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
     tells a Parameter)."""
     result = HorizontalFusion()
     inputs = graph_inputs(gm, example_inputs)
-    by_input = collections.defaultdict(list)
+    regions = state_regions(gm.graph)
+    by_input = collections.defaultdict(list)  # (x, state region) -> its linears
     for _, lin in matches_to_rewrite(gm, example_inputs, "horizontal", _linear_of, _decline_reason, result.declined,
                                      exclude_modules):
-        by_input[lin.x].append(lin)
+        by_input[(lin.x, regions[lin.node])].append(lin)
+    inputs_read = collections.Counter(x for x, _ in by_input)
 
     def decline(lins, reason):
         for lin in lins:
@@ -171,10 +177,10 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule, example_inputs=(), *, exclude
             log.debug("horizontal: %s (%s) declined: %s", lin.node.name, lin.module or "<root>", reason)
 
     groups, repeats = [], []
-    for x, lins in by_input.items():
+    for (x, _), lins in by_input.items():
         lins = _first_calls(lins, repeats, decline)
         if len(lins) < 2:
-            decline(lins, "single_linear")
+            decline(lins, "other_state_region" if inputs_read[x] > 1 else "single_linear")
             continue
         outputs = {lin.node for lin in lins}
         candidates = []

@@ -25,6 +25,9 @@ Declines a BatchNorm (the reason counted in `declined`, logged at DEBUG) when:
     excluded_module     its module is under `exclude_modules`
     not_training        it uses the running statistics (eval mode: left as written)
     no_linear           its input is not a Linear's output, or something else reads that output
+    other_state_region  the Linear, the norm or the ReLU runs under another grad mode or autocast state
+                        than the others (`torch.autocast(...)` around the Linear alone): the linear,
+                        moved to the norm's place, would compute in another dtype
     unknown_shape       its input is not 2-D [B, N] (BatchNorm1d over [B, C, L]) or has no example value,
                         or momentum or eps is not a number
     no_affine           no weight or no bias (affine=False)
@@ -42,7 +45,8 @@ import torch.nn.functional as F
 
 from loka_compile.kernels.batch_norm import DTYPES, linear_batch_norm
 
-from ..dynamo_graph import LINEARS, Rewrites, arg, copy_provenance, example_value, module_of, rewrite_matches, value_of
+from ..dynamo_graph import (LINEARS, Rewrites, arg, copy_provenance, example_value, module_of, rewrite_matches,
+                            state_regions, value_of)
 from .mod import Mod, Stage, count_rewritten
 
 aten = torch.ops.aten
@@ -93,6 +97,9 @@ def _decline_reason(gm, block: _Block, inputs: dict) -> "str | None":
         return "not_training"
     if not _is_linear(block.linear) or len(block.linear.users) != 1:
         return "no_linear"
+    regions = state_regions(gm.graph)
+    if len({regions[n] for n in (block.linear, block.node, block.relu) if n is not None}) > 1:
+        return "other_state_region"
     h = value_of(gm, block.linear, inputs)
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         return "unknown_shape"

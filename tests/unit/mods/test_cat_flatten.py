@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import loka_compile
 from loka_compile.passes.mods.cat_flatten import flatten_cats
-from graphs import dynamo_graph
+from graphs import dynamo_graph, rewritten_against_eager
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 
@@ -273,3 +273,41 @@ def test_fibinet_copy_kernels_of_inductors_gpu_plan_are_gone():
     assert len(kept) == fields and all(r["kernel"].startswith("triton_poi_fused_cat_") for r in kept), kept
     mb = {mods: sum(r["read_mb"] + r["written_mb"] for r in rows) for mods, rows in copies.items()}
     assert len(copies[()]) > 4 * fields and mb[()] > 10 * mb[("cat_flatten",)], mb
+
+
+class CatsAcrossNoGrad(nn.Module):
+    """A cat of a whole split, and a cat of a cat, with `torch.no_grad()` between the pieces and the
+    cat (the fuzz, tests/fuzz_forms.py, found them flattened across it: the cat's source then passed
+    gradients that eager's pieces, made without grad, do not)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.form == "split_in_no_grad":
+            with torch.no_grad():
+                parts = h.split(8, -1)
+            return torch.cat(parts, -1) * h
+        if self.form == "cat_in_no_grad":
+            parts = h.split(8, -1)
+            with torch.no_grad():
+                whole = torch.cat(parts, -1)
+            return whole * h
+        left, right = h[:, :8], h[:, 8:]
+        with torch.no_grad():
+            inner = torch.cat([left, right], -1)
+        return torch.cat([inner, h], -1) * h.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("form", ["split_in_no_grad", "cat_in_no_grad", "inner_cat_in_no_grad"])
+def test_cats_across_a_grad_mode_change_stay(form):
+    x = torch.randn(16, 32, requires_grad=True)
+    result, pairs = rewritten_against_eager(CatsAcrossNoGrad(form), x, flatten_cats)
+    assert (result.rewritten, dict(result.declined)) == (0, {"other_state_region": 1}), result.declined
+    for name, got, expected in pairs:
+        assert (got is None) == (expected is None), name
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)

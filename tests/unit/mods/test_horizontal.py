@@ -14,7 +14,7 @@ import loka_compile
 from loka_compile.passes import MODS
 from loka_compile.passes.mods.horizontal import fuse_sibling_linears, joined_module_path
 from numerics import rel_error, sqnr_db
-from graphs import dynamo_graph, loka_and_eager_grads
+from graphs import dynamo_graph, loka_and_eager_grads, rewritten_against_eager
 
 LINEARS = (torch._C._nn.linear, F.linear)
 
@@ -247,6 +247,40 @@ def test_repeated_calls_of_one_linear_are_computed_once():
     with torch.no_grad():
         for got, expected in zip(gm(*example_inputs), model(x, y)):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+class SiblingsAcrossStates(nn.Module):
+    """Linears of one input, some under `with torch.no_grad()` or `torch.autocast(...)`: a sibling
+    and a repeat of the first linear there (the fuzz, tests/fuzz_forms.py, found them fused across:
+    x's gradient doubled, b's weight given a gradient eager does not have, b's output in fp32)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = self.a(x)
+        region = torch.no_grad() if self.state == "no_grad" else torch.autocast("cpu", dtype=torch.bfloat16)
+        with region:
+            t, again = self.b(x), self.a(x)
+        return y * t.float(), t, again
+
+
+@pytest.mark.parametrize("state", ["no_grad", "autocast"])
+def test_linears_under_another_grad_mode_or_autocast_stay_apart(state):
+    x = torch.randn(64, 32, requires_grad=True)
+    result, pairs = rewritten_against_eager(SiblingsAcrossStates(state), x, fuse_sibling_linears)
+    # the two linears inside the region fuse with each other (a repeat there is a sibling: its own
+    # weight's call is outside), never with the one outside
+    assert (result.rewritten, dict(result.declined)) == (1, {"other_state_region": 1}), result.declined
+    # the fused pair in the autocast region sums its bf16 GEMM in another order: a bf16 ulp (2^-8)
+    floor = 1e-5 if state == "no_grad" else 1e-2
+    for name, got, expected in pairs:
+        assert (got is None) == (expected is None), name
+        if expected is not None:
+            assert got.dtype == expected.dtype, name
+            assert rel_error(expected.float(), got.float()) <= floor, (name, rel_error(expected.float(), got.float()))
 
 
 def test_only_repeats_leave_the_linear_unfused_and_named():

@@ -19,7 +19,7 @@ import loka_compile
 from loka_compile import LokaConfig
 from loka_compile.kernels.batch_norm import linear_batch_norm, reference
 from loka_compile.passes.mods.linear_batchnorm import rewrite_linear_batch_norms
-from graphs import dynamo_graph
+from graphs import dynamo_graph, rewritten_against_eager
 from numerics import rel_error
 
 ENABLED = dict(enabled_mods=["linear_batchnorm"], probe_steps=0, speed_check=False)
@@ -248,3 +248,26 @@ def test_variants_are_rewritten_and_match_eager(case):
             assert rel_error(q.grad, p.grad) < 1e-5, name
     for mine, ref in zip(model.buffers(), reference.buffers()):
         assert rel_error(ref.float(), mine.float()) < 1e-6
+
+
+class AutocastLinearThenBatchNorm(nn.Module):
+    """A Linear under `torch.autocast(...)`, its BatchNorm and ReLU after the region (moved to the
+    norm's place, the linear computed in fp32: the output's dtype and values changed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(32, 32), nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.lin(x)
+        return torch.relu(self.bn(h))
+
+
+def test_a_linear_under_another_autocast_state_is_left_alone():
+    x = torch.randn(64, 32, requires_grad=True)
+    result, pairs = rewritten_against_eager(AutocastLinearThenBatchNorm().train(), x, rewrite_linear_batch_norms)
+    assert (result.rewritten, dict(result.declined)) == (0, {"other_state_region": 1}), result.declined
+    for name, got, expected in pairs:
+        assert got.dtype == expected.dtype, name
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
