@@ -449,9 +449,6 @@ class LokaCompiledGraph(OutputBudgetWindow):
         try:
             self._keep_high_precision(result, None)
         except Exception:
-            for key in [key for key in record.contexts if key[0] is Phase.FP8]:
-                record.contexts.pop(key)
-                record.graph_modules.pop(key, None)
             running.restore(record)
             raise
 
@@ -479,9 +476,6 @@ class LokaCompiledGraph(OutputBudgetWindow):
             kernel_builds.wait()  # no compile thread beside the timed steps (host-bound graphs feel it)
             times = decide_once(lambda: graph_speed.time_steps(steps, device, captured))
         except Exception:
-            for key in [key for key in record.contexts if key[0] is Phase.FP8]:
-                record.contexts.pop(key)
-                record.graph_modules.pop(key, None)
             running.restore(record)
             record.fallback, record.fallen_back, record.warned = kept
             raise
@@ -494,9 +488,6 @@ class LokaCompiledGraph(OutputBudgetWindow):
         try:
             self._keep_high_precision(result, None if captured else high)
         except Exception:  # compiling it with the mode's CUDA graphs failed: the FP8 variant runs on
-            for key in [key for key in record.contexts if key[0] is Phase.FP8]:
-                record.contexts.pop(key)
-                record.graph_modules.pop(key, None)
             running.restore(record)
             raise
         return result
@@ -522,9 +513,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         FP8 variant after this (re-checks and the amax guard stop)."""
         record = self.record
         why = f"the whole graph timed {result.describe_times()}"
-        for key in [key for key in record.contexts if key[0] is Phase.FP8]:
-            record.contexts.pop(key)
-            record.graph_modules.pop(key, None)
+        _drop_fp8(record)
         if timed is None:
             self.variants[Phase.FP8] = self._compile_for_check(high_precision=why)
         else:
@@ -720,8 +709,19 @@ class _Fp8Build:
                                                                        if k[0] is Phase.FP8]}
 
     def restore(self, record: GraphRecord) -> None:
-        record.contexts.update(self.contexts or {})
-        record.graph_modules.update(self.graph_modules or {})
+        """The stashed contexts and graphs in place of the record's FP8 ones (a failed or
+        replaced variant's); a build never stashed leaves the record as it is."""
+        if self.contexts is None:
+            return
+        _drop_fp8(record)
+        record.contexts.update(self.contexts)
+        record.graph_modules.update(self.graph_modules)
+
+
+def _drop_fp8(record: GraphRecord) -> None:
+    for key in [key for key in record.contexts if key[0] is Phase.FP8]:
+        record.contexts.pop(key)
+        record.graph_modules.pop(key, None)
 
 
 def _without_disable(fn):

@@ -27,7 +27,8 @@ log = logging.getLogger("loka")
 
 _lock = threading.Lock()
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_pending: list = []  # futures of builds submitted and not yet waited for
+_pending: list = []  # futures of builds submitted and not yet finished or waited for
+_built_unwaited = 0  # kernels of finished builds taken off `_pending` since the last `wait`
 
 
 def gemm_builds(graph: torch.fx.Graph) -> list:
@@ -75,6 +76,7 @@ def start(graph: torch.fx.Graph) -> int:
     with _lock:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="loka-kernel-build")
+        _settle_finished()
         _pending.extend(_pool.submit(_build, *build) for build in builds)
     return len(builds)
 
@@ -91,7 +93,18 @@ def _build(args, kwargs, device: torch.device) -> int:
 
 def wait(timeout: Optional[float] = None) -> int:
     """Wait for the builds submitted so far; returns the kernels they built."""
+    global _built_unwaited
     with _lock:
         futures, _pending[:] = list(_pending), []
+        settled, _built_unwaited = _built_unwaited, 0
     done, _ = concurrent.futures.wait(futures, timeout=timeout)
-    return sum(f.result() for f in done)
+    return settled + sum(f.result() for f in done)
+
+
+def _settle_finished() -> None:
+    """Finished builds off `_pending` (held under `_lock`), their kernels counted for `wait`:
+    a model that never waits does not keep a future per compiled graph."""
+    global _built_unwaited
+    finished = {id(f): f for f in _pending if f.done()}  # taken once: a build may finish meanwhile
+    _built_unwaited += sum(f.result() for f in finished.values())
+    _pending[:] = [f for f in _pending if id(f) not in finished]
