@@ -27,9 +27,9 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 
 aten = torch.ops.aten
 
-# Emulated rowwise e4m3 (CPU, seed 0, 2026-11-28): gradients 17.9-36 dB from eager's under the same
-# autocast (bn[1]'s bias, which the readout sees directly, 137 dB).
-GRAD_SQNR_FLOOR_DB = 15.0
+# Rowwise e4m3 against eager under the same autocast: 17.9-36 dB emulated on CPU (seed 0), down to
+# 14.4 dB with the CUDA kernels (bn[0]'s weight, H200).
+GRAD_SQNR_FLOOR_DB = 12.0
 
 
 def afn_layer(hidden: int = 64, device: str = "cpu"):
