@@ -467,9 +467,10 @@ class LokaCompiledGraph(OutputBudgetWindow):
             raise
 
     def _time_graph(self, args, gain, sites: int, device: torch.device) -> graph_speed.GraphSpeed:
-        """Compile the high-precision variant, time it against the FP8 one (compiled again
-        without Inductor's CUDA graphs in a CUDA-graph mode, where the timing captures its own),
-        keep the faster (`_keep_high_precision`). Rank 0 times for every rank (`decide_once`)."""
+        """Compile the high-precision variant, time it against the FP8 one (in a CUDA-graph mode, where
+        the timing captures its own, both run without Inductor's CUDA graphs: the FP8 one as a copy
+        of the running variant on its code), keep the faster (`_keep_high_precision`). Rank 0 times
+        for every rank (`decide_once`)."""
         record = self.record
         captured = graph_speed.captures(record.config.mode, device)
         inputs, leaves = graph_speed.step_inputs(args)
@@ -509,8 +510,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
     def _compile_for_check(self, high_precision: str = "", cudagraphs: bool = True):
         """A variant for the graph speed check, in Dynamo's tracing context: the FP8 one, or with
         `high_precision` (the why of its sites' amendment) the high-precision one; `cudagraphs`
-        False: without the mode's CUDA graphs. A failure is raised (the check then keeps the
-        running variant)."""
+        False: run without the mode's CUDA graphs. A variant whose code an earlier compile of
+        this graph generated loads it (`graph_cache.SharedCode`). A failure is raised (the check
+        then keeps the running variant)."""
         record, source = self.record, self._source
         custom_pass = LokaPostGradPass(record, Phase.FP8, self.param_input_indices, high_precision=high_precision,
                                        keep_digests=self._shared is not None)
@@ -525,7 +527,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
     def _keep_high_precision(self, result: graph_speed.GraphSpeed, timed: Optional["_Fp8Build"]) -> None:
         """High precision timed faster: it runs from now on, the FP8 sites amended by
         `graph_speed` with both times; `timed` is the variant that was timed, None where it ran
-        without the mode's CUDA graphs (then compiled again with them). Nothing rebuilds the
+        without the mode's CUDA graphs (then compiled again with them, on the same code). Nothing rebuilds the
         FP8 variant after this (re-checks and the amax guard stop)."""
         record = self.record
         why = f"the whole graph timed {result.describe_times()}"
