@@ -185,7 +185,7 @@ def autograd_cache_off():
 
 
 class _Shared(NamedTuple):
-    artifact: object  # Inductor's CompiledFxGraph, as its compile returned it
+    artifact: object  # Inductor's CompiledFxGraph of the compile, without its callables
     digest: str       # of the graph after loka's pass (`graph_digest`)
     variant: str      # "fp8" or "high precision" (`LokaPostGradPass.high_precision`)
     kind: GraphKind
@@ -230,7 +230,10 @@ class SharedCode:
         from torch._inductor.output_code import CompiledFxGraph
 
         if not self.closed and isinstance(compiled, CompiledFxGraph):  # not a no-op backward's plain function
-            self._entries[key] = _Shared(copy.copy(compiled), digest, variant, kind)
+            artifact = copy.copy(compiled)
+            # Its callables (Inductor's wrappers around the loaded code) are the compile's own; a reuse loads its own.
+            artifact.current_callable = artifact.recursively_apply_fns = artifact.compiled_fn_runner = None
+            self._entries[key] = _Shared(artifact, digest, variant, kind)
 
     def take(self, key: str) -> Optional[_Shared]:
         return self._entries.pop(key, None)

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from loka_compile import graph_cache
 from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback
 from loka_compile.inductor_passes import LokaPostGradPass
-from loka_compile.passes import graph_kind, GraphKind, Phase
+from loka_compile.passes import graph_kind, GraphKind
 from loka_compile.passes.mods.cached_weights import check_after_call, RefreshingGraph, WeightCache, writes_inputs
 from loka_compile.passes.mods.weight_both_layouts import strip as strip_weight_layouts
 from loka_compile.state import GraphRecord
@@ -128,8 +128,7 @@ def _compile_shared(gm: torch.fx.GraphModule, example_inputs, record: GraphRecor
     variant: loaded, not generated again (its sites recorded as on an FX cache hit)."""
     loka_pass = inductor_config.post_grad_custom_post_pass
     key = None
-    if shared is not None and isinstance(loka_pass, LokaPostGradPass) and loka_pass.phase is Phase.FP8 \
-            and not inductor_config.fx_graph_cache \
+    if shared is not None and isinstance(loka_pass, LokaPostGradPass) and not inductor_config.fx_graph_cache \
             and graph_cache.bypass_reason(loka_pass.phase, kind, record.config.inactive_mods,
                                           loka_pass.param_input_indices) is None:
         key = graph_cache.SharedCode.key(gm, example_inputs, kind, loka_pass.uuid(), kwargs)

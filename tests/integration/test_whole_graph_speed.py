@@ -128,12 +128,19 @@ def test_cuda_graph_mode_generates_each_variants_code_once(monkeypatch, inductor
     timed copy costs no second code generation (its backward's code serves the running variant's
     later), and high precision, kept, is not generated again. Before: 3 + 3 (FP8 kept) and 4 + 3
     compiles. Numerics are the kept variant's, and high precision never runs the FP8 code."""
+    from loka_compile import graph_cache
+
     monkeypatch.setattr(graph_speed, "captures", lambda mode, device: True)
     calls = _timer(monkeypatch, fp8_ms, hp_ms)
+    made = []
+    init = graph_cache.SharedCode.__init__
+    monkeypatch.setattr(graph_cache.SharedCode, "__init__", lambda self: made.append(self) or init(self))
     options = {**FAST, "mode": "reduce-overhead"}
     compiled, got = _train(_mlp(), {**options, "graph_speed_check": "always"})
     assert calls == [True]
     assert inductor_compiles == {"forward": 2, "backward": 2}  # FP8 and high precision, once each
+    (shared,) = made
+    assert shared.closed and not len(shared)  # the kept backward's entry served it; the loser's dropped
     kept_fp8 = fp8_ms < hp_ms
     # The same graph, unchecked: the FP8 variant (on CPU "thin" does not time), or every linear excluded.
     _, want = _train(_mlp(), options if kept_fp8 else {**options, "exclude_modules": ("fc1", "fc2", "head")})
