@@ -5,7 +5,7 @@ A small MLP (Linear -> LayerNorm -> ReLU blocks) trains a few steps under loka i
 `reduce-overhead` mode with `graph_speed_check="always"`; the step after the probe window
 compiles the FP8 variant and runs the check. Counted: Inductor scheduler constructions (one per
 forward or backward graph Inductor generates code for), per step, and each step's CPU seconds
-(this process and its finished children: Inductor's compile workers).
+(this process and its finished children: Inductor's compile workers). bf16 on CUDA, fp32 on CPU.
 
     python -m benchmarks.window_close_compiles                # CPU: the captured timing stood in for
     python -m benchmarks.window_close_compiles --out $OUT     # GPU: the real check
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--probe-steps", type=int, default=2)
     parser.add_argument("--keep", choices=("fp8", "hp"), default="fp8",
-                        help="off CUDA: the verdict the stood-in timing gives")
+                        help="off CUDA: the verdict the stood-in timing gives (on CUDA the check times for real)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -87,15 +87,16 @@ def main() -> None:
 
     scheduler.Scheduler.__init__ = counting_init
 
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = Blocks(args.width, args.depth).to(device)
+    model = Blocks(args.width, args.depth).to(device, dtype)
     options = {"mode": "reduce-overhead", "probe_steps": args.probe_steps, "graph_speed_check": "always",
                "max_output_error": None}
     compiled = torch.compile(model, backend="loka", options=options)
     rows = []
     for step in range(args.steps):
         current = step + 1
-        x = torch.randn(args.batch, args.width, device=device)
+        x = torch.randn(args.batch, args.width, device=device, dtype=dtype)
         start_cpu, start_wall = cpu_seconds(), time.perf_counter()
         compiled(x).square().mean().backward()
         if device.type == "cuda":
