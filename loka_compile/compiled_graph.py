@@ -277,6 +277,7 @@ class LokaCompiledGraph(OutputBudgetWindow):
         self.state.rechecking.discard(self)
         record.amax_guards = None  # the plain compile has none, and nothing rebuilds it
         self._source.drop()
+        self._shared = None  # no variant of loka's is compiled again
         record.phase = Phase.FP8
         self.variants = {Phase.FP8: plain}
         self._first_runs.add(id(plain))
