@@ -214,3 +214,40 @@ def test_cuda_graph_modes_compile_without_the_fx_graph_cache(mode):
     for custom_pass in (object(), None):
         patches = inductor_patches(config, custom_pass)
         assert patches.get("fx_graph_cache", True) is (mode == "default")
+
+
+def test_shared_code_reloads_compiled_code_and_keeps_only_the_kept_backward():
+    """`SharedCode`: code Inductor generated once runs again from a fresh load (post-compiled without
+    CUDA graphs), with the original's results; entries serve one compile each, and closing keeps only
+    the kept variant's backward."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from loka_compile.passes import GraphKind
+
+    x, w = torch.randn(8, 16), torch.randn(16, 32)
+    gm = make_fx(lambda x, w: (torch.relu(x @ w) * 2,))(x, w)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled = compile_fx_inner(gm, [x, w])
+    (want,) = compiled([x, w])
+    shared = graph_cache.SharedCode()
+    key = shared.key(gm, [x, w], GraphKind.FORWARD, "uuid", {})
+    assert key != shared.key(gm, [x, w], GraphKind.FORWARD, "another pass", {})
+    assert key != shared.key(gm, [x, w.t().contiguous().t()], GraphKind.FORWARD, "uuid", {})  # other strides
+    shared.put(key, compiled, "digest", "fp8", GraphKind.FORWARD)
+    entry = shared.take(key)
+    assert entry.digest == "digest" and shared.take(key) is None  # one compile per entry
+    again = graph_cache.SharedCode.instance(entry.artifact, gm, [x, w], {}, wrap=False)
+    assert again is not compiled and again.current_callable is not compiled.current_callable
+    (got,) = again([x, w])
+    assert not torch.isnan(got).any() and torch.equal(got, want)
+
+    for name, variant, kind in [("fwd", "fp8", GraphKind.FORWARD), ("bwd", "fp8", GraphKind.BACKWARD),
+                                ("hp bwd", "high precision", GraphKind.BACKWARD)]:
+        shared.put(name, compiled, "digest", variant, kind)
+    shared.put("no code", lambda inputs: inputs, "digest", "fp8", GraphKind.BACKWARD)  # a no-op backward
+    assert len(shared) == 3
+    shared.close("fp8")
+    assert len(shared) == 1 and shared.take("bwd") is not None
+    shared.put("late", compiled, "digest", "fp8", GraphKind.BACKWARD)
+    assert not len(shared)
