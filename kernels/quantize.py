@@ -107,6 +107,20 @@ def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
     return y.to(fmt.dtype)
 
 
+_BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def as_stored(x: torch.Tensor) -> torch.Tensor:
+    """x as its dtype holds it, for a cast written as graph ops: a bf16 or fp16 x passes
+    through its bits (a bitcast round trip, free in eager). Fused into the kernel that
+    produced x, Inductor computes x in fp32 and elides the downcast-upcast pair of x.float()
+    (its `emulate_precision_casts` is off by default), so the cast would read x unrounded,
+    where the opaque cast and eager read the stored bf16 value; a bitcast needs the stored
+    bits, so the kernel rounds first. Other dtypes are returned as they are."""
+    bits = _BITS_OF.get(x.dtype)
+    return x if bits is None else x.view(bits).view(x.dtype)
+
+
 def amax_along(x: torch.Tensor, dim=None, finite_only: bool = False) -> torch.Tensor:
     """fp32 max |x| along `dim` (all of x when None), keepdim; NaN if the slice holds a NaN
     (amax ignores NaN on some backends; the policy needs NaN to win), or with
