@@ -1,7 +1,9 @@
 """The fused_casts Mod on and off give the same FP8 bits under autocast: a cast written as ATen
 ops and fused into the kernel that produced its operand casts the operand's stored bf16 value,
 as the opaque cast (the Mod off) and eager autocast do, not the producer's unrounded fp32
-(`kernels/quantize.as_stored`)."""
+(`kernels/quantize.as_stored`). On CPU the FP8 GEMM is emulated; on an FP8 GPU (`cuda`) the Mod
+off casts with loka's Triton kernels, on with Inductor's generated ones, and the GEMM is
+`torch._scaled_mm`."""
 
 import copy
 
@@ -15,7 +17,8 @@ from numerics import sqnr_db
 pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 
 FP8_EVERYWHERE = {"recipe": "rowwise", "min_gemm_dim": 1, "probe_steps": 0, "graph_speed_check": "off",
-                  "fallback": False}
+                  "speed_check": False, "fallback": False}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 # Emulated rowwise e4m3 through two GEMMs against eager autocast (~27 dB measured on this model).
 OUTPUT_SQNR_FLOOR_DB = 20.0
 
@@ -37,7 +40,7 @@ def _step(model, x, cotangent, disabled, training):
     loka_compile.reset()
     model = copy.deepcopy(model)
     compiled = torch.compile(model, backend="loka", options={**FP8_EVERYWHERE, "disabled_mods": disabled})
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(training):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16), torch.set_grad_enabled(training):
         out = compiled(x)
     grads = {}
     if training:
@@ -47,10 +50,11 @@ def _step(model, x, cotangent, disabled, training):
     return out, grads, report
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-def test_fused_and_opaque_casts_give_the_same_bits_under_autocast(training):
-    model = NormTower() if training else NormTower().eval()
-    x, cotangent = torch.randn(64, 32), torch.randn(64, 32)
+def test_fused_and_opaque_casts_give_the_same_bits_under_autocast(training, device):
+    model = (NormTower() if training else NormTower().eval()).to(device)
+    x, cotangent = torch.randn(64, 32, device=device), torch.randn(64, 32, device=device)
     fused, fused_grads, report = _step(model, x, cotangent, [], training)
     opaque, opaque_grads, _ = _step(model, x, cotangent, ["fused_casts"], training)
     assert report.mods["fused_casts"] >= 1, report.table()
@@ -60,7 +64,7 @@ def test_fused_and_opaque_casts_give_the_same_bits_under_autocast(training):
     for name, grad in fused_grads.items():
         assert torch.equal(grad, opaque_grads[name]), \
             f"{name}: {sqnr_db(opaque_grads[name].double(), grad.double()):.1f} dB apart"
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+    with torch.autocast(device, dtype=torch.bfloat16), torch.no_grad():
         eager = model(x)
     db = sqnr_db(eager.float(), fused.float())
     assert db >= OUTPUT_SQNR_FLOOR_DB, db
