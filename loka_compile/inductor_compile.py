@@ -162,7 +162,16 @@ def _as_traced(gm: torch.fx.GraphModule, example_inputs, is_inference: bool = Fa
     do not apply."""
     traced = graph_cache.post_grad_passes(gm, example_inputs, is_inference)
     traced.recompile()
-    return make_boxed_func(traced.forward)
+    run = make_boxed_func(traced.forward)
+    run.traced_module = traced  # where its cached weights live (`_traced_module`)
+    return run
+
+
+def _traced_module(compiled, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph module a callable of `_as_traced` runs (its cached weights' constants live
+    there, and its context is recorded under it); `gm` for any other callable."""
+    module = getattr(compiled, "traced_module", None)
+    return module if isinstance(module, torch.fx.GraphModule) else gm
 
 
 def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, codegen: bool = True,
@@ -192,7 +201,9 @@ def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord,
         with inductor_config.patch(post_grad_custom_post_pass=None), \
                 graph_cache.unwrapped() if not cudagraph_wrap else contextlib.nullcontext():
             return compile_fx_inner(pristine, example_inputs, **kwargs)
-    key = next((key for key, module in record.graph_modules.items() if module is gm), None)
+    # The module loka's pass rewrote: gm, or the copy a traced graph's post-grad passes ran on.
+    rewritten = gm if codegen else _traced_module(compiled, gm)
+    key = next((key for key, module in record.graph_modules.items() if module is rewritten), None)
     ctx = record.contexts.get(key) if key is not None else None
     if ctx is not None and ctx.cached_weights:
         return RefreshingGraph(compiled, WeightCache(ctx.cached_weights), check_after_call(gm.graph, example_inputs))
