@@ -107,49 +107,6 @@ def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
     return y.to(fmt.dtype)
 
 
-def as_stored(x: torch.Tensor) -> torch.Tensor:
-    """x's value as its dtype stores it, in fp32: bf16 and fp16 values rounded to their
-    dtype (round to nearest even, overflow to +-inf, as a conversion stores them) by
-    arithmetic; an fp32 x as it is. A cast written as graph ops reads its operand through
-    this: fused into the kernel that produced a bf16 x, Inductor keeps x in fp32 and elides
-    the downcast-upcast pair (its `emulate_precision_casts` is off by default; a bitcast
-    round trip is elided too where x is also stored), so the cast would read x unrounded,
-    where the opaque cast and eager read the stored value. Rounding a stored value again
-    changes nothing, so the result is the same whether Inductor elides or not."""
-    xf = x.float()
-    if x.dtype == torch.bfloat16:
-        return _round_to_bf16(xf)
-    if x.dtype == torch.float16:
-        return _round_to_fp16(xf)
-    return xf
-
-
-def _round_to_bf16(xf: torch.Tensor) -> torch.Tensor:
-    # bf16 is fp32's top half: drop 16 bits, ties to even; a NaN's bits kept (no int overflow).
-    bits = torch.where(torch.isnan(xf), torch.zeros_like(xf), xf).view(torch.int32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000).view(torch.float32)
-    return torch.where(torch.isnan(xf), xf, rounded)
-
-
-_FP16_MANTISSA_BITS, _FP16_MIN_EXPONENT = 10, -14
-
-
-def _round_to_fp16(xf: torch.Tensor) -> torch.Tensor:
-    # x scaled by a power of two to fp16's quantum at its exponent (subnormals: 2^-24),
-    # rounded half to even, scaled back: both scalings are exact.
-    exponent = ((xf.view(torch.int32) >> 23) & 0xFF) - 127
-    quantum = torch.clamp(exponent, _FP16_MIN_EXPONENT, 127 - _FP16_MANTISSA_BITS) - _FP16_MANTISSA_BITS
-    rounded = torch.round(xf * _power_of_two(-quantum)) * _power_of_two(quantum)
-    overflow = rounded.abs() > torch.finfo(torch.float16).max
-    rounded = torch.where(overflow, torch.copysign(torch.full_like(xf, float("inf")), xf), rounded)
-    return torch.where(torch.isfinite(xf), rounded, xf)
-
-
-def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
-    """2.0 ** exponent for int32 exponents of normal fp32 numbers, built from the bits."""
-    return ((exponent + 127) << 23).view(torch.float32)
-
-
 def amax_along(x: torch.Tensor, dim=None, finite_only: bool = False) -> torch.Tensor:
     """fp32 max |x| along `dim` (all of x when None), keepdim; NaN if the slice holds a NaN
     (amax ignores NaN on some backends; the policy needs NaN to win), or with

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .quantize import (Fp8Format, Scaling, amax_along, as_stored, cast_with_scale, quantize_along,
-                       quantize_blockwise, quantize_tensorwise, row_scale_of_pieces)
+from .quantize import (Fp8Format, Scaling, amax_along, cast_with_scale, quantize_along, quantize_blockwise,
+                       quantize_tensorwise, row_scale_of_pieces)
 
 
 def amax_jump(fmt: Fp8Format) -> float:
@@ -108,9 +108,7 @@ class GemmSpec:
 
 def quantize_k_major(x: torch.Tensor, scaling: Scaling, fmt: Fp8Format, block_rows: int = 1):
     """x [.., R, K] -> (q [.., R, K] contiguous, scale) with scales along K: 0-d
-    (tensorwise), [.., R, 1] (rowwise) or one per [block_rows, 128] tile (blockwise).
-    The value cast is x as stored (`as_stored`), whatever kernel Inductor fuses the cast into."""
-    x = as_stored(x)
+    (tensorwise), [.., R, 1] (rowwise) or one per [block_rows, 128] tile (blockwise)."""
     if scaling is Scaling.TENSORWISE:
         q, scale = quantize_tensorwise(x, fmt)
     elif scaling is Scaling.ROWWISE:
@@ -137,7 +135,7 @@ def quantize_static(x: torch.Tensor, scale: float, scaling: Scaling, fmt: Fp8For
     recipe's own. Blockwise sites are not given static scales."""
     if scaling is Scaling.BLOCKWISE:
         raise ValueError("static activation scales serve tensorwise and rowwise sites, not blockwise")
-    q = cast_with_scale(as_stored(x), scale, fmt, non_finite_to_nan=True).contiguous()
+    q = cast_with_scale(x, scale, fmt, non_finite_to_nan=True).contiguous()
     return q, static_scale_of(q, scale, scaling)
 
 
@@ -232,7 +230,7 @@ def cast_a_pieces(pieces: list, spec: GemmSpec, dtype: torch.dtype, flatten: boo
     view of the concatenation is."""
     if spec.scaling is not Scaling.ROWWISE or spec.pad_k or spec.a_static_scale is not None or not spec.fused_casts:
         raise ValueError("a per-piece cast of A is rowwise, fused, unpadded and dynamic")
-    pieces = [as_stored((p.reshape(-1, p.shape[-1]) if flatten else p).to(dtype)) for p in pieces]
+    pieces = [(p.reshape(-1, p.shape[-1]) if flatten else p).to(dtype) for p in pieces]
     scale = row_scale_of_pieces(pieces, spec.a_format)
     # More parts than Inductor concatenates pointwise (`max_pointwise_cat_inputs`): it then
     # computes each part's cast into its slice of the output (a ConcatKernel). A pointwise

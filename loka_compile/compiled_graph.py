@@ -28,7 +28,7 @@ from loka_compile import graph_cache, graph_speed, kernel_builds, probe
 from loka_compile.aot_capture import AotCapture
 from loka_compile.amax_guard import AmaxGuards, demotion
 from loka_compile.budget_window import OutputBudgetWindow
-from loka_compile.config import LokaConfig, uses_cuda_graphs
+from loka_compile.config import LokaConfig
 from loka_compile.fallback import error_text, forget_rewrite, is_dynamo_control, warn_fallback, fall_back_sites
 from loka_compile.inductor_compile import inner_compile, weight_input_indices
 from loka_compile.inductor_passes import (code_digest, GRAPH_SPEED, inductor_patches, LokaPostGradPass,
@@ -132,10 +132,6 @@ class LokaCompiledGraph(OutputBudgetWindow):
         self._traced_probe = None  # the probe variant while it runs as traced (`_compile`)
         # The graph speed check runs once, before the FP8 variant's first run (`_check_graph_speed`).
         self._graph_speed_pending = record.config.graph_speed_check != "off"
-        # In a CUDA-graph mode the check's copies differ from the variants that run only in
-        # Inductor's CUDA-graph wrapping: they share their code (`graph_cache.SharedCode`).
-        self._shared = graph_cache.SharedCode() \
-            if self._graph_speed_pending and uses_cuda_graphs(record.config.mode) else None
         self.variants = {record.phase: self._compile(gm, example_inputs, record.phase)}
         self._first_runs = set()  # ids of variants that have run once
         self._steady = None  # the callable each call runs once nothing else is left to do (`_settle`)
@@ -146,9 +142,8 @@ class LokaCompiledGraph(OutputBudgetWindow):
         record = self.record
         if codegen is None:
             codegen = phase is not Phase.PROBE or record.config.compile_probe
-        shared = self._shared if phase is Phase.FP8 else None
-        custom_pass = LokaPostGradPass(record, phase, self.param_input_indices, keep_digests=shared is not None)
-        compile_inner = functools.partial(inner_compile, record=record, codegen=codegen, shared=shared)
+        custom_pass = LokaPostGradPass(record, phase, self.param_input_indices)
+        compile_inner = functools.partial(inner_compile, record=record, codegen=codegen)
         patches = inductor_patches(record.config, custom_pass)
         try:
             with graph_cache.autograd_cache_off(), self._source.aot.compiling(patches):
@@ -277,7 +272,6 @@ class LokaCompiledGraph(OutputBudgetWindow):
         self.state.rechecking.discard(self)
         record.amax_guards = None  # the plain compile has none, and nothing rebuilds it
         self._source.drop()
-        self._shared = None  # no variant of loka's is compiled again
         record.phase = Phase.FP8
         self.variants = {Phase.FP8: plain}
         self._first_runs.add(id(plain))
@@ -371,7 +365,6 @@ class LokaCompiledGraph(OutputBudgetWindow):
         if why is None:
             why = graph_speed.mutation_skip(getattr(self._source.tracing_context, "fw_metadata", None), args)
         if why is not None:
-            self._close_shared()
             if config.graph_speed_check != "off":
                 record.graph_speed = graph_speed.GraphSpeed(gain, sites, skipped=why)
                 log.log(logging.INFO if sites else logging.DEBUG, "%s: graph speed check: not timed (%s)",
@@ -387,17 +380,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
             log.warning("loka: %s: graph speed check failed (%s); the FP8 variant runs", record.name,
                         error_text(error))
         finally:
-            self._close_shared()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the timing's CUDA graphs and clones
-
-    def _close_shared(self) -> None:
-        """The check is over: of the code its compiles shared, only the running variant's backward
-        may still serve (compiled at its first backward, after the check)."""
-        if self._shared is not None:
-            speed = self.record.graph_speed
-            self._shared.close(speed.kept if speed is not None and speed.kept else "fp8")
 
     def _remembered_or_timed(self, args, gain, sites: int, device: torch.device) -> graph_speed.GraphSpeed:
         """The verdict an earlier compile of the same graph timed (the plan's, else the performance
@@ -468,10 +453,9 @@ class LokaCompiledGraph(OutputBudgetWindow):
             raise
 
     def _time_graph(self, args, gain, sites: int, device: torch.device) -> graph_speed.GraphSpeed:
-        """Compile the high-precision variant, time it against the FP8 one (in a CUDA-graph mode, where
-        the timing captures its own, both run without Inductor's CUDA graphs: the FP8 one as a copy
-        of the running variant on its code), keep the faster (`_keep_high_precision`). Rank 0 times
-        for every rank (`decide_once`)."""
+        """Compile the high-precision variant, time it against the FP8 one (compiled again
+        without Inductor's CUDA graphs in a CUDA-graph mode, where the timing captures its own),
+        keep the faster (`_keep_high_precision`). Rank 0 times for every rank (`decide_once`)."""
         record = self.record
         captured = graph_speed.captures(record.config.mode, device)
         inputs, leaves = graph_speed.step_inputs(args)
@@ -511,24 +495,21 @@ class LokaCompiledGraph(OutputBudgetWindow):
     def _compile_for_check(self, high_precision: str = "", cudagraphs: bool = True):
         """A variant for the graph speed check, in Dynamo's tracing context: the FP8 one, or with
         `high_precision` (the why of its sites' amendment) the high-precision one; `cudagraphs`
-        False: run without the mode's CUDA graphs. A variant whose code an earlier compile of
-        this graph generated loads it (`graph_cache.SharedCode`). A failure is raised (the check
-        then keeps the running variant)."""
+        False: without the mode's CUDA graphs. A failure is raised (the check then keeps the
+        running variant)."""
         record, source = self.record, self._source
-        custom_pass = LokaPostGradPass(record, Phase.FP8, self.param_input_indices, high_precision=high_precision,
-                                       keep_digests=self._shared is not None)
-        # The mode's Inductor config either way (the same code as the running variant's); only
-        # Inductor's post-compile step leaves the CUDA graphs out (`inner_compile`).
+        custom_pass = LokaPostGradPass(record, Phase.FP8, self.param_input_indices, high_precision=high_precision)
         patches = inductor_patches(record.config, custom_pass)
-        compile_inner = functools.partial(inner_compile, record=record, codegen=True, shared=self._shared,
-                                          cudagraph_wrap=cudagraphs)
+        if not cudagraphs:
+            patches["triton.cudagraphs"] = False
         with source.tracing(), graph_cache.autograd_cache_off(), source.aot.compiling(patches):
-            return compile_fx(source.gm, source.example_inputs, config_patches=patches, inner_compile=compile_inner)
+            return compile_fx(source.gm, source.example_inputs, config_patches=patches,
+                              inner_compile=functools.partial(inner_compile, record=record, codegen=True))
 
     def _keep_high_precision(self, result: graph_speed.GraphSpeed, timed: Optional["_Fp8Build"]) -> None:
         """High precision timed faster: it runs from now on, the FP8 sites amended by
         `graph_speed` with both times; `timed` is the variant that was timed, None where it ran
-        without the mode's CUDA graphs (then compiled again with them, on the same code). Nothing rebuilds the
+        without the mode's CUDA graphs (then compiled again with them). Nothing rebuilds the
         FP8 variant after this (re-checks and the amax guard stop)."""
         record = self.record
         why = f"the whole graph timed {result.describe_times()}"

@@ -16,10 +16,6 @@ Not cached (`bypass_reason`): inference graphs that may read cached FP8 weights,
 constants are made from this process's parameters and refreshed through them
 (`passes/mods/cached_weights.py`), and graphs compiled with Inductor's freezing (weights as
 constants too). AOTAutograd's cache is off for loka compiles (`autograd_cache_off`).
-
-In CUDA-graph modes, where the FX graph cache is off (docs/design.md), the graph speed check's
-compiles share code in process instead (`SharedCode`): variants that differ only in Inductor's
-CUDA-graph wrapping generate their code once.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
-import unittest.mock
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -182,104 +177,3 @@ def autograd_cache_off():
     if not hasattr(config, "enable_autograd_cache"):
         return contextlib.nullcontext()
     return config.patch(enable_autograd_cache=False)
-
-
-class _Shared(NamedTuple):
-    artifact: object  # Inductor's CompiledFxGraph of the compile, without its callables
-    digest: str       # of the graph after loka's pass (`graph_digest`)
-    variant: str      # "fp8" or "high precision" (`LokaPostGradPass.high_precision`)
-    kind: GraphKind
-
-
-class SharedCode:
-    """Inductor's generated code of one Dynamo graph's FP8-phase variants, for a later compile
-    of the same graph that differs only in Inductor's CUDA-graph wrapping: the graph speed
-    check's copy of the running FP8 variant (and the running variant's backward, compiled after
-    the copy's), and the high-precision variant compiled again with the mode's CUDA graphs once
-    it wins. The FX graph cache cannot serve them: it is off in CUDA-graph modes, and
-    `triton.cudagraphs` is part of its key.
-
-    Every compile keeps the mode's `triton.cudagraphs`, so the code is the same and holds what
-    the wrapping needs (Inductor decides whether a graph can be captured while it generates
-    the code); a compile that must not be wrapped has only the post-compile step told so
-    (`unwrapped`), which is where Inductor wraps. A reuse is checked as an FX cache hit is: the
-    graph loka's pass makes again must have the digest kept (`inductor_compile`). Each entry
-    serves one later compile; `close` drops the variant that lost and keeps nothing new."""
-
-    def __init__(self):
-        self._entries: dict = {}
-        self.closed = False
-
-    @staticmethod
-    def key(gm: torch.fx.GraphModule, example_inputs, kind: GraphKind, pass_uuid: str, graph_kwargs: dict) -> str:
-        """What Inductor's code follows from besides its config (one compiled graph's variants share
-        it): the graph as AOTAutograd gave it, its inputs, loka's pass, and how Inductor was called."""
-        digest = hashlib.sha256(f"{kind.value}|{pass_uuid}|{graph_digest(gm.graph)}".encode())
-        for arg in example_inputs:
-            if isinstance(arg, torch.Tensor):
-                digest.update(repr((tuple(map(str, arg.shape)), tuple(map(str, arg.stride())), str(arg.dtype),
-                                    str(arg.device))).encode())
-            else:
-                digest.update(repr((type(arg).__name__, str(arg))).encode())
-        calls = {name: graph_kwargs.get(name) for name in ("is_backward", "is_inference", "static_input_idxs")}
-        digest.update(repr(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in calls.items()))
-                      .encode())
-        return digest.hexdigest()
-
-    def put(self, key: str, compiled, digest: str, variant: str, kind: GraphKind) -> None:
-        from torch._inductor.output_code import CompiledFxGraph
-
-        if not self.closed and isinstance(compiled, CompiledFxGraph):  # not a no-op backward's plain function
-            artifact = copy.copy(compiled)
-            # Its callables (Inductor's wrappers around the loaded code) are the compile's own; a reuse loads its own.
-            artifact.current_callable = artifact.recursively_apply_fns = artifact.compiled_fn_runner = None
-            self._entries[key] = _Shared(artifact, digest, variant, kind)
-
-    def take(self, key: str) -> Optional[_Shared]:
-        return self._entries.pop(key, None)
-
-    def close(self, kept: str) -> None:
-        """The graph speed check is over and `kept` ("fp8" or "high precision") runs: only its
-        backward's entry stays, for its compile at the variant's first backward."""
-        self.closed = True
-        self._entries = {key: entry for key, entry in self._entries.items()
-                         if entry.variant == kept and entry.kind is GraphKind.BACKWARD}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @staticmethod
-    def instance(artifact, gm: torch.fx.GraphModule, example_inputs, graph_kwargs: dict, wrap: bool):
-        """A compiled graph running `artifact`'s code, loaded afresh as an FX cache hit loads it, then
-        put through Inductor's post-compile step with (`wrap`) or without the mode's CUDA graphs."""
-        from torch._inductor import async_compile
-        from torch._inductor.output_code import CompiledFxGraphConstantsWithGm
-        from torch._inductor.utils import BoxedBool
-
-        kwargs = {"static_input_idxs": (), "is_backward": False, "is_inference": False,
-                  "boxed_forward_device_index": None, **graph_kwargs}
-        if kwargs.get("cudagraphs") is None:
-            kwargs["cudagraphs"] = BoxedBool(torch._inductor.config.triton.cudagraphs)
-        if not wrap:
-            kwargs["cudagraphs"] = BoxedBool(False)
-        compiled = copy.copy(artifact)
-        constants = CompiledFxGraphConstantsWithGm(gm)
-        with torch.utils._python_dispatch._disable_current_modes():
-            async_compile.CompiledTritonKernels.cache_clear()  # as each Inductor compile starts: fresh kernels
-            compiled.after_deserialization(constants)
-            compiled.post_compile(example_inputs, constants, kwargs)
-        return compiled
-
-
-def unwrapped():
-    """Inductor's compiles inside run their post-compile step without CUDA graphs; the code is
-    generated as the mode's config says (`SharedCode`)."""
-    from torch._inductor.output_code import CompiledFxGraph
-    from torch._inductor.utils import BoxedBool
-
-    post_compile = CompiledFxGraph.post_compile
-
-    def without_cudagraphs(self, example_inputs, constants, graph_kwargs):
-        return post_compile(self, example_inputs, constants, {**graph_kwargs, "cudagraphs": BoxedBool(False)})
-
-    return unittest.mock.patch.object(CompiledFxGraph, "post_compile", without_cudagraphs)

@@ -10,10 +10,9 @@ that are not parameters, so that neither variant writes the model's state or the
 tensors), in rounds that alternate the variants' order, to cancel drift; each run computes
 fresh outputs, and in training also the gradients of every input that takes one
 (`torch.autograd.grad`, which leaves `.grad` alone), with fixed random output gradients.
-On CUDA each run is timed with CUDA events; in a CUDA-graph mode each variant runs without
-Inductor's CUDA graphs for the check (the same code as the variant that runs,
-`graph_cache.SharedCode`) and its step is captured in a CUDA graph of its own, so the timing
-is the device work a CUDA-graph replay runs. On CPU: wall time (a
+On CUDA each run is timed with CUDA events; in a CUDA-graph mode each variant is compiled
+without Inductor's CUDA graphs for the check and its step is captured in a CUDA graph of
+its own, so the timing is the device work a CUDA-graph replay runs. On CPU: wall time (a
 CPU timing of emulated FP8 says nothing of an FP8 GPU, so "thin" does not time there).
 
 A verdict is remembered (`verdict_key`): in the performance database, and in a saved plan

@@ -10,7 +10,6 @@ import copy
 import logging
 import operator
 import unittest.mock
-from typing import Optional
 
 import torch
 from torch._inductor import config as inductor_config
@@ -82,13 +81,19 @@ def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecor
         if kind in loka_pass.digests:
             graph_cache.save(key, loka_pass.digests.pop(kind))
         return compiled
+    why = "no digest kept for it"
     kept = graph_cache.load(key)
-    why = _recorded_again(gm, example_inputs, loka_pass, kind, kept, kwargs) if kept is not None \
-        else "no digest kept for it"
-    if why is None:
-        log.debug("%s/%s (%s): FX graph cache hit; sites recorded again", record.name, kind.value,
-                  loka_pass.phase.value)
-        return compiled
+    if kept is not None:
+        try:
+            graph_cache.post_grad_passes(gm, example_inputs, kwargs.get("is_inference", False))
+        except Exception as error:  # noqa: BLE001  (the compile below meets it again, and falls back)
+            why = f"running the post-grad passes again failed: {type(error).__name__}: {error}"
+        else:
+            if loka_pass.digests.pop(kind, None) == kept:
+                log.debug("%s/%s (%s): FX graph cache hit; sites recorded again", record.name, kind.value,
+                          loka_pass.phase.value)
+                return compiled
+            why = "loka's passes make another graph now"
     log.info("loka: %s/%s (%s): FX graph cache entry not used (%s); compiled again", record.name, kind.value,
              loka_pass.phase.value, why)
     for table, value in zip((record.contexts, record.graph_modules), before):
@@ -107,53 +112,6 @@ def _compile_cached(gm: torch.fx.GraphModule, example_inputs, record: GraphRecor
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def _recorded_again(gm: torch.fx.GraphModule, example_inputs, loka_pass: LokaPostGradPass, kind: GraphKind,
-                    kept: str, kwargs: dict) -> Optional[str]:
-    """Run the post-grad passes (loka's among them) again on a copy of `gm`, so that loka's pass
-    records the graph's sites and decisions as a compile would; None when the graph it makes has
-    the digest `kept` (code compiled from that graph serves this compile), else why not."""
-    try:
-        graph_cache.post_grad_passes(gm, example_inputs, kwargs.get("is_inference", False))
-    except Exception as error:  # noqa: BLE001  (the compile after it meets it again, and falls back)
-        return f"running the post-grad passes again failed: {type(error).__name__}: {error}"
-    if loka_pass.digests.pop(kind, None) != kept:
-        return "loka's passes make another graph now"
-    return None
-
-
-def _compile_shared(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, kind: GraphKind,
-                    shared: Optional[graph_cache.SharedCode], wrap: bool, **kwargs):
-    """`_compile_cached`, with Inductor's CUDA-graph wrapping only where `wrap`; through `shared`
-    (the compiled graph's `SharedCode`) where it holds this graph's code compiled for another
-    variant: loaded, not generated again (its sites recorded as on an FX cache hit)."""
-    loka_pass = inductor_config.post_grad_custom_post_pass
-    key = None
-    if shared is not None and isinstance(loka_pass, LokaPostGradPass) and not inductor_config.fx_graph_cache \
-            and graph_cache.bypass_reason(loka_pass.phase, kind, record.config.inactive_mods,
-                                          loka_pass.param_input_indices) is None:
-        key = graph_cache.SharedCode.key(gm, example_inputs, kind, loka_pass.uuid(), kwargs)
-        entry = shared.take(key)
-        if entry is not None:
-            why = _recorded_again(gm, example_inputs, loka_pass, kind, entry.digest, kwargs)
-            if why is None:
-                try:
-                    compiled = graph_cache.SharedCode.instance(entry.artifact, gm, example_inputs, kwargs, wrap)
-                except Exception as error:  # noqa: BLE001  (generated afresh below)
-                    why = f"loading it failed: {error_text(error)}"
-                else:
-                    log.debug("%s/%s (%s): code shared with an earlier variant's compile%s", record.name,
-                              kind.value, loka_pass.phase.value, "" if wrap else ", without CUDA graphs")
-                    return compiled
-            log.info("loka: %s/%s (%s): the code compiled for another variant not used (%s); compiled again",
-                     record.name, kind.value, loka_pass.phase.value, why)
-    with graph_cache.unwrapped() if not wrap else contextlib.nullcontext():
-        compiled = _compile_cached(gm, example_inputs, record, kind, **kwargs)
-    digest = loka_pass.digests.pop(kind, None) if key is not None else None
-    if digest is not None:
-        shared.put(key, compiled, digest, "high precision" if loka_pass.high_precision else "fp8", kind)
-    return compiled
-
-
 def _as_traced(gm: torch.fx.GraphModule, example_inputs, is_inference: bool = False, **_inductor_options):
     """The graph after Inductor's post-grad passes (loka's among them), run as it is: each ATen
     op a kernel call, no Inductor code generation. A probe variant's job is statistics over a
@@ -162,35 +120,22 @@ def _as_traced(gm: torch.fx.GraphModule, example_inputs, is_inference: bool = Fa
     do not apply."""
     traced = graph_cache.post_grad_passes(gm, example_inputs, is_inference)
     traced.recompile()
-    run = make_boxed_func(traced.forward)
-    run.traced_module = traced  # where its cached weights live (`_traced_module`)
-    return run
+    return make_boxed_func(traced.forward)
 
 
-def _traced_module(compiled, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The graph module a callable of `_as_traced` runs (its cached weights' constants live
-    there, and its context is recorded under it); `gm` for any other callable."""
-    module = getattr(compiled, "traced_module", None)
-    return module if isinstance(module, torch.fx.GraphModule) else gm
-
-
-def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, codegen: bool = True,
-                  shared: Optional[graph_cache.SharedCode] = None, cudagraph_wrap: bool = True, **kwargs):
+def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord, codegen: bool = True, **kwargs):
     """Inductor's compile of one ATen graph (forward, backward, inference), made whole or
     not at all: if it fails once loka's pass has rewritten the graph (in the pass or in
     Inductor after it, e.g. on sparse gradients), the untouched copy is compiled again
     without loka, and only that graph's sites are reported as fallen back. Inductor calls
     this for the lazily compiled backward too, so the fallback covers every graph.
-    `codegen` False: the graph only goes through the post-grad passes (`_as_traced`).
-    `cudagraph_wrap` False: not run under the mode's CUDA graphs; `shared`: code shared
-    between variants (`_compile_shared`)."""
+    `codegen` False: the graph only goes through the post-grad passes (`_as_traced`)."""
     pristine = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node meta is shared, not copied
     try:
         with _constants_reach_custom_ops(example_inputs), \
                 unittest.mock.patch.object(fx_utils, "get_storage", _storage_or_identity):
             if codegen:
-                compiled = _compile_shared(gm, example_inputs, record, graph_kind(pristine.graph), shared,
-                                           cudagraph_wrap, **kwargs)
+                compiled = _compile_cached(gm, example_inputs, record, graph_kind(pristine.graph), **kwargs)
             else:
                 compiled = _as_traced(gm, example_inputs, **kwargs)
     except Exception as error:
@@ -198,12 +143,9 @@ def inner_compile(gm: torch.fx.GraphModule, example_inputs, record: GraphRecord,
             raise
         kind = graph_kind(pristine.graph)
         _fall_back_graph(record, pristine, f"{kind.value} graph: {error_text(error)}", kind)
-        with inductor_config.patch(post_grad_custom_post_pass=None), \
-                graph_cache.unwrapped() if not cudagraph_wrap else contextlib.nullcontext():
+        with inductor_config.patch(post_grad_custom_post_pass=None):
             return compile_fx_inner(pristine, example_inputs, **kwargs)
-    # The module loka's pass rewrote: gm, or the copy a traced graph's post-grad passes ran on.
-    rewritten = gm if codegen else _traced_module(compiled, gm)
-    key = next((key for key, module in record.graph_modules.items() if module is rewritten), None)
+    key = next((key for key, module in record.graph_modules.items() if module is gm), None)
     ctx = record.contexts.get(key) if key is not None else None
     if ctx is not None and ctx.cached_weights:
         return RefreshingGraph(compiled, WeightCache(ctx.cached_weights), check_after_call(gm.graph, example_inputs))

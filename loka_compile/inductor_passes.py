@@ -55,8 +55,7 @@ def code_digest() -> str:
 class LokaPostGradPass(CustomGraphPass):
     """Runs loka's pass pipeline on one post-grad ATen graph (forward or backward)."""
 
-    def __init__(self, record: GraphRecord, phase: Phase, param_input_indices: frozenset, high_precision: str = "",
-                 keep_digests: bool = False):
+    def __init__(self, record: GraphRecord, phase: Phase, param_input_indices: frozenset, high_precision: str = ""):
         self.record = record
         self.phase = phase
         self.param_input_indices = param_input_indices
@@ -64,8 +63,6 @@ class LokaPostGradPass(CustomGraphPass):
         # `graph_speed`, this the why (`graph_speed.py`).
         self.high_precision = high_precision
         self.digests = {}  # GraphKind -> digest of the graph as the passes left it (graph_cache)
-        # Digests kept with the FX graph cache off too: the compiled graph shares code between variants.
-        self.keep_digests = keep_digests
         # Dispatch decides each site once per compile of a variant: the joint-graph Mods' call
         # (LokaJointPass) is the decision the forward and backward graphs' passes read.
         self.decided = DecidedOnce()
@@ -104,7 +101,7 @@ class LokaPostGradPass(CustomGraphPass):
         if ctx.amax_guard_prefix:
             record.amax_guards.register(graph)  # the guard op's buffer, before the graph first runs
         record.graph_modules[(self.phase, kind)] = graph.owning_module
-        if (inductor_config.fx_graph_cache or self.keep_digests) and graph_cache.bypass_reason(
+        if inductor_config.fx_graph_cache and graph_cache.bypass_reason(
                 self.phase, kind, record.config.inactive_mods, self.param_input_indices) is None:
             self.digests[kind] = graph_cache.graph_digest(graph)  # only a cacheable graph needs one
         if record.plan.source:

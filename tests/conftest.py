@@ -1,6 +1,5 @@
 import atexit
 import os
-import pathlib
 import shutil
 import tempfile
 
@@ -21,42 +20,6 @@ def _has_fp8_cuda() -> bool:
 # when a kernel is defined: set it before any test module imports loka's kernels.
 if not _has_fp8_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Defined now, interpreted, whichever test imports them first (most run with the interpreter off, below).
-    import importlib
-    try:
-        for _module in ("triton_quant", "triton_dequantize", "triton_gemm", "triton_gemm_norm",
-                        "layer_norm_backward", "fingerprint"):
-            importlib.import_module(f"loka_compile.kernels.{_module}")
-    except ImportError:  # no triton: the kernel tests skip, saying why (tests/unit/kernels/conftest.py)
-        pass
-
-
-_KERNEL_TESTS = pathlib.Path(__file__).parent / "unit" / "kernels"
-
-
-def _runs_kernels_interpreted(path) -> bool:
-    return _KERNEL_TESTS in pathlib.Path(str(path)).parents
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cpu_ops_run_their_reference(request):
-    """Outside the kernel tests loka's ops run on CPU as a CPU user's do: their PyTorch
-    reference (equal to the kernels, which the kernel tests check), not the interpreter, whose
-    Python-per-program launches cost more than the rest of a model test. Set for the whole
-    module: module fixtures and the ranks they spawn run it too."""
-    if _has_fp8_cuda() or _runs_kernels_interpreted(request.path):
-        yield
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _interpreted_kernels_where_marked(request, monkeypatch):
-    """Tests marked `interpreted_kernels` run loka's Triton kernels in the model, under the interpreter."""
-    if not _has_fp8_cuda() and request.node.get_closest_marker("interpreted_kernels"):
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

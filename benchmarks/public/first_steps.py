@@ -58,7 +58,6 @@ PHASES = (
     ("loka: epilogue timings", "loka_compile/speed.py", "epilogue_timing"),
     ("loka: provider trials (speed check off)", "loka_compile/speed.py", "_try_providers"),
     ("loka: graph speed check", "loka_compile/compiled_graph.py", "_check_graph_speed"),
-    ("loka: code shared between variants (loaded, not generated)", "loka_compile/graph_cache.py", "instance"),
     ("loka: probe verdicts", "loka_compile/compiled_graph.py", "_verdicts_by_id"),
     ("loka: output budget reference run", "loka_compile/budget_window.py", "_budget_reference"),
     ("loka: output budget sensitivities", "loka_compile/budget_window.py", "_measure_sensitivities"),

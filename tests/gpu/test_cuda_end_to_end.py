@@ -311,36 +311,6 @@ def test_speed_check_timings_leave_nothing_allocated():
     assert torch.cuda.memory_allocated() - before < 2**20
 
 
-@pytest.mark.parametrize("kept", ["fp8", "high precision"])
-def test_graph_speed_check_shares_code_with_the_cuda_graph_variants(monkeypatch, inductor_compiles, kept):
-    """reduce-overhead: the check's copies run the running variants' code without Inductor's CUDA
-    graphs, captured by the timing (real timings, the verdict then forced), and the kept variant
-    runs that code under Inductor's CUDA graphs: FP8 and high precision each generated once, no
-    CUDA-graph skip, numerics within the floors."""
-    from torch._dynamo.utils import counters
-
-    from loka_compile import graph_speed
-
-    time_steps = graph_speed.time_steps
-
-    def forced(steps, device, captured):
-        assert captured
-        times = time_steps(steps, device, captured)
-        fast, slow = min(min(t) for t in times.values()), max(max(t) for t in times.values()) + 1.0
-        return {name: [fast if (name == "fp8") == (kept == "fp8") else slow] * len(runs)
-                for name, runs in times.items()}
-
-    monkeypatch.setattr(graph_speed, "time_steps", forced)
-    skips = counters["inductor"]["cudagraph_skips"]
-    model = MLPWithNorm(d_in=256, hidden=512, d_out=64).cuda().bfloat16()
-    report = check_training_step(model, torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16), options={
-        "probe_steps": 0, "speed_check": False, "mode": "reduce-overhead", "graph_speed_check": "always"})
-    assert inductor_compiles == {"forward": 2, "backward": 2}
-    assert counters["inductor"]["cudagraph_skips"] == skips
-    assert report.graphs[0].graph_speed.kept == kept
-    assert any(s.fp8 for s in report.sites) == (kept == "fp8")
-
-
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_graph_speed_check_times_both_variants_and_trains_on(mode):
     """The graph speed check with real timings: in a CUDA-graph mode on copies compiled without

@@ -71,7 +71,6 @@ EXPECTED_FP8_SITES = {
 }
 
 
-@pytest.mark.interpreted_kernels  # loka's Triton casts inside compiled models, on CPU too
 @pytest.mark.parametrize("model_name", ["mlp", "wukong"])
 def test_training_matches_fp32_reference(model_name):
     reference = make_model(model_name)

@@ -136,7 +136,6 @@ def test_fingerprint_sees_every_byte():
     assert len(prints) == 4
 
 
-@pytest.mark.interpreted_kernels
 def test_fingerprint_kernel_matches_the_reference():
     """The Triton kernel under the interpreter, bit for bit, across dtypes, sizes that do
     not fill a program, a non-contiguous tensor, an empty one, an odd one-byte one and a

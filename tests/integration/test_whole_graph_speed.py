@@ -121,58 +121,6 @@ def test_cuda_graph_modes_time_copies_and_compile_the_winner_again(monkeypatch):
     assert all("FP8 3.000 ms vs high precision 1.500 ms" in s.amendments[0].why for s in amended)
 
 
-@pytest.mark.parametrize("fp8_ms, hp_ms", [(1.0, 2.0), (2.0, 1.0)])
-def test_cuda_graph_mode_generates_each_variants_code_once(monkeypatch, inductor_compiles, fp8_ms, hp_ms):
-    """In a CUDA-graph mode the check's copies differ from the running variants only in Inductor's
-    CUDA-graph wrapping, so they share their code (graph_cache.SharedCode): the FP8 variant's
-    timed copy costs no second code generation (its backward's code serves the running variant's
-    later), and high precision, kept, is not generated again. Before: 3 + 3 (FP8 kept) and 4 + 3
-    compiles. Numerics are the kept variant's, and high precision never runs the FP8 code."""
-    from loka_compile import graph_cache
-
-    monkeypatch.setattr(graph_speed, "captures", lambda mode, device: True)
-    calls = _timer(monkeypatch, fp8_ms, hp_ms)
-    made = []
-    init = graph_cache.SharedCode.__init__
-    monkeypatch.setattr(graph_cache.SharedCode, "__init__", lambda self: made.append(self) or init(self))
-    options = {**FAST, "mode": "reduce-overhead"}
-    compiled, got = _train(_mlp(), {**options, "graph_speed_check": "always"})
-    assert calls == [True]
-    assert inductor_compiles == {"forward": 2, "backward": 2}  # FP8 and high precision, once each
-    (shared,) = made
-    assert shared.closed and not len(shared)  # the kept backward's entry served it; the loser's dropped
-    kept_fp8 = fp8_ms < hp_ms
-    # The same graph, unchecked: the FP8 variant (on CPU "thin" does not time), or every linear excluded.
-    _, want = _train(_mlp(), options if kept_fp8 else {**options, "exclude_modules": ("fc1", "fc2", "head")})
-    _assert_same(got, want)
-    report = loka_compile.report(compiled)
-    assert report.graphs[0].graph_speed.kept == ("fp8" if kept_fp8 else "high precision")
-    assert any(s.fp8 for s in report.sites) == kept_fp8
-    if not kept_fp8:
-        amended = [s for s in report.sites if s.amendments]
-        assert {s.kind for s in amended} == {"forward", "backward"}
-        assert all("FP8 2.000 ms vs high precision 1.000 ms" in s.amendments[0].why for s in amended)
-
-
-def test_shared_code_is_not_used_for_another_graph(monkeypatch, inductor_compiles, caplog):
-    """Code kept for a graph that loka's pass no longer makes (its digest differs) is not loaded:
-    the variant is compiled afresh, with the same numerics."""
-    from loka_compile import graph_cache
-
-    monkeypatch.setattr(graph_speed, "captures", lambda mode, device: True)
-    _timer(monkeypatch, fp8_ms=1.0, hp_ms=2.0)
-    put = graph_cache.SharedCode.put
-    monkeypatch.setattr(graph_cache.SharedCode, "put", lambda self, key, compiled, digest, variant, kind:
-                        put(self, key, compiled, "another graph", variant, kind))
-    options = {**FAST, "mode": "reduce-overhead"}
-    with caplog.at_level("INFO", logger="loka"):
-        _, got = _train(_mlp(), {**options, "graph_speed_check": "always"})
-    assert inductor_compiles == {"forward": 3, "backward": 3}
-    assert "not used (loka's passes make another graph now); compiled again" in caplog.text
-    _, want = _train(_mlp(), options)
-    _assert_same(got, want)
-
-
 def test_a_graph_that_writes_an_input_that_takes_a_gradient_is_not_timed(monkeypatch):
     calls = _timer(monkeypatch, fp8_ms=2.0, hp_ms=1.0)
     weight = torch.randn(32, 64, requires_grad=True)

@@ -14,8 +14,6 @@ from loka_compile import kernel_builds
 from loka_compile.kernels import triton_gemm as tg
 from loka_compile.passes import Phase
 
-pytestmark = pytest.mark.interpreted_kernels  # the builds ahead skip the interpreter, and it is on here
-
 E4M3 = torch.float8_e4m3fn
 
 
